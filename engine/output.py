@@ -1,0 +1,76 @@
+"""Per-request output state: streaming detokenization and stop-string matching.
+
+Runs on the engine's output thread, never on the MLX thread: the MLX thread hands over raw
+token IDs once per step and this turns them into text deltas for every row at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxd.protocol.messages import Delta
+
+
+def stop_hold_length(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` could still begin a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    detokenizer: Any
+    stops: list[str]
+    eos_ids: frozenset[int]
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finished: bool = False
+    _pending: str = ""  # text held back because it may begin a stop string
+    _seen: int = 0  # characters of detokenizer.text already consumed
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, token: int, finish_reason: str | None) -> Delta | None:
+        """Feed one generated token; return the delta to send (None if nothing to say)."""
+        if self.finished:
+            return None
+        is_eos = finish_reason == "stop" and token in self.eos_ids
+        new_ids: list[int] = []
+        if not is_eos:
+            self.detokenizer.add_token(token)
+            self.completion_tokens += 1
+            new_ids.append(token)
+            self.token_ids.append(token)
+        if finish_reason is not None:
+            self.detokenizer.finalize()
+        full = self.detokenizer.text
+        self._pending += full[self._seen:]
+        self._seen = len(full)
+
+        text = self._pending
+        if self.stops:
+            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.finished = True
+                self._pending = ""
+                return self._delta(text[:cut], new_ids, "stop")
+        if finish_reason is not None:
+            self.finished = True
+            self._pending = ""
+            return self._delta(text, new_ids, finish_reason)
+        hold = stop_hold_length(text, self.stops) if self.stops else 0
+        emit = text[: len(text) - hold]
+        self._pending = text[len(text) - hold:]
+        if not emit and not new_ids:
+            return None
+        return self._delta(emit, new_ids, None)
+
+    def _delta(self, text: str, ids: list[int], finish: str | None) -> Delta:
+        return Delta(request_id=self.request_id, text=text, token_ids=ids, finish_reason=finish,
+                     prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)

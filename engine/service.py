@@ -1,0 +1,322 @@
+"""Engine glue: the MLX thread (the caller's), an I/O thread that owns the request and control
+sockets, and an output thread that detokenizes and sends one message per step.
+
+Used by the engine process (`python -m mlxd.engine`) and, without --isolate, on a thread of the
+serving process over inproc:// endpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from mlxd.engine.output import RequestOutput
+from mlxd.engine.runner import AbortRequest, AddRequest, RequestsRemoved, Runner, StepTokens, StopRunner
+from mlxd.protocol import codec, exit_codes
+from mlxd.protocol.addresses import Endpoints, engine_identity
+from mlxd.protocol.messages import (Abort, ChildFailed, Delta, EngineStatus, Generate, Heartbeat,
+                                    Hello, Ready, Shutdown, StepOutput)
+from mlxd.protocol.models import model_id, model_names
+
+log = logging.getLogger("mlxd.engine")
+
+STATUS_INTERVAL = 0.5
+
+
+@dataclass
+class EngineSettings:
+    engine_id: str
+    epoch: int
+    model: str
+    cache_dir: Path
+    batch_size: int = 8
+    prefill_step: int = 512
+    dtype: str = "auto"
+
+
+class _StatusTick:
+    pass
+
+
+class ClientError(Exception):
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineService:
+    def __init__(self, settings: EngineSettings, endpoints: Endpoints, ctx: zmq.Context,
+                 supervised: bool,
+                 on_state: Callable[[str, str | None], None] | None = None) -> None:
+        self.s = settings
+        self.eps = endpoints
+        self.ctx = ctx
+        self.supervised = supervised
+        self.on_state = on_state
+        self.state = "loading"
+        self.error: str | None = None
+        self.stop_event = threading.Event()
+        self.runner: Runner | None = None
+        self.tokenizer: Any = None
+        self.context_length = 0
+        self.eos_ids: frozenset[int] = frozenset()
+        self.outq: "queue.Queue[Any]" = queue.Queue()
+        self.outputs: dict[str, RequestOutput] = {}
+        self.pending: list[Any] = []  # runner commands that arrive while the model loads
+        self.identity = engine_identity(settings.engine_id, settings.epoch)
+        self._parent = os.getppid()
+        self._threads: list[threading.Thread] = []
+        self._ctl_out: "queue.Queue[Any]" = queue.Queue()  # control messages for the I/O thread
+
+    # ------------------------------------------------------------------ MLX thread
+
+    def run(self) -> int:
+        """Load the model and run the MLX loop on the calling thread; return an exit code."""
+        for target, name in ((self._io_loop, "engine-io"), (self._output_loop, "engine-out")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        try:
+            code = self._load_and_serve()
+        finally:
+            self.stop_event.set()
+            self.outq.put(_StatusTick())
+            for t in self._threads:
+                t.join(timeout=5)
+        return code
+
+    def _load_and_serve(self) -> int:
+        import mlx.core as mx
+        from mlxd.engine.model_loader import ModelLoadError, context_length, load_model
+        t0 = time.monotonic()
+        try:
+            model, tokenizer, config = load_model(self.s.model, self.s.cache_dir, self.s.dtype)
+        except ModelLoadError as e:
+            log.error("model failed to load: %s", e)
+            self._set_state("failed", str(e))
+            self._send_control(ChildFailed(self.s.engine_id, self.s.epoch, str(e)))
+            time.sleep(0.2)  # let the I/O threads deliver the failure before the process exits
+            return exit_codes.CONFIG_ERROR
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.context_length = context_length(config, tokenizer)
+        stream = mx.new_stream(mx.default_device())
+        self.runner = Runner(model, sorted(self.eos_ids), batch_size=self.s.batch_size,
+                             prefill_step=self.s.prefill_step, outbox=self.outq, stream=stream)
+        log.info("model %s loaded in %.1f s (context %d)", model_id(self.s.model),
+                 time.monotonic() - t0, self.context_length)
+        self._set_state("ready")
+        self._send_control(Ready(self.s.engine_id, self.s.epoch))
+        if self.stop_event.is_set():
+            return exit_codes.OK
+        self.runner.run()
+        return exit_codes.OK
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.runner is not None:
+            self.runner.inbox.put(StopRunner())
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _io_loop(self) -> None:
+        req_codec = codec.to_engine()
+        ctl_codec = codec.to_child()
+        sup_codec = codec.to_supervisor()
+        req = self.ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.IDENTITY, self.identity)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(self.eps.requests)
+        poller = zmq.Poller()
+        poller.register(req, zmq.POLLIN)
+        ctl = None
+        if self.supervised:
+            ctl = self.ctx.socket(zmq.DEALER)
+            ctl.setsockopt(zmq.IDENTITY, f"engine:{self.s.engine_id}:{self.s.epoch}".encode())
+            ctl.setsockopt(zmq.LINGER, 1000)
+            ctl.connect(self.eps.control)
+            ctl.send(sup_codec.encode(Hello("engine", self.s.engine_id, self.s.epoch, os.getpid())))
+            poller.register(ctl, zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while not self.stop_event.is_set():
+                events = dict(poller.poll(100))
+                if req in events:
+                    for _ in range(256):
+                        try:
+                            data = req.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_request(req_codec, data)
+                if ctl is not None:
+                    if ctl in events:
+                        msg = ctl_codec.decode(ctl.recv())
+                        if isinstance(msg, Shutdown):
+                            log.info("shutdown requested: %s", msg.reason)
+                            self.stop()
+                    while True:
+                        try:
+                            ctl.send(sup_codec.encode(self._ctl_out.get_nowait()))
+                        except queue.Empty:
+                            break
+                    now = time.monotonic()
+                    if now >= next_beat:
+                        next_beat = now + STATUS_INTERVAL
+                        c = self.runner.counters if self.runner else None
+                        ctl.send(sup_codec.encode(Heartbeat(
+                            self.s.engine_id, self.s.epoch, c.steps if c else 0,
+                            bool(c and c.busy))))
+                        if os.getppid() != self._parent:
+                            log.error("supervisor is gone; exiting")
+                            os._exit(exit_codes.PARENT_GONE)
+        finally:
+            req.close()
+            if ctl is not None:
+                ctl.close()
+
+    def _send_control(self, msg: Any) -> None:
+        self._ctl_out.put(msg)
+
+    def _on_request(self, req_codec: Any, data: bytes) -> None:
+        try:
+            msg = req_codec.decode(data)
+        except msgspec.DecodeError as e:
+            log.warning("dropped an undecodable request: %s", e)
+            return
+        if isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                self._to_runner(AbortRequest(rid))
+            return
+        if isinstance(msg, Generate):
+            try:
+                self._admit(msg)
+            except ClientError as e:
+                self.outq.put(Delta(msg.request_id, finish_reason="error", error=str(e),
+                                    error_code=e.code))
+            except Exception as e:  # noqa: BLE001 - a bad request must never hurt the engine
+                log.exception("request %s could not be prepared", msg.request_id)
+                self.outq.put(Delta(msg.request_id, finish_reason="error",
+                                    error=f"invalid request: {e}", error_code="invalid_request"))
+
+    def _admit(self, msg: Generate) -> None:
+        from mlxd.engine.sampling import make_request_processors, make_request_sampler
+        if self.tokenizer is None:
+            raise ClientError("the model is still loading", "engine_loading")
+        tok = self.tokenizer
+        if msg.prompt_token_ids is not None:
+            prompt = list(msg.prompt_token_ids)
+        elif msg.messages is not None:
+            try:
+                prompt = list(tok.apply_chat_template(
+                    msg.messages, add_generation_prompt=msg.add_generation_prompt, tokenize=True))
+            except Exception as e:  # noqa: BLE001 - template errors are the client's messages
+                raise ClientError(f"the chat template rejected the messages: {e}",
+                                  "invalid_messages") from e
+        else:
+            prompt = list(tok.encode(msg.prompt or ""))
+        if not prompt:
+            raise ClientError("the prompt is empty", "empty_prompt")
+        vocab = len(tok)
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ClientError("a prompt token id is outside the vocabulary", "invalid_token")
+        room = self.context_length - len(prompt)
+        if room < 1:
+            raise ClientError(
+                f"the prompt is {len(prompt)} tokens, but this model's context is "
+                f"{self.context_length} tokens", "context_length_exceeded")
+        p = msg.sampling
+        max_tokens = max(1, min(p.max_tokens, room))
+        self.outputs[msg.request_id] = RequestOutput(
+            msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids, len(prompt))
+        # Admission notice first: the proxy may now start its response (errors came before).
+        self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
+        self._to_runner(AddRequest(msg.request_id, prompt, max_tokens, make_request_sampler(p),
+                                   make_request_processors(p)))
+
+    def _to_runner(self, cmd: Any) -> None:
+        assert self.runner is not None
+        self.runner.inbox.put(cmd)
+
+    # ------------------------------------------------------------------ output thread
+
+    def _set_state(self, state: str, error: str | None = None) -> None:
+        self.state = state
+        self.error = error
+        self.outq.put(_StatusTick())
+        if self.on_state is not None:
+            self.on_state(state, error)
+
+    def _status(self) -> EngineStatus:
+        c = self.runner.counters if self.runner else None
+        return EngineStatus(
+            engine_id=self.s.engine_id, epoch=self.s.epoch, pid=os.getpid(),
+            model_id=model_id(self.s.model), model_names=model_names(self.s.model),
+            state=self.state, active=c.active if c else 0, peak_batch=c.peak_batch if c else 0,
+            steps=c.steps if c else 0, context_length=self.context_length, error=self.error,
+            prompt_tokens_total=c.prompt_tokens if c else 0,
+            generated_tokens_total=c.generated_tokens if c else 0)
+
+    def _output_loop(self) -> None:
+        out_codec = codec.from_engine()
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(self.eps.outputs)
+        next_status = 0.0
+        try:
+            while True:
+                try:
+                    item = self.outq.get(timeout=STATUS_INTERVAL)
+                except queue.Empty:
+                    item = None
+                deltas: list[Delta] = []
+                while item is not None:
+                    self._collect(item, deltas)
+                    try:
+                        item = self.outq.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if deltas:
+                    push.send(out_codec.encode(StepOutput(self.s.engine_id, self.s.epoch, deltas)))
+                now = time.monotonic()
+                if now >= next_status or self.stop_event.is_set():
+                    next_status = now + STATUS_INTERVAL
+                    push.send(out_codec.encode(self._status()))
+                if self.stop_event.is_set() and self.outq.empty():
+                    return
+        finally:
+            push.close()
+
+    def _collect(self, item: Any, deltas: list[Delta]) -> None:
+        if isinstance(item, StepTokens):
+            for rid, token, finish in item.rows:
+                out = self.outputs.get(rid)
+                if out is None:
+                    continue
+                delta = out.add(token, finish)
+                if delta is None:
+                    continue
+                deltas.append(delta)
+                if delta.finish_reason is not None:
+                    del self.outputs[rid]
+                    if finish is None:  # a stop string ended it: free the row
+                        self.runner.inbox.put(AbortRequest(rid))
+        elif isinstance(item, RequestsRemoved):
+            for rid in item.request_ids:
+                out = self.outputs.pop(rid, None)
+                if out is not None:
+                    deltas.append(Delta(rid, finish_reason="error" if item.error else "abort",
+                                        prompt_tokens=out.prompt_tokens,
+                                        completion_tokens=out.completion_tokens,
+                                        error=item.error,
+                                        error_code="engine_error" if item.error else None))
+        elif isinstance(item, Delta):
+            deltas.append(item)

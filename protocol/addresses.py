@@ -1,0 +1,48 @@
+"""Endpoint names. Everything lives in one private run directory (mode 0700); AF_UNIX paths
+are limited to 104 bytes on macOS, so the run dir must be short."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_UNIX_PATH = 103  # macOS sun_path is 104 bytes including the NUL
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    control: str
+    requests: str
+    outputs: str
+
+    @classmethod
+    def ipc(cls, run_dir: Path) -> "Endpoints":
+        eps = cls(
+            control=f"ipc://{run_dir}/ctl.sock",
+            requests=f"ipc://{run_dir}/req.sock",
+            outputs=f"ipc://{run_dir}/out.sock",
+        )
+        for ep in (eps.control, eps.requests, eps.outputs):
+            if len(ep) - len("ipc://") > MAX_UNIX_PATH:
+                raise ValueError(f"run dir {run_dir} is too long for a Unix socket path")
+        return eps
+
+    @classmethod
+    def inproc(cls, tag: str) -> "Endpoints":
+        return cls(control=f"inproc://{tag}-ctl", requests=f"inproc://{tag}-req",
+                   outputs=f"inproc://{tag}-out")
+
+    def socket_files(self) -> list[Path]:
+        return [Path(ep[len("ipc://"):]) for ep in (self.control, self.requests, self.outputs)
+                if ep.startswith("ipc://")]
+
+
+def engine_identity(engine_id: str, epoch: int) -> bytes:
+    return f"engine:{engine_id}:{epoch}".encode()
+
+
+def ensure_private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path

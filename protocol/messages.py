@@ -1,0 +1,124 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+One tagged union per channel direction; every member is `array_like=True` (msgspec refuses
+mixed unions) and fields are only ever appended, with defaults. Messages that can outlive a
+process carry the sender's epoch so that stale ones are dropped.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, tag=True, omit_defaults=False):
+    pass
+
+
+# ---------------------------------------------------------------- proxy -> engine (requests)
+
+class SamplingParams(msgspec.Struct, array_like=True):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    max_tokens: int = 512
+    stop: list[str] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class Generate(_Msg, tag="gen"):
+    """Start a request. Exactly one of `messages` (chat) or `prompt` (completion) is used."""
+    request_id: str
+    sampling: SamplingParams
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+
+
+class Abort(_Msg, tag="abort"):
+    request_ids: list[str]
+
+
+ToEngine = Generate | Abort
+
+
+# ---------------------------------------------------------------- engine -> proxy (outputs)
+
+class Delta(msgspec.Struct, array_like=True):
+    """One request's progress in one engine step."""
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None  # e.g. "context_length_exceeded" (a client error)
+
+
+class StepOutput(_Msg, tag="step"):
+    engine_id: str
+    epoch: int
+    deltas: list[Delta]
+
+
+class EngineStatus(_Msg, tag="status"):
+    """Sent by an engine when its state changes and periodically, so that a (re)started proxy
+    learns every engine without asking."""
+    engine_id: str
+    epoch: int
+    pid: int
+    model_id: str
+    model_names: list[str]
+    state: str  # "loading" | "ready" | "failed" | "stopping"
+    active: int = 0
+    peak_batch: int = 0
+    steps: int = 0
+    context_length: int = 0
+    error: str | None = None
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+
+
+FromEngine = StepOutput | EngineStatus
+
+
+# ---------------------------------------------------------------- control (supervisor <-> child)
+
+class Hello(_Msg, tag="hello"):
+    role: str
+    child_id: str
+    epoch: int
+    pid: int
+
+
+class Ready(_Msg, tag="ready"):
+    child_id: str
+    epoch: int
+    detail: str = ""  # what a user should know: where the proxy listens, which model loaded
+
+
+class Heartbeat(_Msg, tag="hb"):
+    child_id: str
+    epoch: int
+    progress: int = 0
+    busy: bool = False
+
+
+class ChildFailed(_Msg, tag="failed"):
+    """A child that cannot work (bad model, bad config) says why before it exits."""
+    child_id: str
+    epoch: int
+    reason: str
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    reason: str = ""
+
+
+ToSupervisor = Hello | Ready | Heartbeat | ChildFailed
+ToChild = Shutdown

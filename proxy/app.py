@@ -1,0 +1,96 @@
+"""The aiohttp application and its listeners (loopback TCP and a Unix socket)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from mlxd.proxy import openai_routes
+from mlxd.proxy.engine_client import EngineClient
+from mlxd.proxy.errors import error_middleware
+from mlxd.proxy.openai_schema import Defaults
+
+
+@dataclass
+class ListenSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    socket_path: Path | None = None
+    max_body: int = 16 * 1024 * 1024
+
+
+def make_app(client: EngineClient, defaults: Defaults, load_wait: float,
+             max_body: int) -> web.Application:
+    app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
+    app["client"] = client
+    app["defaults"] = defaults
+    app["load_wait"] = load_wait
+    app["max_body"] = max_body
+    app["started"] = int(time.time())
+    openai_routes.add_routes(app)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+async def health(request: web.Request) -> web.Response:
+    client: EngineClient = request.app["client"]
+    states = {rec.model_id: rec.state for rec in client.engines.values()}
+    ok = client.all_ready()
+    return web.json_response({"status": "ok" if ok else "loading", "models": states},
+                             status=200 if ok else 503)
+
+
+async def stats(request: web.Request) -> web.Response:
+    client: EngineClient = request.app["client"]
+    engines = []
+    for rec in client.engines.values():
+        st = rec.status
+        engines.append({
+            "engine_id": rec.engine_id, "model": rec.model_id, "names": rec.names,
+            "state": rec.state, "epoch": rec.epoch, "pid": st.pid if st else None,
+            "active_requests": st.active if st else 0, "peak_batch": st.peak_batch if st else 0,
+            "steps": st.steps if st else 0, "context_length": st.context_length if st else 0,
+            "prompt_tokens_total": st.prompt_tokens_total if st else 0,
+            "generated_tokens_total": st.generated_tokens_total if st else 0,
+            "error": st.error if st else None,
+            "last_status_age_s": round(time.monotonic() - rec.last_seen, 3) if st else None})
+    return web.json_response({"proxy": {"pid": os.getpid(), "in_flight": len(client.streams),
+                                        "uptime_s": int(time.time()) - request.app["started"]},
+                              "engines": engines})
+
+
+async def start_listeners(app: web.Application, listen: ListenSettings) -> tuple[web.AppRunner, str]:
+    """Start TCP (and the Unix socket, mode 0600); return the runner and a description."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    tcp = web.TCPSite(runner, listen.host, listen.port)
+    await tcp.start()
+    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))  # real port if 0 asked
+    where = [f"http://{listen.host}:{port}"]
+    if listen.socket_path is not None:
+        path = listen.socket_path
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        old = os.umask(0o177)
+        try:
+            await web.UnixSite(runner, str(path)).start()
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        where.append(f"unix:{path}")
+    app["listening"] = {"port": port, "host": listen.host,
+                        "socket": str(listen.socket_path) if listen.socket_path else None}
+    return runner, " ".join(where)
+
+
+def write_listen_file(run_dir: Path, app: web.Application) -> None:
+    """Where clients (and `mlxd` client commands) find the running daemon."""
+    tmp = run_dir / "listen.json.tmp"
+    tmp.write_text(json.dumps({**app["listening"], "pid": os.getpid()}))
+    os.replace(tmp, run_dir / "listen.json")

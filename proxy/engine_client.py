@@ -1,0 +1,186 @@
+"""The proxy's side of the engine channel: a ROUTER for requests, a PULL for outputs.
+
+Keeps a record per engine (learned from the engines' own periodic status, so a respawned proxy
+finds running engines without asking) and per in-flight request (its queue of deltas and what
+has been delivered, which is what a later transparent resume needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from mlxd.protocol import codec
+from mlxd.protocol.addresses import Endpoints, engine_identity
+from mlxd.protocol.messages import Abort, Delta, EngineStatus, Generate, StepOutput
+from mlxd.protocol.models import model_id, model_names
+
+log = logging.getLogger("mlxd.proxy")
+
+STALE_AFTER = 5.0  # seconds without a status from a ready engine before it counts as gone
+
+
+@dataclass
+class EngineRecord:
+    engine_id: str
+    spec: str
+    names: list[str]
+    model_id: str
+    epoch: int = -1
+    status: EngineStatus | None = None
+    last_seen: float = 0.0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state(self) -> str:
+        if self.status is None:
+            return "starting"
+        if self.status.state == "ready" and time.monotonic() - self.last_seen > STALE_AFTER:
+            return "unresponsive"
+        return self.status.state
+
+    @property
+    def identity(self) -> bytes:
+        return engine_identity(self.engine_id, self.epoch)
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    engine: EngineRecord
+    epoch: int
+    queue: "asyncio.Queue[Delta]" = field(default_factory=asyncio.Queue)
+    delivered_token_ids: list[int] = field(default_factory=list)
+    delivered_text: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+class EngineGone(Exception):
+    pass
+
+
+class EngineClient:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoints: Endpoints,
+                 models: dict[str, str]) -> None:
+        """`models` maps engine id -> model spec for every configured model."""
+        self._ctx = ctx
+        self._eps = endpoints
+        self.engines: dict[str, EngineRecord] = {
+            eid: EngineRecord(eid, spec, model_names(spec), model_id(spec))
+            for eid, spec in models.items()}
+        self.streams: dict[str, RequestStream] = {}
+        self._router: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._enc = codec.to_engine()
+        self._dec = codec.from_engine()
+
+    async def start(self) -> None:
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(self._eps.requests)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self._eps.outputs)
+        self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+        for s in (self._router, self._pull):
+            if s is not None:
+                s.close()
+
+    # ---------------------------------------------------------------- routing
+
+    def find(self, name: str | None) -> EngineRecord | None:
+        if not name:
+            return next(iter(self.engines.values()), None)
+        for rec in self.engines.values():
+            if name in rec.names:
+                return rec
+        return None
+
+    def all_ready(self) -> bool:
+        return bool(self.engines) and all(r.state == "ready" for r in self.engines.values())
+
+    async def submit(self, engine: EngineRecord, msg: Generate) -> RequestStream:
+        stream = RequestStream(msg.request_id, engine, engine.epoch)
+        self.streams[msg.request_id] = stream
+        try:
+            await self._router.send_multipart([engine.identity, self._enc.encode(msg)])
+        except zmq.ZMQError as e:
+            del self.streams[msg.request_id]
+            raise EngineGone(f"engine {engine.engine_id} is not reachable: {e}") from e
+        return stream
+
+    async def abort(self, stream: RequestStream) -> None:
+        self.streams.pop(stream.request_id, None)
+        if stream.finished:
+            return
+        stream.finished = True
+        try:
+            await self._router.send_multipart(
+                [stream.engine.identity, self._enc.encode(Abort([stream.request_id]))])
+        except zmq.ZMQError:
+            pass  # the engine is gone; nothing runs to abort
+
+    def alive(self, stream: RequestStream) -> bool:
+        rec = stream.engine
+        return rec.epoch == stream.epoch and rec.state not in ("unresponsive", "failed")
+
+    # ---------------------------------------------------------------- outputs
+
+    async def _read_outputs(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = self._dec.decode(data)
+            except Exception:  # noqa: BLE001
+                log.warning("dropped an undecodable engine message")
+                continue
+            if isinstance(msg, StepOutput):
+                for d in msg.deltas:
+                    stream = self.streams.get(d.request_id)
+                    if stream is None or stream.epoch != msg.epoch:
+                        continue
+                    if d.finish_reason is not None:
+                        stream.finished = True
+                        del self.streams[d.request_id]
+                    stream.queue.put_nowait(d)
+            elif isinstance(msg, EngineStatus):
+                self._on_status(msg)
+
+    def _on_status(self, st: EngineStatus) -> None:
+        rec = self.engines.get(st.engine_id)
+        if rec is None:
+            rec = EngineRecord(st.engine_id, st.model_names[-1] if st.model_names else "",
+                               st.model_names, st.model_id)
+            self.engines[st.engine_id] = rec
+        if st.epoch < rec.epoch:
+            return  # a stale message from an engine's earlier life
+        rec.epoch = st.epoch
+        rec.status = st
+        rec.last_seen = time.monotonic()
+        if st.state in ("ready", "failed"):
+            rec.ready.set()
+        else:
+            rec.ready.clear()
+
+    async def wait_ready(self, rec: EngineRecord, timeout: float) -> bool:
+        """Wait until the engine is ready or failed; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(rec.ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True

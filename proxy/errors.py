@@ -1,0 +1,59 @@
+"""OpenAI's error envelope, and the exceptions handlers raise to produce it."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return web.Response(status=self.status, text=json.dumps(self.body()),
+                            content_type="application/json", headers=headers)
+
+
+def bad_request(message: str, code: str | None = None, param: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def unavailable(message: str, code: str, retry_after: int = 2) -> APIError:
+    return APIError(503, message, type="server_error", code=code, retry_after=retry_after)
+
+
+_STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 405: "invalid_request_error", 413: "invalid_request_error",
+                 429: "rate_limit_error"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = {413: f"request body is too large (limit {request.app['max_body']} bytes)",
+                   404: f"no route for {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}"}.get(
+            e.status, e.reason)
+        return APIError(e.status, message, type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
+                        code=None).response()

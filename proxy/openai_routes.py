@@ -1,0 +1,126 @@
+"""OpenAI-compatible routes: chat completions, completions, models."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from mlxd.protocol.messages import Generate
+from mlxd.proxy.errors import APIError
+from mlxd.proxy.generation import Generation, new_request_id, resolve_engine
+from mlxd.proxy.openai_schema import (ChatRequest, CompletionRequest, chat_messages,
+                                      completion_prompt, decode_body, sampling_params)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _start(request: web.Request, req: Any, max_tokens: int | None, prefix: str,
+                 **fields: Any) -> tuple[Generation, str]:
+    app = request.app
+    engine = await resolve_engine(app["client"], req.model, app["load_wait"])
+    context = engine.status.context_length if engine.status else 0
+    params = sampling_params(req, app["defaults"], max_tokens, context)
+    rid = new_request_id(prefix)
+    gen = Generation(app["client"], engine, Generate(request_id=rid, sampling=params, **fields))
+    await gen.start()
+    return gen, rid
+
+
+async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, stream: bool,
+                   include_usage: bool, make_choice: Any) -> web.StreamResponse:
+    created = int(time.time())
+    model = gen.engine.model_id
+    try:
+        if not stream:
+            parts: list[str] = []
+            finish = None
+            async for d in gen.deltas():
+                parts.append(d.text)
+                finish = d.finish_reason
+            return web.json_response({
+                "id": rid, "object": obj, "created": created, "model": model,
+                "system_fingerprint": None,
+                "choices": [make_choice("".join(parts), finish, final=True)],
+                "usage": gen.usage()})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        base = {"id": rid, "object": obj + ".chunk" if obj == "chat.completion" else obj,
+                "created": created, "model": model, "system_fingerprint": None}
+        first = make_choice(None, None, final=False, first=True)
+        if first is not None:
+            await resp.write(_sse({**base, "choices": [first]}))
+        try:
+            async for d in gen.deltas():
+                if d.text:
+                    await resp.write(_sse({**base, "choices": [make_choice(d.text, None, final=False)]}))
+                if d.finish_reason is not None:
+                    await resp.write(_sse({**base, "choices": [make_choice("", d.finish_reason,
+                                                                           final=False, last=True)]}))
+            if include_usage:
+                await resp.write(_sse({**base, "choices": [], "usage": gen.usage()}))
+            await resp.write(b"data: [DONE]\n\n")
+        except APIError as e:  # after streaming started: one in-band error event, then close
+            await resp.write(_sse(e.body()))
+        await resp.write_eof()
+        return resp
+    finally:
+        await gen.close()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
+    messages = chat_messages(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    gen, rid = await _start(request, req, max_tokens, "chatcmpl", messages=messages)
+
+    def choice(text: str | None, finish: str | None, final: bool, first: bool = False,
+               last: bool = False) -> dict:
+        if final:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish}
+        if first:
+            delta: dict = {"role": "assistant", "content": ""}
+        elif last:
+            delta = {}
+        else:
+            delta = {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    return await _respond(request, gen, rid, "chat.completion", req.stream,
+                          bool(req.stream_options and req.stream_options.include_usage), choice)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    req: CompletionRequest = decode_body(await request.read(), CompletionRequest)  # type: ignore[assignment]
+    prompt, token_ids = completion_prompt(req)
+    gen, rid = await _start(request, req, req.max_tokens, "cmpl", prompt=prompt,
+                            prompt_token_ids=token_ids)
+
+    def choice(text: str | None, finish: str | None, final: bool, first: bool = False,
+               last: bool = False) -> dict | None:
+        if first:
+            return None
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    return await _respond(request, gen, rid, "text_completion", req.stream,
+                          bool(req.stream_options and req.stream_options.include_usage), choice)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    client = request.app["client"]
+    data = [{"id": rec.model_id, "object": "model", "created": request.app["started"],
+             "owned_by": "mlxd", "state": rec.state, "aliases": rec.names}
+            for rec in client.engines.values()]
+    return web.json_response({"object": "list", "data": data})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)

@@ -1,0 +1,170 @@
+"""OpenAI request bodies as msgspec Structs, and their translation into an engine request."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import msgspec
+
+from mlxd.protocol.messages import SamplingParams
+from mlxd.proxy.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 16
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str | int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+@dataclass
+class Defaults:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 512
+
+
+def decode_body(body: bytes, kind: type) -> object:
+    if not body.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}") from e
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    if not req.messages:
+        raise bad_request("`messages` must hold at least one message", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "user", "assistant", "developer", "tool"):
+            raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, user, "
+                              "assistant, developer, tool", param=f"messages[{i}].role")
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}] has a {part.type!r} content part; only "
+                                      "text parts are supported", param=f"messages[{i}].content")
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content})
+    if all(not m["content"] for m in out):
+        raise bad_request("every message is empty: the prompt is empty", param="messages")
+    return out
+
+
+def sampling_params(req: _Sampling, defaults: Defaults, max_tokens: int | None,
+                    context_length: int) -> SamplingParams:
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    temperature = defaults.temperature if req.temperature is None else req.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request("`temperature` must be between 0 and 2", param="temperature")
+    top_p = defaults.top_p if req.top_p is None else req.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request("`top_p` must be in (0, 1]", param="top_p")
+    top_k = defaults.top_k if req.top_k is None else req.top_k
+    if top_k < 0:
+        raise bad_request("`top_k` must be >= 0", param="top_k")
+    min_p = req.min_p or 0.0
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request("`min_p` must be in [0, 1]", param="min_p")
+    rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    if not 0.0 < rep <= 10.0:
+        raise bad_request("`repetition_penalty` must be in (0, 10]", param="repetition_penalty")
+    if max_tokens is None:
+        max_tokens = defaults.max_tokens
+    elif max_tokens < 1:
+        raise bad_request(f"`max_tokens` must be at least 1, got {max_tokens}", param="max_tokens")
+    elif context_length and max_tokens > context_length:
+        raise bad_request(f"`max_tokens` is {max_tokens}, more than this model's context of "
+                          f"{context_length} tokens", param="max_tokens")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise bad_request(f"`stop` takes at most {MAX_STOP_STRINGS} non-empty strings",
+                          param="stop")
+    presence = req.presence_penalty or 0.0
+    frequency = req.frequency_penalty or 0.0
+    if not (-2.0 <= presence <= 2.0 and -2.0 <= frequency <= 2.0):
+        raise bad_request("`presence_penalty` and `frequency_penalty` must be in [-2, 2]")
+    seed = req.seed if req.seed is not None else random.getrandbits(63)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repetition_penalty=rep, seed=seed & ((1 << 63) - 1),
+                          max_tokens=max_tokens, stop=stops, presence_penalty=presence,
+                          frequency_penalty=frequency)
+
+
+def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    if req.echo:
+        raise bad_request("`echo` is not supported", param="echo")
+    if req.best_of not in (None, 1):
+        raise bad_request("`best_of` is not supported", param="best_of")
+    if req.suffix:
+        raise bad_request("`suffix` is not supported", param="suffix")
+    p = req.prompt
+    if isinstance(p, str):
+        if not p:
+            raise bad_request("`prompt` is empty", param="prompt")
+        return p, None
+    if not p:
+        raise bad_request("`prompt` is empty", param="prompt")
+    if all(isinstance(x, int) for x in p):
+        return None, list(p)  # type: ignore[arg-type]
+    if len(p) != 1 or not isinstance(p[0], str):
+        raise bad_request("only one prompt per request is supported", param="prompt")
+    if not p[0]:
+        raise bad_request("`prompt` is empty", param="prompt")
+    return str(p[0]), None
+
+
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "Defaults", "chat_messages",
+           "completion_prompt", "decode_body", "sampling_params"]
