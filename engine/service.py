@@ -287,7 +287,8 @@ class EngineService:
                 if deltas:
                     push.send(out_codec.encode(StepOutput(self.s.engine_id, self.s.epoch, deltas)))
                 now = time.monotonic()
-                if now >= next_status or self.stop_event.is_set():
+                finished = any(d.finish_reason is not None for d in deltas)
+                if now >= next_status or finished or self.stop_event.is_set():
                     next_status = now + STATUS_INTERVAL
                     push.send(out_codec.encode(self._status()))
                 if self.stop_event.is_set() and self.outq.empty():

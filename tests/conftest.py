@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import Daemon
+from mlxd.engine.random_model import write_random_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("models") / "tiny-llama", context=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", seed=1)
+
+
+def start_daemon(model, *extra, isolate=False, **kw) -> Daemon:
+    d = Daemon(str(model) if model is not None else None, *extra, isolate=isolate, **kw)
+    try:
+        d.start()
+    except BaseException:
+        d.cleanup()
+        raise
+    return d
+
+
+@pytest.fixture(scope="module", params=["inprocess", "isolate"])
+def daemon(request, tiny_model):
+    d = start_daemon(tiny_model, "--batch", "8", isolate=request.param == "isolate")
+    d.mode = request.param
+    yield d
+    try:
+        code = d.stop()
+        assert code == 0, d.log()
+        d.assert_clean()
+    finally:
+        d.cleanup()

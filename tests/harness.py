@@ -1,0 +1,148 @@
+"""Start a real `mlxd serve` process for a test, and prove it left nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import psutil
+
+
+class Daemon:
+    def __init__(self, model: str | None, *extra: str, isolate: bool = False,
+                 cache_dir: Path | None = None, env: dict | None = None) -> None:
+        # A short run dir: Unix socket paths are limited to ~104 bytes.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+        self._own_cache = cache_dir is None
+        self.cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
+        self.argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--port", "0",
+                     "--run-dir", str(self.run_dir), "--cache-dir", str(self.cache_dir), *extra]
+        if model is not None:
+            self.argv.insert(4, model)
+        if isolate:
+            self.argv.append("--isolate")
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc: subprocess.Popen | None = None
+        self.descendants: dict[int, psutil.Process] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 120.0) -> "Daemon":
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=self.env)
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.wait_for_line("mlxd: listening on", timeout)
+        self.wait_for_line(" ready", timeout)
+        self.listen = json.loads((self.run_dir / "listen.json").read_text())
+        self.port = self.listen["port"]
+        self.socket = self.listen["socket"]
+        self.record_descendants()
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self.lines.append("<EOF>")
+            self._cond.notify_all()
+
+    def wait_for_line(self, text: str, timeout: float = 60.0, start: int = 0) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines[start:]:
+                    if text in line:
+                        return line
+                    if line == "<EOF>":
+                        raise AssertionError(f"daemon exited before {text!r}:\n" + self.log())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {text!r} within {timeout}s:\n" + self.log())
+                self._cond.wait(left)
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-80:])
+
+    def record_descendants(self) -> None:
+        assert self.proc is not None
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            self.descendants[p.pid] = p
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.record_descendants()
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("daemon did not stop in time:\n" + self.log())
+        finally:
+            self._reap()
+        return code
+
+    def _reap(self) -> None:
+        for p in self.descendants.values():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def assert_clean(self) -> None:
+        """No child process, socket or run-dir file left behind."""
+        alive = [p.pid for p in self.descendants.values() if p.is_running()
+                 and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"children outlived the daemon: {alive}"
+        left = [p.name for p in self.run_dir.iterdir()] if self.run_dir.exists() else []
+        assert not left, f"left in the run dir: {left}"
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._reap()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._own_cache:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ clients
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def http(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60), **kw)
+
+    def unix_http(self) -> httpx.Client:
+        return httpx.Client(base_url="http://localhost", timeout=60,
+                            transport=httpx.HTTPTransport(uds=self.socket))
+
+    def stats(self) -> dict:
+        with self.http() as c:
+            return c.get("/stats").json()
+
+    def wait_until(self, predicate, timeout: float = 20.0, what: str = "condition") -> None:
+        """Poll the daemon's own state until `predicate(stats)` holds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self.stats()):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {self.stats()}")
