@@ -75,14 +75,34 @@ def _model_config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[st
         "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
     }
-    scales = weights.get("token_embd.scales")
-    if scales is not None:
-        packed = weights["token_embd.weight"].shape[-1] * 32 // hidden  # bits per weight
-        config["quantization"] = {
-            "group_size": hidden // scales.shape[-1],
-            "bits": packed,
-        }
+    config.update(_quantization(weights))
     return config
+
+
+def _quantization(weights: dict[str, mx.array]) -> dict[str, Any]:
+    """mlx-lm's quantization config: the most common (bits, group size), plus an entry for each
+    module that differs (GGUF files often keep the embedding at more bits)."""
+    per_module: dict[str, tuple[int, int]] = {}
+    for name, w in weights.items():
+        if not name.endswith(".weight") or w.dtype != mx.uint32:
+            continue
+        stem = name[: -len(".weight")]
+        scales = weights[stem + ".scales"]
+        packed_bits = w.shape[-1] * 32
+        group_size = 32  # GGUF's Q4_0, Q4_1 and Q8_0 blocks hold 32 weights
+        in_features = scales.shape[-1] * group_size
+        per_module[_hf_name(name)[: -len(".weight")]] = (packed_bits // in_features, group_size)
+    if not per_module:
+        return {}
+    counts: dict[tuple[int, int], int] = {}
+    for q in per_module.values():
+        counts[q] = counts.get(q, 0) + 1
+    bits, group = max(counts, key=lambda q: counts[q])
+    quant: dict[str, Any] = {"group_size": group, "bits": bits}
+    for module, (b, g) in per_module.items():
+        if (b, g) != (bits, group):
+            quant[module] = {"group_size": g, "bits": b}
+    return {"quantization": quant}
 
 
 def _tokenizer_json(meta: dict[str, Any]) -> dict[str, Any]:

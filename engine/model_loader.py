@@ -15,6 +15,8 @@ from mlxd.protocol.models import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAUL
 
 log = logging.getLogger("mlxd.engine")
 
+CONVERSION_VERSION = "mlx1"  # bump when the converter's output changes: old dirs are not reused
+
 
 class ModelLoadError(Exception):
     """The model cannot be loaded; retrying will not help."""
@@ -37,7 +39,7 @@ def resolve_model_dir(spec: str, cache_dir: Path) -> Path:
     if spec in ("", DEFAULT_MODEL):
         from mlxd.engine.gguf_convert import convert_gguf
         gguf = default_gguf_path()
-        return convert_gguf(gguf, cache_dir / "models" / gguf.stem)
+        return convert_gguf(gguf, cache_dir / "models" / f"{gguf.stem}-{CONVERSION_VERSION}")
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").exists():

