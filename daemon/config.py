@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxd.daemon.paths import default_cache_dir, default_run_dir
-from mlxd.protocol.models import DEFAULT_MODEL
+from mlxd.protocol.models import DEFAULT_MODEL, engine_id_for
 
 
 @dataclass
@@ -31,10 +31,17 @@ class ServeConfig:
     max_body: int = 16 * 1024 * 1024
     shutdown_timeout: float = 10.0
     log_level: str = "info"
+    model_pool: int = 1
+    aliases: dict[str, str] = field(default_factory=dict)
+    hang_timeout: float = 60.0
+    idle_unload: float = 0.0
+    crash_cooldown: float = 300.0
+    pool_wait: float = 60.0
+    pool_queue: int = 32
 
     def engines(self) -> dict[str, str]:
-        """Engine id -> model spec."""
-        return {"m0": self.model}
+        """Engine id -> model spec for the engines started with the daemon."""
+        return {engine_id_for(self.model): self.model}
 
 
 def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
@@ -69,6 +76,22 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds children get to exit on shutdown before SIGKILL")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--model-pool", type=int, default=1,
+                    help="with --isolate: engines kept resident; a request naming another model "
+                         "loads it, evicting the least recently used idle engine")
+    ap.add_argument("--model-alias", action="append", default=[], metavar="NAME=MODEL",
+                    help="a name requests may use for a model dir or repo id (repeatable)")
+    ap.add_argument("--hang-timeout", type=float, default=60.0,
+                    help="with --isolate: seconds a busy engine may make no progress before it "
+                         "is killed (SIGABRT, then SIGKILL) and restarted; 0 disables")
+    ap.add_argument("--idle-unload", type=float, default=0.0,
+                    help="with --isolate: unload an engine idle this many seconds (0: never)")
+    ap.add_argument("--crash-cooldown", type=float, default=300.0,
+                    help="seconds a crash-looping child stays failed before one more try")
+    ap.add_argument("--pool-wait", type=float, default=60.0,
+                    help="seconds a request waits for a busy pool to free an engine, then 503")
+    ap.add_argument("--pool-queue", type=int, default=32,
+                    help="requests that may wait for a busy pool at once (503 beyond)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -80,6 +103,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
               (args.max_tokens >= 1, "--max-tokens must be >= 1"),
               (0 <= args.temp <= 2, "--temp must be in [0, 2]"),
               (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
+    checks += [(args.model_pool >= 1, "--model-pool must be >= 1"),
+               (args.hang_timeout >= 0, "--hang-timeout must be >= 0"),
+               (all("=" in a and a.split("=", 1)[0] and a.split("=", 1)[1]
+                    for a in args.model_alias), "--model-alias takes NAME=MODEL")]
     for ok, message in checks:
         if not ok:
             sys.exit(f"mlxd: {message}")
@@ -95,4 +122,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         batch=args.batch, prefill_step=args.prefill_step, dtype=args.dtype, temp=args.temp,
         top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         load_wait=args.load_wait, max_body=args.max_body,
-        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        model_pool=args.model_pool,
+        aliases=dict(a.split("=", 1) for a in args.model_alias),
+        hang_timeout=args.hang_timeout, idle_unload=args.idle_unload,
+        crash_cooldown=args.crash_cooldown, pool_wait=args.pool_wait,
+        pool_queue=args.pool_queue)

@@ -18,7 +18,7 @@ from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
 from mlxd.proxy.app import ListenSettings
 from mlxd.proxy.openai_schema import Defaults
-from mlxd.proxy.server import run_proxy
+from mlxd.proxy.server import PoolSettings, run_proxy
 
 
 def run_inprocess(cfg: ServeConfig) -> int:
@@ -73,16 +73,21 @@ async def _serve(cfg: ServeConfig) -> int:
             t.start()
             engines.append((service, t))
 
-    proxy = asyncio.create_task(run_proxy(
-        actx, eps, cfg.engines(), Defaults(cfg.temp, cfg.top_p, cfg.top_k, cfg.max_tokens),
-        ListenSettings(cfg.host, cfg.port, cfg.socket, cfg.max_body), cfg.run_dir,
-        cfg.load_wait, stop, on_listening=start_engines))
-    try:
-        await proxy
-    finally:
+    async def stop_engines() -> None:
+        """Engines stop first, while the proxy still reads what they send."""
         for service, _ in engines:
             service.stop()
         for _, t in engines:
             await asyncio.to_thread(t.join, cfg.shutdown_timeout)
+
+    proxy = asyncio.create_task(run_proxy(
+        actx, eps, cfg.engines(), Defaults(cfg.temp, cfg.top_p, cfg.top_k, cfg.max_tokens),
+        ListenSettings(cfg.host, cfg.port, cfg.socket, cfg.max_body), cfg.run_dir,
+        cfg.load_wait, stop, on_listening=start_engines,
+        pool=PoolSettings(batch=cfg.batch, aliases=cfg.aliases), before_close=stop_engines))
+    try:
+        await proxy
+    finally:
+        await stop_engines()
         actx.destroy(linger=0)
     return 0

@@ -1,49 +1,33 @@
 """The supervisor of `mlxd serve --isolate`: the only parent. It spawns the proxy and the
 engines with `python -m`, awaits each child's exit directly, restarts crashed children with
-backoff, and stops them all on SIGINT/SIGTERM. It imports neither MLX nor aiohttp.
+backoff, kills hung engines, and stops everything on SIGINT/SIGTERM. It imports neither MLX
+nor aiohttp. Which engines exist is the proxy's call (it routes and evicts); how they live and
+die is the supervisor's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
+from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.paths import RunDirLock
-from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.daemon.watchdog import HangWatchdog
 from mlxd.protocol import codec, exit_codes
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
-from mlxd.protocol.messages import ChildFailed, Heartbeat, Hello, Ready, Shutdown
+from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, ResetChild,
+                                    Shutdown, StartEngine, StopEngine)
 from mlxd.protocol.models import model_id
 
 log = logging.getLogger("mlxd.supervisor")
-
-
-@dataclass
-class Child:
-    role: str  # "proxy" | "engine"
-    child_id: str
-    argv: list[str]  # without the epoch
-    epoch: int = 0
-    state: str = "starting"  # starting | ready | backoff | failed | stopping
-    proc: asyncio.subprocess.Process | None = None
-    policy: RestartPolicy = field(default_factory=RestartPolicy)
-    reason: str = ""
-    last_heartbeat: float = 0.0
-    restarts: int = 0
-
-    @property
-    def identity(self) -> bytes:
-        return f"{self.role}:{self.child_id}:{self.epoch}".encode()
 
 
 class Supervisor:
@@ -53,29 +37,41 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.stopping = False
         self.stop_event = asyncio.Event()
+        self.watchdog = HangWatchdog(cfg.hang_timeout)
         self._ctx = zmq.asyncio.Context()
         self._ctl: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._enc = codec.to_child()
 
-    def _child_specs(self) -> list[Child]:
+    # ------------------------------------------------------------------ argv
+
+    def _common(self) -> list[str]:
+        return ["--run-dir", str(self.cfg.run_dir), "--log-level", self.cfg.log_level]
+
+    def _proxy_argv(self) -> list[str]:
         c = self.cfg
-        py = [sys.executable, "-m"]
-        common = ["--run-dir", str(c.run_dir), "--log-level", c.log_level]
-        proxy = py + ["mlxd.proxy", *common, "--host", c.host, "--port", str(c.port),
-                      "--temp", str(c.temp), "--top-p", str(c.top_p), "--top-k", str(c.top_k),
-                      "--max-tokens", str(c.max_tokens), "--load-wait", str(c.load_wait),
-                      "--max-body", str(c.max_body)]
+        argv = [sys.executable, "-m", "mlxd.proxy", *self._common(), "--host", c.host,
+                "--port", str(c.port), "--temp", str(c.temp), "--top-p", str(c.top_p),
+                "--top-k", str(c.top_k), "--max-tokens", str(c.max_tokens),
+                "--load-wait", str(c.load_wait), "--max-body", str(c.max_body),
+                "--model-pool", str(c.model_pool), "--idle-unload", str(c.idle_unload),
+                "--pool-wait", str(c.pool_wait), "--pool-queue", str(c.pool_queue),
+                "--batch", str(c.batch)]
         if c.socket is not None:
-            proxy += ["--socket", str(c.socket)]
+            argv += ["--socket", str(c.socket)]
         for eid, spec in c.engines().items():
-            proxy += ["--engine", f"{eid}={spec}"]
-        children = [Child("proxy", "proxy", proxy)]
-        for eid, spec in c.engines().items():
-            children.append(Child("engine", eid, py + [
-                "mlxd.engine", *common, "--engine-id", eid, "--model", spec,
-                "--cache-dir", str(c.cache_dir), "--batch", str(c.batch),
-                "--prefill-step", str(c.prefill_step), "--dtype", c.dtype]))
-        return children
+            argv += ["--engine", f"{eid}={spec}"]
+        for name, spec in c.aliases.items():
+            argv += ["--model-alias", f"{name}={spec}"]
+        return argv
+
+    def _engine_argv(self, engine_id: str, spec: str) -> list[str]:
+        c = self.cfg
+        return [sys.executable, "-m", "mlxd.engine", *self._common(), "--engine-id", engine_id,
+                "--model", spec, "--cache-dir", str(c.cache_dir), "--batch", str(c.batch),
+                "--prefill-step", str(c.prefill_step), "--dtype", c.dtype]
+
+    # ------------------------------------------------------------------ main loop
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -85,60 +81,132 @@ class Supervisor:
         self._ctl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._ctl.setsockopt(zmq.LINGER, 0)
         self._ctl.bind(self.eps.control)
-        reader = asyncio.create_task(self._read_control())
-        for child in self._child_specs():
-            self.children[child.child_id] = child
+        self._spawn_task(self._read_control())
+        self._spawn_task(self._watch_hangs())
+        self.children["proxy"] = Child("proxy", "proxy", "", self._proxy_argv())
+        for eid, spec in self.cfg.engines().items():
+            self.children[eid] = Child("engine", eid, spec, self._engine_argv(eid, spec))
+        for child in list(self.children.values()):
             await self._spawn(child)
         await self.stop_event.wait()
         await self._stop_all()
-        reader.cancel()
+        for t in list(self._tasks):
+            t.cancel()
         self._ctl.close()
         self._ctx.term()
         return 0
+
+    def _spawn_task(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _on_signal(self) -> None:
         if self.stopping:
             log.warning("second signal: killing children now")
             for child in self.children.values():
-                if child.proc and child.proc.returncode is None:
+                if child.alive:
                     child.proc.kill()
             return
         self.stopping = True
         self.stop_event.set()
 
+    # ------------------------------------------------------------------ child lifecycle
+
     async def _spawn(self, child: Child) -> None:
         child.state = "starting"
-        argv = child.argv + ["--epoch", str(child.epoch)]
-        child.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL)
+        child.proc = await asyncio.create_subprocess_exec(
+            *child.argv, "--epoch", str(child.epoch), stdin=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE)
+        child.started_at = time.monotonic()
+        self.watchdog.forget(child.child_id)
         log.info("started %s %s (pid %d, epoch %d)", child.role, child.child_id,
                  child.proc.pid, child.epoch)
-        task = asyncio.create_task(self._watch(child, child.proc))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn_task(self._pump_stderr(child, child.proc))
+        self._spawn_task(self._watch(child, child.proc))
+        self._broadcast()
+
+    async def _pump_stderr(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+        """Children's log lines go to our stderr; the last error line is kept for /stats."""
+        assert proc.stderr is not None
+        while True:
+            raw = await proc.stderr.readline()
+            if not raw:
+                return
+            line = raw.decode(errors="replace").rstrip("\n")
+            sys.stderr.write(line + "\n")
+            if is_error_line(line):
+                child.last_error = line[-300:]
 
     async def _watch(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if self.stopping or child.proc is not proc:
+        if child.proc is not proc:
             return
-        what = f"signal {-code}" if code < 0 else f"code {code}"
+        child.last_exit = describe_exit(code)
+        if self.stopping or child.removed:
+            child.state = "stopped"
+            self._broadcast()
+            if child.removed:
+                self.children.pop(child.child_id, None)
+                self._broadcast()
+            return
         verdict, delay = child.policy.after_exit(code, time.monotonic())
         if verdict == "failed":
             child.state = "failed"
             if code != exit_codes.CONFIG_ERROR:
-                child.reason = f"crashed {child.policy.loop_crashes} times in " \
-                               f"{child.policy.loop_window:.0f} s (last: {what})"
+                child.reason = (f"crashed {child.policy.loop_crashes} times in "
+                                f"{child.policy.loop_window:.0f} s (last: {child.last_exit}); "
+                                f"retried after {self.cfg.crash_cooldown:.0f} s or on reset")
+                self._spawn_task(self._cool_down(child, child.epoch))
             log.error("%s %s exited with %s and is marked failed: %s", child.role,
-                      child.child_id, what, child.reason)
+                      child.child_id, child.last_exit, child.reason)
+            self._broadcast()
             return
         child.state = "backoff"
         log.warning("%s %s exited with %s; restarting in %.1f s", child.role, child.child_id,
-                    what, delay)
-        await asyncio.sleep(delay)  # the backoff itself, not a wait for an event
-        if self.stopping:
+                    child.last_exit, delay)
+        self._broadcast()
+        await asyncio.sleep(delay)  # the backoff itself
+        if self.stopping or child.removed or child.state != "backoff":
             return
+        await self._restart(child)
+
+    async def _restart(self, child: Child) -> None:
         child.epoch += 1
         child.restarts += 1
         await self._spawn(child)
+
+    async def _cool_down(self, child: Child, epoch: int) -> None:
+        await asyncio.sleep(self.cfg.crash_cooldown)
+        if child.state == "failed" and child.epoch == epoch and not self.stopping:
+            log.info("%s %s: cool-down over, trying again", child.role, child.child_id)
+            await self._reset(child)
+
+    async def _reset(self, child: Child) -> None:
+        child.policy.reset()
+        child.reason = None
+        if not child.alive:
+            await self._restart(child)
+
+    async def _watch_hangs(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)  # the watchdog's tick
+            now = time.monotonic()
+            for child in list(self.children.values()):
+                if child.role != "engine" or not child.alive or child.state != "ready":
+                    continue
+                action = self.watchdog.check(child.child_id, now)
+                if action == "abort":
+                    log.error("engine %s made no progress for %.0f s while busy: SIGABRT "
+                              "(stack dump follows), then SIGKILL", child.child_id,
+                              self.cfg.hang_timeout)
+                    child.last_error = f"hung: no progress for {self.cfg.hang_timeout:.0f} s"
+                    child.proc.send_signal(signal.SIGABRT)
+                elif action == "kill":
+                    child.proc.kill()
+
+    # ------------------------------------------------------------------ control channel
 
     async def _read_control(self) -> None:
         dec = codec.to_supervisor()
@@ -149,41 +217,96 @@ class Supervisor:
             except Exception:  # noqa: BLE001
                 log.warning("dropped an undecodable control message from %r", identity)
                 continue
+            if isinstance(msg, StartEngine):
+                await self._start_engine(msg.engine_id, msg.model)
+                continue
+            if isinstance(msg, StopEngine):
+                await self._stop_engine(msg.engine_id)
+                continue
+            if isinstance(msg, ResetChild):
+                child = self.children.get(msg.child_id)
+                if child is not None and child.state == "failed":
+                    await self._reset(child)
+                continue
             child = self.children.get(msg.child_id)
             if child is None or msg.epoch != child.epoch:
                 continue  # from an earlier life of the child
             child.last_heartbeat = time.monotonic()
-            if isinstance(msg, Ready):
+            if isinstance(msg, Heartbeat):
+                self.watchdog.beat(child.child_id, msg.progress, msg.busy, child.last_heartbeat)
+            elif isinstance(msg, Ready):
                 child.state = "ready"
-                if child.role == "proxy":
-                    print(f"mlxd: listening on {msg.detail}", file=sys.stderr, flush=True)
-                else:
-                    print(f"mlxd: model {model_id(self.cfg.engines()[child.child_id])} ready "
-                          f"(engine pid {child.proc.pid if child.proc else '?'})",
-                          file=sys.stderr, flush=True)
+                self._announce_ready(child, msg.detail)
+                self._broadcast()
             elif isinstance(msg, ChildFailed):
                 child.reason = msg.reason
                 print(f"mlxd: {child.role} {child.child_id} failed: {msg.reason}",
                       file=sys.stderr, flush=True)
-            elif isinstance(msg, (Hello, Heartbeat)):
-                pass
+            elif isinstance(msg, Hello) and child.role == "proxy":
+                self._broadcast()
+
+    def _announce_ready(self, child: Child, detail: str) -> None:
+        if child.role == "proxy":
+            print(f"mlxd: listening on {detail}", file=sys.stderr, flush=True)
+        else:
+            print(f"mlxd: model {model_id(child.model)} ready (engine {child.child_id}, pid "
+                  f"{child.proc.pid if child.proc else '?'})", file=sys.stderr, flush=True)
+
+    async def _start_engine(self, engine_id: str, spec: str) -> None:
+        child = self.children.get(engine_id)
+        if child is not None and (child.alive or child.state == "backoff"):
+            child.removed = False
+            return
+        if child is None:
+            child = Child("engine", engine_id, spec, self._engine_argv(engine_id, spec))
+            self.children[engine_id] = child
+        else:
+            child.epoch += 1
+            child.policy.reset()
+        await self._spawn(child)
+
+    async def _stop_engine(self, engine_id: str) -> None:
+        child = self.children.get(engine_id)
+        if child is None:
+            return
+        child.removed = True
+        if not child.alive:
+            self.children.pop(engine_id, None)
+            self._broadcast()
+            return
+        child.state = "stopping"
+        self._broadcast()
+        await self._send(child, Shutdown("unloaded"))
+
+    async def _send(self, child: Child, msg: object) -> bool:
+        try:
+            await self._ctl.send_multipart([child.identity, self._enc.encode(msg)])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _broadcast(self) -> None:
+        proxy = self.children.get("proxy")
+        if proxy is None or not proxy.alive:
+            return
+        now = time.monotonic()
+        snapshot = ChildStates([c.info(now) for c in self.children.values()])
+        self._spawn_task(self._send(proxy, snapshot))
 
     async def _stop_all(self) -> None:
-        enc = codec.to_child()
-        live = [c for c in self.children.values() if c.proc and c.proc.returncode is None]
+        live = [c for c in self.children.values() if c.alive]
         for child in live:
             child.state = "stopping"
-            try:
-                await self._ctl.send_multipart([child.identity, enc.encode(Shutdown("daemon stopping"))])
-            except zmq.ZMQError:
+            if not await self._send(child, Shutdown("daemon stopping")):
                 child.proc.terminate()
-        waits = [c.proc.wait() for c in live]
         try:
-            await asyncio.wait_for(asyncio.gather(*waits), self.cfg.shutdown_timeout)
+            await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in live)),
+                                   self.cfg.shutdown_timeout)
         except asyncio.TimeoutError:
             for child in live:
                 if child.proc.returncode is None:
-                    log.warning("%s %s did not stop in time; killing it", child.role, child.child_id)
+                    log.warning("%s %s did not stop in time; killing it", child.role,
+                                child.child_id)
                     child.proc.kill()
             await asyncio.gather(*(c.proc.wait() for c in live))
 

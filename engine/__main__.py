@@ -10,6 +10,7 @@ from pathlib import Path
 import zmq
 
 from mlxd.engine.service import EngineService, EngineSettings
+from mlxd.protocol import faults
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import child_process_setup
 from mlxd.protocol.models import model_id
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     child_process_setup(args.log_level, f"engine:{model_id(args.model)}#{args.epoch}")
+    faults.configure(args.epoch)
     settings = EngineSettings(args.engine_id, args.epoch, args.model, args.cache_dir,
                               args.batch, args.prefill_step, args.dtype)
     ctx = zmq.Context()

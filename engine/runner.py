@@ -15,6 +15,8 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from mlxd.protocol import faults
+
 log = logging.getLogger("mlxd.engine")
 
 
@@ -135,6 +137,7 @@ class Runner:
         return True
 
     def _step(self) -> None:
+        faults.hit("engine.step")
         try:
             _, responses = self._gen.next()
         except Exception as e:  # noqa: BLE001 - a failed step must not take the engine down

@@ -21,7 +21,7 @@ import zmq
 
 from mlxd.engine.output import RequestOutput
 from mlxd.engine.runner import AbortRequest, AddRequest, RequestsRemoved, Runner, StepTokens, StopRunner
-from mlxd.protocol import codec, exit_codes
+from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints, engine_identity
 from mlxd.protocol.messages import (Abort, ChildFailed, Delta, EngineStatus, Generate, Heartbeat,
                                     Hello, Ready, Shutdown, StepOutput)
@@ -99,8 +99,9 @@ class EngineService:
         from mlxd.engine.model_loader import ModelLoadError, context_length, load_model
         t0 = time.monotonic()
         try:
+            faults.hit("engine.load")
             model, tokenizer, config = load_model(self.s.model, self.s.cache_dir, self.s.dtype)
-        except ModelLoadError as e:
+        except (ModelLoadError, faults.FaultInjected) as e:
             log.error("model failed to load: %s", e)
             self._set_state("failed", str(e))
             self._send_control(ChildFailed(self.s.engine_id, self.s.epoch, str(e)))
@@ -193,7 +194,8 @@ class EngineService:
             log.warning("dropped an undecodable request: %s", e)
             return
         if isinstance(msg, Abort):
-            for rid in msg.request_ids:
+            rids = list(self.outputs) if "*" in msg.request_ids else msg.request_ids
+            for rid in rids:
                 self._to_runner(AbortRequest(rid))
             return
         if isinstance(msg, Generate):
@@ -243,8 +245,8 @@ class EngineService:
                                    make_request_processors(p)))
 
     def _to_runner(self, cmd: Any) -> None:
-        assert self.runner is not None
-        self.runner.inbox.put(cmd)
+        if self.runner is not None:  # before the model loads there is nothing to abort
+            self.runner.inbox.put(cmd)
 
     # ------------------------------------------------------------------ output thread
 
@@ -263,13 +265,22 @@ class EngineService:
             state=self.state, active=c.active if c else 0, peak_batch=c.peak_batch if c else 0,
             steps=c.steps if c else 0, context_length=self.context_length, error=self.error,
             prompt_tokens_total=c.prompt_tokens if c else 0,
-            generated_tokens_total=c.generated_tokens if c else 0)
+            generated_tokens_total=c.generated_tokens if c else 0, model_spec=self.s.model)
 
     def _output_loop(self) -> None:
         out_codec = codec.from_engine()
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
+        # A PUSH with no proxy connected blocks; never let a dead proxy stall this thread.
+        push.setsockopt(zmq.SNDTIMEO, 1000)
         push.connect(self.eps.outputs)
+
+        def send(msg: Any) -> None:
+            try:
+                push.send(out_codec.encode(msg))
+            except zmq.Again:
+                log.warning("no proxy is reading engine output; dropped a message")
+
         next_status = 0.0
         try:
             while True:
@@ -285,12 +296,12 @@ class EngineService:
                     except queue.Empty:
                         item = None
                 if deltas:
-                    push.send(out_codec.encode(StepOutput(self.s.engine_id, self.s.epoch, deltas)))
+                    send(StepOutput(self.s.engine_id, self.s.epoch, deltas))
                 now = time.monotonic()
                 finished = any(d.finish_reason is not None for d in deltas)
                 if now >= next_status or finished or self.stop_event.is_set():
                     next_status = now + STATUS_INTERVAL
-                    push.send(out_codec.encode(self._status()))
+                    send(self._status())
                 if self.stop_event.is_set() and self.outq.empty():
                     return
         finally:

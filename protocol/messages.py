@@ -82,6 +82,7 @@ class EngineStatus(_Msg, tag="status"):
     error: str | None = None
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
+    model_spec: str = ""
 
 
 FromEngine = StepOutput | EngineStatus
@@ -120,5 +121,41 @@ class Shutdown(_Msg, tag="shutdown"):
     reason: str = ""
 
 
-ToSupervisor = Hello | Ready | Heartbeat | ChildFailed
-ToChild = Shutdown
+class ChildInfo(msgspec.Struct, array_like=True):
+    """The supervisor's view of one child, for /stats and for the proxy's routing."""
+    role: str
+    child_id: str
+    model: str
+    epoch: int
+    state: str  # starting | ready | backoff | failed | stopping | stopped
+    pid: int | None = None
+    restarts: int = 0
+    last_exit: str | None = None  # "code 1" | "signal 9"
+    last_error: str | None = None  # the last error line the child wrote to stderr
+    reason: str | None = None  # why it is failed
+    heartbeat_age_s: float | None = None
+
+
+class ChildStates(_Msg, tag="children"):
+    """Supervisor -> proxy: every child, sent whenever one changes state."""
+    children: list[ChildInfo]
+
+
+class StartEngine(_Msg, tag="start_engine"):
+    """Proxy -> supervisor: load `model` in a new engine child named `engine_id`."""
+    engine_id: str
+    model: str
+
+
+class StopEngine(_Msg, tag="stop_engine"):
+    """Proxy -> supervisor: unload (stop, and do not restart) an engine."""
+    engine_id: str
+
+
+class ResetChild(_Msg, tag="reset"):
+    """Proxy -> supervisor: clear a failed child's crash-loop breaker and start it again."""
+    child_id: str
+
+
+ToSupervisor = Hello | Ready | Heartbeat | ChildFailed | StartEngine | StopEngine | ResetChild
+ToChild = Shutdown | ChildStates

@@ -5,6 +5,7 @@ imports nothing heavy."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -39,3 +40,16 @@ def model_names(spec: str) -> list[str]:
         if n not in seen:
             seen.append(n)
     return seen
+
+
+def canonical_spec(spec: str) -> str:
+    """One spelling per model: an absolute path for local directories."""
+    if spec in ("", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    path = Path(os.path.expanduser(spec))
+    return str(path.resolve()) if path.exists() else spec
+
+
+def engine_id_for(spec: str) -> str:
+    """A short, stable engine id per model, the same in every process and across restarts."""
+    return "e" + hashlib.sha1(canonical_spec(spec).encode()).hexdigest()[:8]

@@ -14,7 +14,7 @@ from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import child_process_setup
 from mlxd.proxy.app import ListenSettings
 from mlxd.proxy.openai_schema import Defaults
-from mlxd.proxy.server import run_proxy
+from mlxd.proxy.server import PoolSettings, run_proxy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,12 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-wait", type=float, default=120.0)
     ap.add_argument("--max-body", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--model-pool", type=int, default=1)
+    ap.add_argument("--model-alias", action="append", default=[], metavar="NAME=SPEC")
+    ap.add_argument("--idle-unload", type=float, default=0.0)
+    ap.add_argument("--pool-wait", type=float, default=60.0)
+    ap.add_argument("--pool-queue", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args(argv)
     child_process_setup(args.log_level, f"proxy#{args.epoch}")
     models = dict(e.split("=", 1) for e in args.engine)
     listen = ListenSettings(args.host, args.port, Path(args.socket) if args.socket else None,
                             args.max_body)
     defaults = Defaults(args.temp, args.top_p, args.top_k, args.max_tokens)
+    pool = PoolSettings(args.model_pool, args.idle_unload, args.pool_wait, args.pool_queue,
+                        args.batch, dict(a.split("=", 1) for a in args.model_alias))
 
     async def run() -> int:
         stop = asyncio.Event()
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return await run_proxy(ctx, Endpoints.ipc(args.run_dir), models, defaults, listen,
                                    args.run_dir, args.load_wait, stop, supervised=True,
-                                   epoch=args.epoch)
+                                   epoch=args.epoch, pool=pool)
         finally:
             ctx.destroy(linger=0)
 

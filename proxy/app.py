@@ -8,10 +8,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
-from mlxd.proxy import openai_routes
+from mlxd.proxy import admin_routes, openai_routes
 from mlxd.proxy.engine_client import EngineClient
+from mlxd.proxy.router import Router
 from mlxd.proxy.errors import error_middleware
 from mlxd.proxy.openai_schema import Defaults
 
@@ -24,15 +26,16 @@ class ListenSettings:
     max_body: int = 16 * 1024 * 1024
 
 
-def make_app(client: EngineClient, defaults: Defaults, load_wait: float,
+def make_app(client: EngineClient, router: Router, defaults: Defaults,
              max_body: int) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
     app["client"] = client
+    app["router"] = router
     app["defaults"] = defaults
-    app["load_wait"] = load_wait
     app["max_body"] = max_body
     app["started"] = int(time.time())
     openai_routes.add_routes(app)
+    admin_routes.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     return app
@@ -58,11 +61,19 @@ async def stats(request: web.Request) -> web.Response:
             "steps": st.steps if st else 0, "context_length": st.context_length if st else 0,
             "prompt_tokens_total": st.prompt_tokens_total if st else 0,
             "generated_tokens_total": st.generated_tokens_total if st else 0,
-            "error": st.error if st else None,
+            "error": rec.error, "restarts": rec.child.restarts if rec.child else 0,
             "last_status_age_s": round(time.monotonic() - rec.last_seen, 3) if st else None})
+    router: Router = request.app["router"]
+    pool = None
+    if router.pool is not None:
+        pool = {"size": router.pool.size,
+                "resident": [{"engine_id": r.engine_id, "in_flight": r.in_flight,
+                              "idle_s": round(time.monotonic() - r.last_used, 1),
+                              "pinned": r.pinned} for r in router.pool.resident.values()]}
+    children = [msgspec.structs.asdict(c) for c in client.children]
     return web.json_response({"proxy": {"pid": os.getpid(), "in_flight": len(client.streams),
                                         "uptime_s": int(time.time()) - request.app["started"]},
-                              "engines": engines})
+                              "engines": engines, "children": children, "pool": pool})
 
 
 async def start_listeners(app: web.Application, listen: ListenSettings) -> tuple[web.AppRunner, str]:

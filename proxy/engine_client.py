@@ -17,7 +17,8 @@ import zmq.asyncio
 
 from mlxd.protocol import codec
 from mlxd.protocol.addresses import Endpoints, engine_identity
-from mlxd.protocol.messages import Abort, Delta, EngineStatus, Generate, StepOutput
+from mlxd.protocol.messages import (Abort, ChildInfo, ChildStates, Delta, EngineStatus, Generate,
+                                    StepOutput)
 from mlxd.protocol.models import model_id, model_names
 
 log = logging.getLogger("mlxd.proxy")
@@ -35,14 +36,27 @@ class EngineRecord:
     status: EngineStatus | None = None
     last_seen: float = 0.0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    child: ChildInfo | None = None  # the supervisor's view (None without --isolate)
 
     @property
     def state(self) -> str:
+        c = self.child
+        if c is not None:
+            if c.state in ("backoff", "failed", "stopping", "stopped"):
+                return c.state
+            if c.epoch > self.epoch or self.status is None:
+                return "starting"
         if self.status is None:
             return "starting"
         if self.status.state == "ready" and time.monotonic() - self.last_seen > STALE_AFTER:
             return "unresponsive"
         return self.status.state
+
+    @property
+    def error(self) -> str | None:
+        if self.child is not None and self.child.reason:
+            return self.child.reason
+        return self.status.error if self.status else None
 
     @property
     def identity(self) -> bytes:
@@ -74,6 +88,7 @@ class EngineClient:
             eid: EngineRecord(eid, spec, model_names(spec), model_id(spec))
             for eid, spec in models.items()}
         self.streams: dict[str, RequestStream] = {}
+        self.children: list[ChildInfo] = []
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -137,7 +152,54 @@ class EngineClient:
 
     def alive(self, stream: RequestStream) -> bool:
         rec = stream.engine
-        return rec.epoch == stream.epoch and rec.state not in ("unresponsive", "failed")
+        if rec.child is not None and rec.child.epoch != stream.epoch:
+            return False
+        return rec.epoch == stream.epoch and rec.state in ("ready", "loading")
+
+    def record(self, engine_id: str, spec: str) -> EngineRecord:
+        rec = self.engines.get(engine_id)
+        if rec is None:
+            rec = EngineRecord(engine_id, spec, model_names(spec), model_id(spec))
+            self.engines[engine_id] = rec
+        return rec
+
+    def apply_children(self, msg: ChildStates) -> None:
+        """The supervisor's snapshot: engine deaths end their requests at once."""
+        for info in msg.children:
+            if info.role != "engine":
+                continue
+            rec = self.record(info.child_id, info.model)
+            rec.child = info
+            if info.state in ("backoff", "failed", "stopping", "stopped"):
+                self.fail_streams(rec, None, f"the engine serving {rec.model_id} stopped while "
+                                             f"running this request ({info.last_exit or info.state})")
+            elif info.epoch > rec.epoch:
+                self.fail_streams(rec, info.epoch, f"the engine serving {rec.model_id} crashed "
+                                                   "while running this request")
+            self._update_ready(rec)
+        self.children = list(msg.children)
+
+    def fail_streams(self, rec: EngineRecord, live_epoch: int | None, message: str) -> None:
+        """End every request on `rec` that is not on `live_epoch` (None: all of them)."""
+        for rid, stream in list(self.streams.items()):
+            if stream.engine is rec and stream.epoch != live_epoch:
+                del self.streams[rid]
+                stream.finished = True
+                stream.queue.put_nowait(Delta(rid, finish_reason="error", error=message,
+                                              error_code="engine_crashed"))
+
+    @staticmethod
+    def _update_ready(rec: EngineRecord) -> None:
+        if rec.state in ("ready", "failed"):
+            rec.ready.set()
+        else:
+            rec.ready.clear()
+
+    async def _abort_all(self, rec: EngineRecord) -> None:
+        try:
+            await self._router.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
+        except zmq.ZMQError:
+            pass
 
     # ---------------------------------------------------------------- outputs
 
@@ -164,18 +226,19 @@ class EngineClient:
     def _on_status(self, st: EngineStatus) -> None:
         rec = self.engines.get(st.engine_id)
         if rec is None:
-            rec = EngineRecord(st.engine_id, st.model_names[-1] if st.model_names else "",
-                               st.model_names, st.model_id)
-            self.engines[st.engine_id] = rec
+            rec = self.record(st.engine_id, st.model_spec)
         if st.epoch < rec.epoch:
             return  # a stale message from an engine's earlier life
+        first_sight = st.epoch != rec.epoch or rec.status is None
+        if st.epoch > rec.epoch:
+            self.fail_streams(rec, st.epoch, f"the engine serving {rec.model_id} restarted")
         rec.epoch = st.epoch
         rec.status = st
         rec.last_seen = time.monotonic()
-        if st.state in ("ready", "failed"):
-            rec.ready.set()
-        else:
-            rec.ready.clear()
+        if first_sight and st.active:
+            # Requests of an earlier proxy that died: nobody reads them any more.
+            asyncio.ensure_future(self._abort_all(rec))
+        self._update_ready(rec)
 
     async def wait_ready(self, rec: EngineRecord, timeout: float) -> bool:
         """Wait until the engine is ready or failed; False if `timeout` passed first."""

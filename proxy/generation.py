@@ -19,24 +19,6 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-async def resolve_engine(client: EngineClient, name: str | None, wait: float) -> EngineRecord:
-    rec = client.find(name)
-    if rec is None:
-        known = sorted({n for r in client.engines.values() for n in r.names})
-        raise APIError(404, f"the model {name!r} does not exist; served models: "
-                       f"{', '.join(known)}", code="model_not_found", param="model")
-    if rec.state != "ready" and not await client.wait_ready(rec, wait):
-        raise unavailable(f"the model {rec.model_id} is still loading; retry shortly",
-                          "engine_loading", retry_after=5)
-    if rec.state == "failed":
-        reason = rec.status.error if rec.status else "unknown"
-        raise unavailable(f"the model {rec.model_id} failed: {reason}", "model_failed",
-                          retry_after=30)
-    if rec.state != "ready":
-        raise unavailable(f"the model {rec.model_id} is {rec.state}", "engine_unavailable")
-    return rec
-
-
 def _delta_error(d: Delta) -> APIError:
     if d.error_code in CLIENT_ERROR_CODES:
         return bad_request(d.error or "invalid request", code=d.error_code)

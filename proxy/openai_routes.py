@@ -9,8 +9,10 @@ from typing import Any
 from aiohttp import web
 
 from mlxd.protocol.messages import Generate
-from mlxd.proxy.errors import APIError
-from mlxd.proxy.generation import Generation, new_request_id, resolve_engine
+from mlxd.proxy.errors import APIError, bad_request
+from mlxd.proxy.generation import Generation, new_request_id
+from mlxd.proxy.model_pool import parse_keep_alive
+from mlxd.proxy.router import Router
 from mlxd.proxy.openai_schema import (ChatRequest, CompletionRequest, chat_messages,
                                       completion_prompt, decode_body, sampling_params)
 
@@ -19,16 +21,29 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _start(request: web.Request, req: Any, max_tokens: int | None, prefix: str,
-                 **fields: Any) -> tuple[Generation, str]:
+async def _run(request: web.Request, req: Any, max_tokens: int | None, prefix: str,
+               obj: str, make_choice: Any, **fields: Any) -> web.StreamResponse:
     app = request.app
-    engine = await resolve_engine(app["client"], req.model, app["load_wait"])
-    context = engine.status.context_length if engine.status else 0
-    params = sampling_params(req, app["defaults"], max_tokens, context)
-    rid = new_request_id(prefix)
-    gen = Generation(app["client"], engine, Generate(request_id=rid, sampling=params, **fields))
-    await gen.start()
-    return gen, rid
+    router: Router = app["router"]
+    try:
+        keep_alive = parse_keep_alive(req.keep_alive)
+    except ValueError as e:
+        raise bad_request(str(e), param="keep_alive") from e
+    engine = await router.acquire(req.model)
+    gen = None
+    try:
+        context = engine.status.context_length if engine.status else 0
+        params = sampling_params(req, app["defaults"], max_tokens, context)
+        rid = new_request_id(prefix)
+        gen = Generation(app["client"], engine, Generate(request_id=rid, sampling=params, **fields))
+        await gen.start()
+        return await _respond(request, gen, rid, obj, req.stream,
+                              bool(req.stream_options and req.stream_options.include_usage),
+                              make_choice)
+    finally:
+        if gen is not None:
+            await gen.close()
+        await router.release(engine, keep_alive)
 
 
 async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, stream: bool,
@@ -70,53 +85,61 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         await resp.write_eof()
         return resp
     finally:
-        await gen.close()
+        await gen.close()  # a disconnected client cancels us here: abort the engine's row
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
     messages = chat_messages(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    gen, rid = await _start(request, req, max_tokens, "chatcmpl", messages=messages)
+    return await _run(request, req, max_tokens, "chatcmpl", "chat.completion", _chat_choice,
+                      messages=messages)
 
-    def choice(text: str | None, finish: str | None, final: bool, first: bool = False,
-               last: bool = False) -> dict:
-        if final:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish}
-        if first:
-            delta: dict = {"role": "assistant", "content": ""}
-        elif last:
-            delta = {}
-        else:
-            delta = {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
-    return await _respond(request, gen, rid, "chat.completion", req.stream,
-                          bool(req.stream_options and req.stream_options.include_usage), choice)
+
+def _chat_choice(text: str | None, finish: str | None, final: bool, first: bool = False,
+                 last: bool = False) -> dict:
+    if final:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish}
+    if first:
+        delta: dict = {"role": "assistant", "content": ""}
+    elif last:
+        delta = {}
+    else:
+        delta = {"content": text}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = decode_body(await request.read(), CompletionRequest)  # type: ignore[assignment]
     prompt, token_ids = completion_prompt(req)
-    gen, rid = await _start(request, req, req.max_tokens, "cmpl", prompt=prompt,
-                            prompt_token_ids=token_ids)
+    return await _run(request, req, req.max_tokens, "cmpl", "text_completion",
+                      _completion_choice, prompt=prompt, prompt_token_ids=token_ids)
 
-    def choice(text: str | None, finish: str | None, final: bool, first: bool = False,
-               last: bool = False) -> dict | None:
-        if first:
-            return None
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-    return await _respond(request, gen, rid, "text_completion", req.stream,
-                          bool(req.stream_options and req.stream_options.include_usage), choice)
+def _completion_choice(text: str | None, finish: str | None, final: bool, first: bool = False,
+                       last: bool = False) -> dict | None:
+    if first:
+        return None
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Resident and configured models, with their state."""
     client = request.app["client"]
-    data = [{"id": rec.model_id, "object": "model", "created": request.app["started"],
-             "owned_by": "mlxd", "state": rec.state, "aliases": rec.names}
-            for rec in client.engines.values()]
+    router: Router = request.app["router"]
+    resident = router.pool.resident if router.pool is not None else client.engines
+    data = []
+    for rec in client.engines.values():
+        state = rec.state if rec.engine_id in resident or rec.state == "failed" else "unloaded"
+        data.append({"id": rec.model_id, "object": "model", "created": request.app["started"],
+                     "owned_by": "mlxd", "state": state, "aliases": rec.names})
+    listed = {n for d in data for n in d["aliases"]}
+    for alias, spec in router.aliases.items():
+        if alias not in listed:
+            data.append({"id": alias, "object": "model", "created": request.app["started"],
+                         "owned_by": "mlxd", "state": "unloaded", "aliases": [alias, spec]})
     return web.json_response({"object": "list", "data": data})
 
 

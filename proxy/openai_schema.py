@@ -44,6 +44,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None
+    keep_alive: float | str | None = None  # seconds or "5m"; 0 unloads after, -1 pins
 
 
 class ChatRequest(_Sampling, kw_only=True):

@@ -1,0 +1,309 @@
+"""Throughput side by side, in one run, on the same model and prompts:
+
+- `inprocess`: mlx-lm's BatchGenerator driven in-process (the reference),
+- `mlxd-isolate`: `mlxd serve --isolate` with streaming HTTP clients,
+- `mlxd`: `mlxd serve` (one process),
+- `mlx_lm.server`: mlx-lm's own server with streaming HTTP clients.
+
+For each concurrency it runs a warm-up round, then a measured round, and reports aggregate
+generated tok/s, the ratio to in-process, and time-to-first-token / inter-token latency
+percentiles. Writes a markdown table, a JSON file and (with matplotlib) a PNG plot.
+
+    python benchmarks/throughput.py --shape tiny --concurrency 1,8 --out benchmarks/results/cpu
+    python benchmarks/throughput.py --model default --targets inprocess,mlxd-isolate
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+SHAPES = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "tiny": (64, 2, 4, 2, 128, 512),
+    "small": (512, 8, 8, 4, 1536, 4096),
+    "1b": (2048, 16, 32, 8, 8192, 32000),
+}
+PROMPTS = [f"Request {i}: write a long and detailed story about a lighthouse keeper, "
+           f"the sea, and the number {i}." for i in range(256)]
+
+
+@dataclass
+class Round:
+    target: str
+    concurrency: int
+    tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ---------------------------------------------------------------- in-process reference
+
+def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str) -> Round:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxd.engine.model_loader import load_model
+    global _LOADED
+    if _LOADED is None or _LOADED[0] != model_dir:
+        model, tok, _ = load_model(model_dir, Path(tempfile.gettempdir()) / "mlxd-bench-cache", dtype)
+        _LOADED = (model_dir, model, tok)
+    _, model, tok = _LOADED
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               for p in PROMPTS[:concurrency]]
+    gen = BatchGenerator(model, completion_batch_size=max(concurrency, 1),
+                         prefill_batch_size=max(concurrency, 1), prefill_step_size=512,
+                         stream=mx.new_stream(mx.default_device()))
+    t0 = time.perf_counter()
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * concurrency)  # no EOS stop: fixed length
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    itl: list[float] = []
+    tokens = 0
+    live = set(uids)
+    while live:
+        _, responses = gen.next()
+        now = time.perf_counter()
+        for r in responses:
+            tokens += 1
+            if r.uid not in first:
+                first[r.uid] = now - t0
+            else:
+                itl.append(now - last[r.uid])
+            last[r.uid] = now
+            if r.finish_reason is not None:
+                live.discard(r.uid)
+    seconds = time.perf_counter() - t0
+    gen.close()
+    return Round("inprocess", concurrency, tokens, seconds, list(first.values()), itl)
+
+
+_LOADED = None
+
+
+# ---------------------------------------------------------------- HTTP targets
+
+async def _one_stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
+                      max_tokens: int, t0: float, ttft: list, itl: list) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    last = None
+    usage = 0
+    chunks = 0
+    async with session.post(url, json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                usage = obj["usage"]["completion_tokens"]
+            for ch in obj.get("choices") or []:
+                if (ch.get("delta") or {}).get("content"):
+                    now = time.perf_counter()
+                    chunks += 1
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                    last = now
+    return usage or chunks
+
+
+async def run_http(name: str, base: str, model: str, concurrency: int, max_tokens: int,
+                   unix: str | None = None) -> Round:
+    connector = aiohttp.UnixConnector(path=unix) if unix else aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    ttft: list[float] = []
+    itl: list[float] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(
+            _one_stream(session, base + "/v1/chat/completions", model, PROMPTS[i], max_tokens, t0,
+                        ttft, itl) for i in range(concurrency)))
+        seconds = time.perf_counter() - t0
+    return Round(name, concurrency, sum(counts), seconds, ttft, itl)
+
+
+class Server:
+    def __init__(self, argv: list[str], ready_url: str, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.ready_url = ready_url
+
+    async def wait(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}")
+                try:
+                    async with s.get(self.ready_url) as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise RuntimeError("server did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_target(target: str, model_dir: str, batch: int, dtype: str) -> tuple[Server, str, str]:
+    port = free_port()
+    if target == "mlx_lm.server":
+        argv = [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port),
+                "--decode-concurrency", str(batch), "--prompt-concurrency", str(batch),
+                "--prompt-cache-bytes", "0" , "--log-level", "WARNING"]
+        return Server(argv, f"http://127.0.0.1:{port}/health"), f"http://127.0.0.1:{port}", model_dir
+    run_dir = tempfile.mkdtemp(prefix="mlxd-b-", dir="/tmp")
+    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", model_dir, "--port", str(port),
+            "--run-dir", run_dir, "--batch", str(batch), "--dtype", dtype,
+            "--cache-dir", str(Path(tempfile.gettempdir()) / "mlxd-bench-cache"),
+            "--log-level", "warning"]
+    if target == "mlxd-isolate":
+        argv.append("--isolate")
+    return Server(argv, f"http://127.0.0.1:{port}/health"), f"http://127.0.0.1:{port}", model_dir
+
+
+# ---------------------------------------------------------------- driver
+
+def model_for(args: argparse.Namespace) -> str:
+    if args.model:
+        if args.model == "default":
+            return "default"
+        return args.model
+    from mlxd.engine.random_model import write_random_model
+    h, l, nh, kv, inter, vocab = SHAPES[args.shape]
+    out = Path(tempfile.gettempdir()) / f"mlxd-bench-{args.shape}-{args.model_dtype}"
+    if not (out / "config.json").exists():
+        write_random_model(out, hidden=h, layers=l, heads=nh, kv_heads=kv, intermediate=inter,
+                           vocab=vocab, context=4096, dtype=args.model_dtype)
+    return str(out)
+
+
+async def main_async(args: argparse.Namespace) -> list[Round]:
+    model_dir = model_for(args)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rounds: list[Round] = []
+    for target in args.targets.split(","):
+        if target == "inprocess":
+            for c in levels:
+                run_inprocess(model_dir, c, min(args.max_tokens, 16), args.dtype)  # warm-up
+                r = run_inprocess(model_dir, c, args.max_tokens, args.dtype)
+                rounds.append(r)
+                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
+            continue
+        batch = max(levels)
+        server, base, name = start_target(target, model_dir, batch, args.dtype)
+        try:
+            await server.wait()
+            for c in levels:
+                await run_http(target, base, name, c, min(args.max_tokens, 16))  # warm-up
+                r = await run_http(target, base, name, c, args.max_tokens)
+                rounds.append(r)
+                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
+        finally:
+            server.stop()
+    return rounds
+
+
+def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
+    import mlx.core as mx
+    ref = {r.concurrency: r.tok_s for r in rounds if r.target == "inprocess"}
+    lines = [f"Model: {args.model or 'random ' + args.shape + ' (' + args.model_dtype + ')'}; "
+             f"{args.max_tokens} generated tokens per request, greedy; device {mx.default_device()}; "
+             f"mlx {mx.__version__}; {platform.machine()} {os.cpu_count()} cores; "
+             f"{time.strftime('%Y-%m-%d')}.", "",
+             "| target | concurrency | tok/s | ratio to in-process | TTFT p50 (s) | TTFT p90 (s) "
+             "| ITL p50 (ms) | ITL p90 (ms) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rounds:
+        ratio = r.tok_s / ref[r.concurrency] if ref.get(r.concurrency) else float("nan")
+        lines.append(f"| {r.target} | {r.concurrency} | {r.tok_s:.1f} | {ratio:.2f} | "
+                     f"{pct(r.ttft, .5):.3f} | {pct(r.ttft, .9):.3f} | {pct(r.itl, .5) * 1e3:.1f} "
+                     f"| {pct(r.itl, .9) * 1e3:.1f} |")
+    table = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(
+        [{**asdict(r), "tok_s": r.tok_s, "ttft": None, "itl": None,
+          "ttft_p50": pct(r.ttft, .5), "itl_p50": pct(r.itl, .5)} for r in rounds], indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for target in dict.fromkeys(r.target for r in rounds):
+            rs = [r for r in rounds if r.target == target]
+            ax.plot([r.concurrency for r in rs], [r.tok_s for r in rs], marker="o", label=target)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("generated tok/s")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+    except ImportError:
+        pass
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="'default', a model dir, or omit for --shape")
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--model-dtype", default="float32", help="dtype of the random weights")
+    ap.add_argument("--dtype", default="auto", help="mlxd --dtype (and the in-process load)")
+    ap.add_argument("--targets", default="inprocess,mlxd-isolate,mlxd,mlx_lm.server")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput"))
+    args = ap.parse_args()
+    rounds = asyncio.run(main_async(args))
+    print(report(rounds, args, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The supervisor's record of one child process (supervisord-style states)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+
+from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.protocol.messages import ChildInfo
+
+STATES = ("starting", "ready", "backoff", "failed", "stopping", "stopped")
+
+
+@dataclass
+class Child:
+    role: str  # "proxy" | "engine"
+    child_id: str
+    model: str  # the model spec, for engines
+    argv: list[str]  # without --epoch
+    epoch: int = 0
+    state: str = "starting"
+    proc: asyncio.subprocess.Process | None = None
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    reason: str | None = None
+    last_exit: str | None = None
+    last_error: str | None = None
+    last_heartbeat: float | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    removed: bool = False  # unloaded on purpose: not restarted when it exits
+
+    @property
+    def identity(self) -> bytes:
+        return f"{self.role}:{self.child_id}:{self.epoch}".encode()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def info(self, now: float) -> ChildInfo:
+        return ChildInfo(
+            role=self.role, child_id=self.child_id, model=self.model, epoch=self.epoch,
+            state=self.state, pid=self.proc.pid if self.proc else None, restarts=self.restarts,
+            last_exit=self.last_exit, last_error=self.last_error, reason=self.reason,
+            heartbeat_age_s=round(now - self.last_heartbeat, 3) if self.last_heartbeat else None)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def is_error_line(line: str) -> bool:
+    return any(m in line for m in (" ERROR ", " CRITICAL ", "Error:", "Fatal Python error",
+                                   "Traceback (most recent call last)", "Exception:"))

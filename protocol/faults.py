@@ -1,0 +1,59 @@
+"""Named fault points for tests: a child exits, aborts, hangs or fails at an exact point.
+
+Switched on by the environment variable MLXD_FAULTS, inherited by every child, e.g.
+`MLXD_FAULTS="engine.step=exit@20#0,engine.load=fail"`: at the 20th step of epoch 0 the
+engine exits; every load fails. Syntax per entry: `point=action[@nth][#epoch]`.
+Actions: exit (os._exit(1)), abort (SIGABRT), kill (SIGKILL itself), hang (sleep forever),
+fail (raise FaultInjected). Unset, `hit()` is one dict lookup on an empty dict.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+_faults: dict[str, tuple[str, int, int | None]] = {}
+_counts: dict[str, int] = {}
+_epoch: int | None = None
+
+
+class FaultInjected(Exception):
+    pass
+
+
+def configure(epoch: int | None, spec: str | None = None) -> None:
+    global _epoch
+    _epoch = epoch
+    _faults.clear()
+    _counts.clear()
+    spec = os.environ.get("MLXD_FAULTS", "") if spec is None else spec
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        point, _, rest = entry.partition("=")
+        rest, _, ep = rest.partition("#")
+        action, _, nth = rest.partition("@")
+        _faults[point] = (action, int(nth) if nth else 1, int(ep) if ep else None)
+
+
+def hit(point: str) -> None:
+    f = _faults.get(point)
+    if f is None:
+        return
+    action, nth, epoch = f
+    if epoch is not None and epoch != _epoch:
+        return
+    n = _counts.get(point, 0) + 1
+    _counts[point] = n
+    if n != nth and not (action == "fail" and n >= nth):
+        return
+    if action == "exit":
+        os._exit(1)
+    if action == "abort":
+        os.abort()
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        while True:
+            time.sleep(3600)
+    if action == "fail":
+        raise FaultInjected(f"fault injected at {point}")

@@ -1,0 +1,206 @@
+"""From a request's `model` to a ready engine: names, aliases, on-demand loading through the
+supervisor, the LRU pool, keep_alive and idle unloading."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import psutil
+
+from mlxd.protocol.messages import ResetChild, StartEngine, StopEngine
+from mlxd.protocol.models import canonical_spec, engine_id_for
+from mlxd.proxy.engine_client import EngineClient, EngineRecord
+from mlxd.proxy.errors import APIError, unavailable
+from mlxd.proxy.model_pool import (ModelPool, NotEnoughMemory, PoolBusy, kv_budget_bytes,
+                                   looks_like_repo_id, model_weight_bytes)
+
+log = logging.getLogger("mlxd.proxy")
+
+Send = Callable[[object], Awaitable[None]]
+
+
+class Router:
+    def __init__(self, client: EngineClient, *, load_wait: float, aliases: dict[str, str],
+                 pool: ModelPool | None = None, send: Send | None = None, batch: int = 8,
+                 pool_wait: float = 60.0, pool_queue: int = 32) -> None:
+        self.client = client
+        self.load_wait = load_wait
+        self.aliases = aliases
+        self.pool = pool  # None without --isolate: only the configured engines exist
+        self.send = send
+        self.batch = batch
+        self.pool_wait = pool_wait
+        self.pool_queue = pool_queue
+        self.configured = set(client.engines)  # started with the daemon
+        self._idle = asyncio.Condition()
+        self._waiting = 0
+        if pool is not None:
+            now = time.monotonic()
+            for eid, rec in client.engines.items():
+                pool.add(eid, now, model_weight_bytes(rec.spec))
+
+    # ------------------------------------------------------------------ names
+
+    def lookup(self, name: str | None) -> str:
+        """The model spec a request names; 404 if it names nothing we can serve."""
+        rec = self.client.find(name)
+        if rec is not None:
+            return rec.spec
+        assert name
+        if name in self.aliases:
+            return canonical_spec(self.aliases[name])
+        if self.pool is not None:
+            path = Path(name).expanduser()
+            if (path / "config.json").exists():
+                return canonical_spec(name)
+            if looks_like_repo_id(name):
+                return name
+        known = sorted({n for r in self.client.engines.values() for n in r.names}
+                       | set(self.aliases))
+        raise APIError(404, f"the model {name!r} does not exist; available: "
+                       f"{', '.join(known)}", code="model_not_found", param="model")
+
+    # ------------------------------------------------------------------ acquire / release
+
+    async def acquire(self, name: str | None) -> EngineRecord:
+        """A ready engine for `name`, counted as busy until `release`."""
+        spec = self.lookup(name)
+        eid = engine_id_for(spec)
+        if self.pool is not None and eid not in self.pool.resident:
+            await self._load(eid, spec)
+        rec = self.client.record(eid, spec)
+        if name and name not in rec.names:
+            rec.names.append(name)  # an alias or another spelling of the path
+        if self.pool is not None:
+            self.pool.begin(eid, time.monotonic())
+        try:
+            await self._wait_ready(rec)
+        except BaseException:
+            await self.release(rec, None)
+            raise
+        return rec
+
+    async def release(self, rec: EngineRecord, keep_alive: float | None) -> None:
+        if self.pool is None:
+            return
+        self.pool.end(rec.engine_id, time.monotonic(), keep_alive)
+        if keep_alive == 0:
+            await self.unload_idle([rec.engine_id])
+        async with self._idle:
+            self._idle.notify_all()
+
+    async def _wait_ready(self, rec: EngineRecord) -> None:
+        if rec.state != "ready" and not await self.client.wait_ready(rec, self.load_wait):
+            raise unavailable(f"the model {rec.model_id} is still loading; retry shortly",
+                              "engine_loading", retry_after=5)
+        if rec.state == "failed":
+            if self.pool is not None and rec.engine_id not in self.configured:
+                self.pool.remove(rec.engine_id)  # an on-demand load that failed frees its slot
+            raise unavailable(f"the model {rec.model_id} failed: {rec.error}", "model_failed",
+                              retry_after=30)
+        if rec.state != "ready":
+            raise unavailable(f"the model {rec.model_id} is {rec.state}", "engine_unavailable")
+
+    async def _load(self, eid: str, spec: str) -> None:
+        assert self.pool is not None and self.send is not None
+        deadline = time.monotonic() + self.pool_wait
+        need = model_weight_bytes(spec) + kv_budget_bytes(spec, self.batch)
+        while True:
+            if eid in self.pool.resident:
+                return
+            try:
+                plan = self.pool.plan_load(eid, time.monotonic(), need,
+                                           psutil.virtual_memory().available)
+            except NotEnoughMemory as e:
+                raise unavailable(f"cannot load {spec}: {e}", "insufficient_memory",
+                                  retry_after=30) from e
+            except PoolBusy:
+                await self._wait_for_idle(deadline)
+                continue
+            # Decided with no await in between: no request can be routed to a victim now.
+            for victim in plan.evict:
+                self.pool.remove(victim)
+            self.pool.add(eid, time.monotonic(), model_weight_bytes(spec))
+            rec = self.client.record(eid, spec)
+            rec.ready.clear()
+            rec.status = None
+            for victim in plan.evict:
+                log.info("evicting %s to load %s", self.client.engines[victim].model_id, spec)
+                await self.send(StopEngine(victim))
+            log.info("loading %s on demand", spec)
+            await self.send(StartEngine(eid, spec))
+            return
+
+    async def _wait_for_idle(self, deadline: float) -> None:
+        if self._waiting >= self.pool_queue:
+            raise unavailable("every resident model is busy and the pool queue is full",
+                              "pool_busy", retry_after=5)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise unavailable("every resident model is busy; retry shortly", "pool_busy",
+                              retry_after=5)
+        self._waiting += 1
+        try:
+            async with self._idle:
+                await asyncio.wait_for(self._idle.wait(), left)
+        except asyncio.TimeoutError:
+            raise unavailable("every resident model stayed busy; retry shortly", "pool_busy",
+                              retry_after=5) from None
+        finally:
+            self._waiting -= 1
+
+    # ------------------------------------------------------------------ admin
+
+    async def load(self, name: str) -> EngineRecord:
+        rec = await self.acquire(name)
+        await self.release(rec, None)
+        return rec
+
+    async def unload(self, name: str) -> EngineRecord:
+        if self.pool is None:
+            raise APIError(400, "models are loaded and unloaded only with --isolate",
+                           code="not_supported")
+        spec = self.lookup(name)
+        eid = engine_id_for(spec)
+        rec = self.client.record(eid, spec)
+        r = self.pool.resident.get(eid)
+        if r is None:
+            raise APIError(409, f"the model {rec.model_id} is not loaded", code="not_loaded")
+        if r.in_flight:
+            raise APIError(409, f"the model {rec.model_id} has {r.in_flight} requests in flight",
+                           code="model_busy")
+        await self.unload_idle([eid])
+        return rec
+
+    async def reset(self, name: str) -> EngineRecord:
+        spec = self.lookup(name)
+        eid = engine_id_for(spec)
+        rec = self.client.record(eid, spec)
+        if self.send is None:
+            raise APIError(400, "reset needs --isolate", code="not_supported")
+        await self.send(ResetChild(eid))
+        return rec
+
+    async def unload_idle(self, engine_ids: list[str]) -> None:
+        assert self.pool is not None and self.send is not None
+        for eid in engine_ids:
+            r = self.pool.resident.get(eid)
+            if r is None or r.in_flight:
+                continue
+            self.pool.remove(eid)
+            log.info("unloading %s", self.client.engines[eid].model_id)
+            await self.send(StopEngine(eid))
+        async with self._idle:
+            self._idle.notify_all()
+
+    async def idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)  # the idle-unload timer's tick
+            if self.pool is not None:
+                expired = self.pool.expired(time.monotonic())
+                if expired:
+                    await self.unload_idle(expired)
