@@ -38,6 +38,7 @@ class ServeConfig:
     crash_cooldown: float = 300.0
     pool_wait: float = 60.0
     pool_queue: int = 32
+    restart_backoff: float = 0.5
 
     def engines(self) -> dict[str, str]:
         """Engine id -> model spec for the engines started with the daemon."""
@@ -90,6 +91,8 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a crash-looping child stays failed before one more try")
     ap.add_argument("--pool-wait", type=float, default=60.0,
                     help="seconds a request waits for a busy pool to free an engine, then 503")
+    ap.add_argument("--restart-backoff", type=float, default=0.5,
+                    help="first restart delay after a crash, doubling per crash up to 30 s")
     ap.add_argument("--pool-queue", type=int, default=32,
                     help="requests that may wait for a busy pool at once (503 beyond)")
 
@@ -127,4 +130,4 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         aliases=dict(a.split("=", 1) for a in args.model_alias),
         hang_timeout=args.hang_timeout, idle_unload=args.idle_unload,
         crash_cooldown=args.crash_cooldown, pool_wait=args.pool_wait,
-        pool_queue=args.pool_queue)
+        pool_queue=args.pool_queue, restart_backoff=args.restart_backoff)

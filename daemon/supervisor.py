@@ -8,6 +8,7 @@ die is the supervisor's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -19,6 +20,7 @@ import zmq.asyncio
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.paths import RunDirLock
+from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.watchdog import HangWatchdog
 from mlxd.protocol import codec, exit_codes
 from mlxd.protocol.addresses import Endpoints
@@ -71,6 +73,10 @@ class Supervisor:
                 "--model", spec, "--cache-dir", str(c.cache_dir), "--batch", str(c.batch),
                 "--prefill-step", str(c.prefill_step), "--dtype", c.dtype]
 
+    def _child(self, role: str, child_id: str, model: str, argv: list[str]) -> Child:
+        return Child(role, child_id, model, argv,
+                     policy=RestartPolicy(base_delay=self.cfg.restart_backoff))
+
     # ------------------------------------------------------------------ main loop
 
     async def run(self) -> int:
@@ -83,9 +89,9 @@ class Supervisor:
         self._ctl.bind(self.eps.control)
         self._spawn_task(self._read_control())
         self._spawn_task(self._watch_hangs())
-        self.children["proxy"] = Child("proxy", "proxy", "", self._proxy_argv())
+        self.children["proxy"] = self._child("proxy", "proxy", "", self._proxy_argv())
         for eid, spec in self.cfg.engines().items():
-            self.children[eid] = Child("engine", eid, spec, self._engine_argv(eid, spec))
+            self.children[eid] = self._child("engine", eid, spec, self._engine_argv(eid, spec))
         for child in list(self.children.values()):
             await self._spawn(child)
         await self.stop_event.wait()
@@ -247,10 +253,20 @@ class Supervisor:
 
     def _announce_ready(self, child: Child, detail: str) -> None:
         if child.role == "proxy":
+            self._pin_port(child)
             print(f"mlxd: listening on {detail}", file=sys.stderr, flush=True)
         else:
             print(f"mlxd: model {model_id(child.model)} ready (engine {child.child_id}, pid "
                   f"{child.proc.pid if child.proc else '?'})", file=sys.stderr, flush=True)
+
+    def _pin_port(self, proxy: Child) -> None:
+        """With --port 0, a respawned proxy must come back on the port clients already use."""
+        try:
+            port = json.loads((self.cfg.run_dir / "listen.json").read_text())["port"]
+        except (OSError, ValueError, KeyError):
+            return
+        i = proxy.argv.index("--port")
+        proxy.argv[i + 1] = str(port)
 
     async def _start_engine(self, engine_id: str, spec: str) -> None:
         child = self.children.get(engine_id)
@@ -258,7 +274,7 @@ class Supervisor:
             child.removed = False
             return
         if child is None:
-            child = Child("engine", engine_id, spec, self._engine_argv(engine_id, spec))
+            child = self._child("engine", engine_id, spec, self._engine_argv(engine_id, spec))
             self.children[engine_id] = child
         else:
             child.epoch += 1

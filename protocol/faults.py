@@ -2,9 +2,11 @@
 
 Switched on by the environment variable MLXD_FAULTS, inherited by every child, e.g.
 `MLXD_FAULTS="engine.step=exit@20#0,engine.load=fail"`: at the 20th step of epoch 0 the
-engine exits; every load fails. Syntax per entry: `point=action[@nth][#epoch]`.
+engine exits; every load fails. Syntax per entry: `point=action[@nth][#epoch]`, where `#<N`
+means every epoch below N.
 Actions: exit (os._exit(1)), abort (SIGABRT), kill (SIGKILL itself), hang (sleep forever),
-fail (raise FaultInjected). Unset, `hit()` is one dict lookup on an empty dict.
+fail (raise FaultInjected, at every hit from the nth), delay (sleep 50 ms at every hit from
+the nth: a slow engine). Unset, `hit()` is one dict lookup on an empty dict.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import signal
 import time
 
-_faults: dict[str, tuple[str, int, int | None]] = {}
+_faults: dict[str, tuple[str, int, int | None, bool]] = {}
 _counts: dict[str, int] = {}
 _epoch: int | None = None
 
@@ -32,19 +34,25 @@ def configure(epoch: int | None, spec: str | None = None) -> None:
         point, _, rest = entry.partition("=")
         rest, _, ep = rest.partition("#")
         action, _, nth = rest.partition("@")
-        _faults[point] = (action, int(nth) if nth else 1, int(ep) if ep else None)
+        below = ep.startswith("<")
+        _faults[point] = (action, int(nth) if nth else 1, int(ep.lstrip("<")) if ep else None,
+                          below)
 
 
 def hit(point: str) -> None:
     f = _faults.get(point)
     if f is None:
         return
-    action, nth, epoch = f
-    if epoch is not None and epoch != _epoch:
-        return
+    action, nth, epoch, below = f
+    if epoch is not None and _epoch is not None:
+        if (below and _epoch >= epoch) or (not below and _epoch != epoch):
+            return
     n = _counts.get(point, 0) + 1
     _counts[point] = n
-    if n != nth and not (action == "fail" and n >= nth):
+    if n != nth and not (action in ("fail", "delay") and n >= nth):
+        return
+    if action == "delay":
+        time.sleep(0.05)
         return
     if action == "exit":
         os._exit(1)

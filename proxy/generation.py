@@ -24,6 +24,8 @@ def _delta_error(d: Delta) -> APIError:
         return bad_request(d.error or "invalid request", code=d.error_code)
     if d.error_code == "engine_loading":
         return unavailable(d.error or "loading", "engine_loading", retry_after=5)
+    if d.error_code == "engine_crashed":
+        return unavailable(d.error or "the engine crashed", "engine_crashed", retry_after=2)
     return APIError(500, d.error or "the engine failed this request", type="server_error",
                     code=d.error_code or "engine_error")
 

@@ -18,6 +18,11 @@ def tiny_model_b(tmp_path_factory) -> Path:
     return write_random_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", seed=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_c(tmp_path_factory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("models") / "tiny-llama-c", seed=2)
+
+
 def start_daemon(model, *extra, isolate=False, **kw) -> Daemon:
     d = Daemon(str(model) if model is not None else None, *extra, isolate=isolate, **kw)
     try:

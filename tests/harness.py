@@ -19,9 +19,11 @@ import psutil
 
 class Daemon:
     def __init__(self, model: str | None, *extra: str, isolate: bool = False,
-                 cache_dir: Path | None = None, env: dict | None = None) -> None:
+                 cache_dir: Path | None = None, env: dict | None = None,
+                 run_dir: Path | None = None, ready_marker: str = " ready") -> None:
         # A short run dir: Unix socket paths are limited to ~104 bytes.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+        self.ready_marker = ready_marker
         self._own_cache = cache_dir is None
         self.cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
         self.argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--port", "0",
@@ -43,7 +45,7 @@ class Daemon:
                                      stderr=subprocess.STDOUT, text=True, env=self.env)
         threading.Thread(target=self._pump, daemon=True).start()
         self.wait_for_line("mlxd: listening on", timeout)
-        self.wait_for_line(" ready", timeout)
+        self.wait_for_line(self.ready_marker, timeout)
         self.listen = json.loads((self.run_dir / "listen.json").read_text())
         self.port = self.listen["port"]
         self.socket = self.listen["socket"]
