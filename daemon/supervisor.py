@@ -44,6 +44,7 @@ class Supervisor:
         self._ctl: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task] = set()
         self._enc = codec.to_child()
+        self._last_epoch: dict[str, int] = {}  # of engines that were unloaded
 
     # ------------------------------------------------------------------ argv
 
@@ -154,6 +155,7 @@ class Supervisor:
             child.state = "stopped"
             self._broadcast()
             if child.removed:
+                self._last_epoch[child.child_id] = child.epoch
                 self.children.pop(child.child_id, None)
                 self._broadcast()
             return
@@ -275,6 +277,9 @@ class Supervisor:
             return
         if child is None:
             child = self._child("engine", engine_id, spec, self._engine_argv(engine_id, spec))
+            # Epochs are never reused for an engine id, so a stale message is never taken
+            # for the new engine's and the new identity never collides with the old one.
+            child.epoch = self._last_epoch.get(engine_id, -1) + 1
             self.children[engine_id] = child
         else:
             child.epoch += 1
@@ -287,6 +292,7 @@ class Supervisor:
             return
         child.removed = True
         if not child.alive:
+            self._last_epoch[engine_id] = child.epoch
             self.children.pop(engine_id, None)
             self._broadcast()
             return

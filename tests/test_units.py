@@ -116,3 +116,95 @@ def test_chat_messages_join_text_parts_and_map_developer_role():
                       b'{"type": "text", "text": "b"}]}]}', ChatRequest)
     assert chat_messages(req) == [{"role": "system", "content": "be brief"},
                                   {"role": "user", "content": "ab"}]
+
+
+# ---------------------------------------------------------------- model pool, watchdog, faults
+
+from mlxd.daemon.watchdog import KILL_GRACE, HangWatchdog  # noqa: E402
+from mlxd.protocol import faults  # noqa: E402
+from mlxd.proxy.model_pool import (ModelPool, NotEnoughMemory, PoolBusy,  # noqa: E402
+                                   parse_keep_alive)
+
+
+def test_pool_evicts_least_recently_used_idle_engine():
+    p = ModelPool(size=2, idle_unload=0)
+    p.add("a", 0)
+    p.add("b", 1)
+    p.begin("a", 5)
+    p.end("a", 6, None)  # a used after b: b is the LRU
+    assert p.plan_load("c", 7).evict == ["b"]
+    assert p.plan_load("a", 7).evict == []  # already resident
+
+
+def test_pool_never_evicts_busy_or_pinned_engines():
+    p = ModelPool(size=2, idle_unload=0)
+    p.add("a", 0)
+    p.add("b", 1)
+    p.begin("a", 2)
+    p.end("b", 3, -1)  # keep_alive -1 pins b
+    with pytest.raises(PoolBusy):
+        p.plan_load("c", 4)
+    p.end("a", 5, None)
+    assert p.plan_load("c", 6).evict == ["a"]
+
+
+def test_pool_evicts_more_for_memory_and_says_when_it_cannot():
+    p = ModelPool(size=3, idle_unload=0)
+    p.add("a", 0, weight_bytes=4 << 30)
+    p.add("b", 1, weight_bytes=4 << 30)
+    assert p.plan_load("c", 2, need_bytes=6 << 30, available_bytes=3 << 30).evict == ["a"]
+    with pytest.raises(NotEnoughMemory):
+        p.plan_load("c", 2, need_bytes=64 << 30, available_bytes=3 << 30)
+
+
+def test_pool_keep_alive_and_idle_unload():
+    p = ModelPool(size=3, idle_unload=10)
+    p.add("a", 0)
+    p.add("b", 0)
+    p.add("c", 0)
+    p.end("b", 0, 30)  # kept 30 s
+    p.end("c", 0, -1)  # pinned
+    assert p.expired(5) == []
+    assert p.expired(10) == ["a"]
+    assert sorted(p.expired(31)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("value,seconds", [(0, 0), (5, 5), ("5m", 300), ("1h", 3600),
+                                           ("-1", -1), (-1, -1), ("250ms", 0.25), (None, None)])
+def test_parse_keep_alive(value, seconds):
+    assert parse_keep_alive(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", True, "5 parsecs"])
+def test_parse_keep_alive_rejects_junk(value):
+    with pytest.raises(ValueError):
+        parse_keep_alive(value)
+
+
+def test_watchdog_aborts_a_busy_engine_without_progress_then_kills():
+    w = HangWatchdog(timeout=5)
+    w.beat("e", 10, True, 0)
+    w.beat("e", 11, True, 4)  # progress moved at t=4
+    assert w.check("e", 8) is None
+    w.beat("e", 11, True, 9.5)
+    assert w.check("e", 9.5) == "abort"
+    assert w.check("e", 9.5 + KILL_GRACE - 0.1) is None
+    assert w.check("e", 9.5 + KILL_GRACE) == "kill"
+
+
+def test_watchdog_ignores_idle_engines_but_not_silent_ones():
+    w = HangWatchdog(timeout=5)
+    w.beat("e", 3, False, 0)
+    w.beat("e", 3, False, 100)
+    assert w.check("e", 100) is None  # idle, no progress expected
+    assert w.check("e", 106) == "abort"  # no heartbeat at all for > 5 s
+
+
+def test_faults_fire_at_the_nth_hit_of_the_right_epoch():
+    faults.configure(1, "engine.load=fail@2#1,engine.step=fail#0")
+    faults.hit("engine.step")  # epoch 0 only: nothing
+    faults.hit("engine.load")  # first hit: nothing
+    with pytest.raises(faults.FaultInjected):
+        faults.hit("engine.load")
+    faults.configure(None, "")
+    faults.hit("engine.load")
