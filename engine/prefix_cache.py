@@ -1,0 +1,141 @@
+"""The RAM tier: KV checkpoints keyed by exact token prefix, longest usable prefix match,
+byte-capped LRU. A hit lends the stored arrays (MLX arrays are immutable, so new cache objects
+over the same buffers leave the donor intact); nothing is deep-copied per hit, unlike mlx-lm's
+LRUPromptCache.
+
+The index (a token trie) is guarded by a lock so that the I/O thread may ask how much a prompt
+would hit while the MLX thread inserts and evicts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(eq=False)
+class Entry:
+    tokens: tuple[int, ...]
+    layers: list[tuple[Any, Any]]  # per layer (keys, values), each (1, kv_heads, T, head_dim)
+    nbytes: int
+    persisted: bool = False  # every block of it is on SSD (or queued there)
+
+
+@dataclass
+class _Node:
+    children: dict[int, "_Node"] = field(default_factory=dict)
+    entry: Entry | None = None
+    any_entry: Entry | None = None  # some entry in this subtree: it can be trimmed to here
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    tokens_served: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int,
+                 on_evict: Callable[[Entry], None] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict  # called before an entry is dropped (persist it first)
+        self._root = _Node()
+        self._lru: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
+        self.nbytes = 0
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    # ------------------------------------------------------------------ lookup
+
+    def _match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+        """Longest usable prefix: at most len(prompt) - 1 tokens, so one is left to feed."""
+        node = self._root
+        best: Entry | None = None
+        depth = 0
+        limit = len(prompt) - 1
+        while depth < limit:
+            nxt = node.children.get(prompt[depth])
+            if nxt is None:
+                break
+            node = nxt
+            depth += 1
+        if depth and node.any_entry is not None:
+            best = node.any_entry
+        return best, depth if best is not None else 0
+
+    def peek(self, prompt: list[int]) -> int:
+        """How many prompt tokens a lookup would serve now (no LRU update)."""
+        with self._lock:
+            return self._match(prompt)[1]
+
+    def lookup(self, prompt: list[int]) -> tuple[list[tuple[Any, Any]], int] | None:
+        """Views of the cached K/V for the longest usable prefix, and its length."""
+        with self._lock:
+            entry, n = self._match(prompt)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._lru.move_to_end(entry.tokens)
+            self.stats.hits += 1
+            self.stats.tokens_served += n
+            if n == len(entry.tokens):
+                return list(entry.layers), n
+            return [(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], n
+
+    # ------------------------------------------------------------------ insert / evict
+
+    def insert(self, tokens: list[int], layers: list[tuple[Any, Any]], nbytes: int) -> Entry | None:
+        if not tokens or nbytes > self.max_bytes:
+            return None
+        key = tuple(tokens)
+        with self._lock:
+            old = self._lru.get(key)
+            if old is not None:
+                self._lru.move_to_end(key)
+                return old
+            entry = Entry(key, layers, nbytes)
+            node = self._root
+            node.any_entry = entry
+            for t in key:
+                node = node.children.setdefault(t, _Node())
+                node.any_entry = entry
+            node.entry = entry
+            self._lru[key] = entry
+            self.nbytes += nbytes
+            victims = []
+            while self.nbytes > self.max_bytes and len(self._lru) > 1:
+                _, victim = self._lru.popitem(last=False)
+                self._unlink(victim)
+                victims.append(victim)
+        for v in victims:
+            self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(v)
+        return entry
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._lru.values())
+
+    def _unlink(self, entry: Entry) -> None:
+        self.nbytes -= entry.nbytes
+        path = [self._root]
+        node = self._root
+        for t in entry.tokens:
+            node = node.children[t]
+            path.append(node)
+        node.entry = None
+        for depth in range(len(path) - 1, -1, -1):
+            n = path[depth]
+            if n.any_entry is entry:
+                n.any_entry = n.entry or next(
+                    (c.any_entry for c in n.children.values() if c.any_entry is not None), None)
+            if depth and n.any_entry is None and not n.children:
+                del path[depth - 1].children[entry.tokens[depth - 1]]
