@@ -39,6 +39,7 @@ class ServeConfig:
     pool_wait: float = 60.0
     pool_queue: int = 32
     restart_backoff: float = 0.5
+    prompt_cache_gb: float = 4.0
 
     def engines(self) -> dict[str, str]:
         """Engine id -> model spec for the engines started with the daemon."""
@@ -91,6 +92,8 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a crash-looping child stays failed before one more try")
     ap.add_argument("--pool-wait", type=float, default=60.0,
                     help="seconds a request waits for a busy pool to free an engine, then 503")
+    ap.add_argument("--prompt-cache", type=float, default=4.0, metavar="GB",
+                    help="RAM prefix cache per engine in GB (0 disables)")
     ap.add_argument("--restart-backoff", type=float, default=0.5,
                     help="first restart delay after a crash, doubling per crash up to 30 s")
     ap.add_argument("--pool-queue", type=int, default=32,
@@ -104,6 +107,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
               (args.prefill_step >= 16, "--prefill-step must be >= 16"),
               (0 <= args.port <= 65535, "--port must be 0..65535"),
               (args.max_tokens >= 1, "--max-tokens must be >= 1"),
+              (args.prompt_cache >= 0, "--prompt-cache must be >= 0"),
               (0 <= args.temp <= 2, "--temp must be in [0, 2]"),
               (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
     checks += [(args.model_pool >= 1, "--model-pool must be >= 1"),
@@ -130,4 +134,5 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         aliases=dict(a.split("=", 1) for a in args.model_alias),
         hang_timeout=args.hang_timeout, idle_unload=args.idle_unload,
         crash_cooldown=args.crash_cooldown, pool_wait=args.pool_wait,
-        pool_queue=args.pool_queue, restart_backoff=args.restart_backoff)
+        pool_queue=args.pool_queue, restart_backoff=args.restart_backoff,
+        prompt_cache_gb=args.prompt_cache)

@@ -66,7 +66,7 @@ async def _serve(cfg: ServeConfig) -> int:
         for eid, spec in cfg.engines().items():
             service = EngineService(
                 EngineSettings(eid, 0, spec, cfg.cache_dir, cfg.batch, cfg.prefill_step,
-                               cfg.dtype), eps, sync_ctx, supervised=False,
+                               cfg.dtype, cfg.prompt_cache_gb), eps, sync_ctx, supervised=False,
                 on_state=lambda state, error, spec=spec: loop.call_soon_threadsafe(
                     announce, spec, state, error))
             t = threading.Thread(target=service.run, name=f"engine-{eid}", daemon=True)

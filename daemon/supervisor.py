@@ -72,7 +72,8 @@ class Supervisor:
         c = self.cfg
         return [sys.executable, "-m", "mlxd.engine", *self._common(), "--engine-id", engine_id,
                 "--model", spec, "--cache-dir", str(c.cache_dir), "--batch", str(c.batch),
-                "--prefill-step", str(c.prefill_step), "--dtype", c.dtype]
+                "--prefill-step", str(c.prefill_step), "--dtype", c.dtype,
+                "--prompt-cache", str(c.prompt_cache_gb)]
 
     def _child(self, role: str, child_id: str, model: str, argv: list[str]) -> Child:
         return Child(role, child_id, model, argv,

@@ -27,11 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--prompt-cache", type=float, default=4.0)
     args = ap.parse_args(argv)
     child_process_setup(args.log_level, f"engine:{model_id(args.model)}#{args.epoch}")
     faults.configure(args.epoch)
     settings = EngineSettings(args.engine_id, args.epoch, args.model, args.cache_dir,
-                              args.batch, args.prefill_step, args.dtype)
+                              args.batch, args.prefill_step, args.dtype, args.prompt_cache)
     ctx = zmq.Context()
     service = EngineService(settings, Endpoints.ipc(args.run_dir), ctx, supervised=True)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())

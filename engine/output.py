@@ -31,6 +31,7 @@ class RequestOutput:
     eos_ids: frozenset[int]
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finished: bool = False
     _pending: str = ""  # text held back because it may begin a stop string
     _seen: int = 0  # characters of detokenizer.text already consumed
@@ -73,4 +74,5 @@ class RequestOutput:
 
     def _delta(self, text: str, ids: list[int], finish: str | None) -> Delta:
         return Delta(request_id=self.request_id, text=text, token_ids=ids, finish_reason=finish,
-                     prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
+                     prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     cached_tokens=self.cached_tokens)

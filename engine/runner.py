@@ -1,7 +1,8 @@
 """The MLX thread: drives mlx-lm's BatchGenerator with continuous batching.
 
-It does MLX work and little else: it takes commands from its inbox, runs one generator step,
-and hands the step's raw token IDs to the output thread in one queue put.
+It does MLX work and little else: it takes commands from its inbox, reuses cached prefixes
+(RAM tier, or blocks the I/O thread already read from SSD), runs one generator step, and hands
+the step's raw token IDs to the output thread in one queue put.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxd.engine.prefix_cache import Entry, PrefixCache
 from mlxd.protocol import faults
 
 log = logging.getLogger("mlxd.engine")
+
+MIN_SHARED_PREFIX = 32  # tokens two simultaneous prompts must share to prefill them once
 
 
 @dataclass
@@ -27,6 +32,7 @@ class AddRequest:
     max_tokens: int
     sampler: Callable[[mx.array], mx.array]
     processors: list
+    restored: tuple[int, list] | None = None  # (tokens, per-layer (k, v) numpy) read from SSD
 
 
 @dataclass
@@ -40,9 +46,22 @@ class StopRunner:
 
 
 @dataclass
+class Call:
+    """Run `fn(runner)` on the MLX thread (flushes, cache maintenance)."""
+    fn: Callable[["Runner"], None]
+
+
+@dataclass
 class StepTokens:
     """One step: (request_id, token, finish_reason) for every row that produced a token."""
     rows: list[tuple[str, int, str | None]]
+
+
+@dataclass
+class RequestStarted:
+    request_id: str
+    cached_tokens: int
+    source: str  # "ram" | "ssd" | "none"
 
 
 @dataclass
@@ -56,6 +75,9 @@ class RunnerCounters:
     steps: int = 0  # advanced by every step: the hang watchdog's progress counter
     peak_batch: int = 0
     prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    cached_tokens: int = 0
+    ssd_restored_tokens: int = 0
     generated_tokens: int = 0
     active: int = 0
     busy: bool = False
@@ -64,7 +86,9 @@ class RunnerCounters:
 
 class Runner:
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
-                 outbox: "queue.Queue[Any]", stream: Any = None) -> None:
+                 outbox: "queue.Queue[Any]", stream: Any = None, cache_bytes: int = 0,
+                 on_entry: Callable[[Entry], None] | None = None,
+                 on_evict: Callable[[Entry], None] | None = None) -> None:
         self._model = model
         self._batch_size = batch_size
         self._prefill_step = prefill_step
@@ -74,7 +98,12 @@ class Runner:
         self._outbox = outbox
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
+        self._followers: dict[int, list[AddRequest]] = {}  # leader uid -> waiting requests
+        self._prefilling: dict[int, list[int]] = {}  # uid -> prompt, until its prompt is done
         self.counters = RunnerCounters()
+        cacheable = all(type(c) is KVCache for c in make_prompt_cache(model))
+        self.cache = PrefixCache(cache_bytes if cacheable else 0, on_evict=on_evict)
+        self._on_entry = on_entry  # a new RAM entry: queue its blocks for the SSD tier
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -94,6 +123,8 @@ class Runner:
         finally:
             self._gen.close()
 
+    # ------------------------------------------------------------------ commands
+
     def _handle_commands(self, block: bool) -> bool:
         try:
             cmd = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
@@ -109,37 +140,108 @@ class Runner:
                 adds.append(cmd)
             elif isinstance(cmd, AbortRequest):
                 aborts.append(cmd.request_id)
+            elif isinstance(cmd, Call):
+                cmd.fn(self)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
-        if adds:
-            uids = self._gen.insert(
-                [a.prompt for a in adds],
-                max_tokens=[a.max_tokens for a in adds],
-                samplers=[a.sampler for a in adds],
-                logits_processors=[a.processors for a in adds],
-                stop_sequences=[self._stop_sequences] * len(adds),
-            )
-            for uid, add in zip(uids, adds):
-                self._uid_to_rid[uid] = add.request_id
-                self._rid_to_uid[add.request_id] = uid
-                self.counters.prompt_tokens += len(add.prompt)
         if aborts:
-            uids = [self._rid_to_uid.pop(r) for r in aborts if r in self._rid_to_uid]
-            for uid in uids:
-                del self._uid_to_rid[uid]
-            if uids:
-                self._gen.remove(uids)
-            self._outbox.put(RequestsRemoved(aborts))
+            self._abort(aborts)
+        if adds:
+            self._admit(adds)
         self.counters.active = len(self._uid_to_rid)
         self.counters.busy = bool(self._uid_to_rid)
         return True
 
+    def _admit(self, adds: list[AddRequest]) -> None:
+        """Requests that share a long uncached prefix with one still prefilling (the leader)
+        wait for it and then hit the cache: N agents with one system prompt prefill it once."""
+        for add in adds:
+            if self.cache.max_bytes:
+                cached = max(self.cache.peek(add.prompt), add.restored[0] if add.restored else 0)
+                lead = next((uid for uid, p in self._prefilling.items()
+                             if MIN_SHARED_PREFIX <= _common_prefix(p, add.prompt) - cached
+                             and _common_prefix(p, add.prompt) < len(add.prompt)), None)
+                if lead is not None:
+                    self._followers.setdefault(lead, []).append(add)
+                    continue
+            uid = self._insert(add)
+            if self.cache.max_bytes:
+                self._prefilling[uid] = add.prompt
+
+    def _insert(self, add: AddRequest) -> int:
+        prompt = add.prompt
+        cache, cached, source = None, 0, "none"
+        hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
+        if add.restored is not None and (hit is None or add.restored[0] > hit[1]):
+            n, arrays = add.restored
+            layers = [(mx.array(k), mx.array(v)) for k, v in arrays]
+            cache, cached, source = self._lend(layers, n), n, "ssd"
+            self.counters.ssd_restored_tokens += n
+            entry = self.cache.insert(prompt[:n], layers, sum(k.nbytes + v.nbytes
+                                                              for k, v in layers))
+            if entry is not None:
+                entry.persisted = True  # it came from the SSD tier
+        elif hit is not None:
+            layers, n = hit
+            cache, cached, source = self._lend(layers, n), n, "ram"
+        uid = self._gen.insert(
+            [prompt[cached:]],
+            max_tokens=[add.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[:cached]] if cached else None,
+            samplers=[add.sampler],
+            logits_processors=[add.processors],
+            stop_sequences=[self._stop_sequences],
+        )[0]
+        self._uid_to_rid[uid] = add.request_id
+        self._rid_to_uid[add.request_id] = uid
+        c = self.counters
+        c.prompt_tokens += len(prompt)
+        c.cached_tokens += cached
+        c.prefilled_tokens += len(prompt) - cached
+        self._outbox.put(RequestStarted(add.request_id, cached, source))
+        return uid
+
+    @staticmethod
+    def _lend(layers: list[tuple[Any, Any]], n: int) -> list[KVCache]:
+        """New cache objects over the stored buffers: the donor entry is never written."""
+        out = []
+        for k, v in layers:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, n
+            out.append(c)
+        return out
+
+    def _abort(self, rids: list[str]) -> None:
+        gone = set(rids)
+        for waiting in self._followers.values():
+            waiting[:] = [a for a in waiting if a.request_id not in gone]
+        uids = [self._rid_to_uid.pop(r) for r in rids if r in self._rid_to_uid]
+        for uid in uids:
+            del self._uid_to_rid[uid]
+        if uids:
+            caches = self._gen.remove(uids, return_prompt_caches=bool(self.cache.max_bytes))
+            for uid in uids:
+                self._release_followers(uid)
+                if uid in caches:
+                    cache, tokens = caches[uid]
+                    self._publish(tokens, cache)
+        self._outbox.put(RequestsRemoved(rids))
+
+    def _release_followers(self, uid: int) -> None:
+        self._prefilling.pop(uid, None)
+        waiting = self._followers.pop(uid, None)
+        if waiting:
+            self._admit(waiting)
+
+    # ------------------------------------------------------------------ steps
+
     def _step(self) -> None:
         faults.hit("engine.step")
         try:
-            _, responses = self._gen.next()
+            prompt_responses, responses = self._gen.next()
         except Exception as e:  # noqa: BLE001 - a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
             self._fail_all(f"generation step failed: {e}")
@@ -149,6 +251,11 @@ class Runner:
         c = self.counters
         c.steps += 1
         c.last_step_at = time.monotonic()
+        if self._prefilling:
+            for pr in prompt_responses:
+                if pr.end_of_prompt and self._prefilling.pop(pr.uid, None) is not None \
+                        and pr.uid in self._followers:
+                    self._publish_prompt(pr.uid)
         if not responses:
             return
         rows = []
@@ -160,19 +267,51 @@ class Runner:
             if r.finish_reason is not None:
                 del self._uid_to_rid[r.uid]
                 del self._rid_to_uid[rid]
+                self._release_followers(r.uid)
+                if r.prompt_cache is not None and self.cache.max_bytes:
+                    self._publish(r.all_tokens, r.prompt_cache)
         c.generated_tokens += len(rows)
         c.peak_batch = max(c.peak_batch, len(responses))
         c.active = len(self._uid_to_rid)
         c.busy = bool(self._uid_to_rid)
         self._outbox.put(StepTokens(rows))
 
+    def _publish_prompt(self, uid: int) -> None:
+        """A leader's prompt is in its cache: store that boundary, admit its followers."""
+        got = self._gen.extract_cache([uid]).get(uid)
+        if got is not None:
+            cache, tokens = got
+            self._publish(list(tokens), cache)
+        self._release_followers(uid)
+
+    def _publish(self, tokens: list[int], cache: list[Any]) -> None:
+        if not tokens or any(type(c) is not KVCache or c.keys is None for c in cache):
+            return
+        n = min(len(tokens), cache[0].offset)
+        layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+        entry = self.cache.insert(list(tokens[:n]), layers,
+                                  sum(k.nbytes + v.nbytes for k, v in layers))
+        if entry is not None and self._on_entry is not None and not entry.persisted:
+            self._on_entry(entry)
+
     def _fail_all(self, message: str) -> None:
         rids = list(self._rid_to_uid)
+        waiting = [a.request_id for w in self._followers.values() for a in w]
+        self._followers.clear()
+        self._prefilling.clear()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self.counters.active = 0
         self.counters.busy = False
-        if rids:
-            self._outbox.put(RequestsRemoved(rids, error=message))
+        if rids or waiting:
+            self._outbox.put(RequestsRemoved(rids + waiting, error=message))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

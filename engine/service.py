@@ -20,7 +20,8 @@ import msgspec
 import zmq
 
 from mlxd.engine.output import RequestOutput
-from mlxd.engine.runner import AbortRequest, AddRequest, RequestsRemoved, Runner, StepTokens, StopRunner
+from mlxd.engine.runner import (AbortRequest, AddRequest, RequestStarted, RequestsRemoved, Runner,
+                                StepTokens, StopRunner)
 from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints, engine_identity
 from mlxd.protocol.messages import (Abort, ChildFailed, Delta, EngineStatus, Generate, Heartbeat,
@@ -41,6 +42,7 @@ class EngineSettings:
     batch_size: int = 8
     prefill_step: int = 512
     dtype: str = "auto"
+    prompt_cache_gb: float = 4.0
 
 
 class _StatusTick:
@@ -112,7 +114,8 @@ class EngineService:
         self.context_length = context_length(config, tokenizer)
         stream = mx.new_stream(mx.default_device())
         self.runner = Runner(model, sorted(self.eos_ids), batch_size=self.s.batch_size,
-                             prefill_step=self.s.prefill_step, outbox=self.outq, stream=stream)
+                             prefill_step=self.s.prefill_step, outbox=self.outq, stream=stream,
+                             cache_bytes=int(self.s.prompt_cache_gb * 2**30))
         log.info("model %s loaded in %.1f s (context %d)", model_id(self.s.model),
                  time.monotonic() - t0, self.context_length)
         self._set_state("ready")
@@ -265,7 +268,19 @@ class EngineService:
             state=self.state, active=c.active if c else 0, peak_batch=c.peak_batch if c else 0,
             steps=c.steps if c else 0, context_length=self.context_length, error=self.error,
             prompt_tokens_total=c.prompt_tokens if c else 0,
-            generated_tokens_total=c.generated_tokens if c else 0, model_spec=self.s.model)
+            generated_tokens_total=c.generated_tokens if c else 0, model_spec=self.s.model,
+            cache=self._cache_stats())
+
+    def _cache_stats(self) -> dict[str, float]:
+        r = self.runner
+        if r is None:
+            return {}
+        c, st = r.counters, r.cache.stats
+        return {"ram_bytes": r.cache.nbytes, "ram_entries": len(r.cache),
+                "ram_capacity_bytes": r.cache.max_bytes, "ram_hits": st.hits,
+                "ram_misses": st.misses, "ram_evictions": st.evictions,
+                "prompt_tokens": c.prompt_tokens, "prefilled_tokens": c.prefilled_tokens,
+                "cached_tokens": c.cached_tokens, "ssd_restored_tokens": c.ssd_restored_tokens}
 
     def _output_loop(self) -> None:
         out_codec = codec.from_engine()
@@ -330,5 +345,9 @@ class EngineService:
                                         completion_tokens=out.completion_tokens,
                                         error=item.error,
                                         error_code="engine_error" if item.error else None))
+        elif isinstance(item, RequestStarted):
+            out = self.outputs.get(item.request_id)
+            if out is not None:
+                out.cached_tokens = item.cached_tokens
         elif isinstance(item, Delta):
             deltas.append(item)

@@ -58,6 +58,7 @@ class Delta(msgspec.Struct, array_like=True):
     completion_tokens: int = 0
     error: str | None = None
     error_code: str | None = None  # e.g. "context_length_exceeded" (a client error)
+    cached_tokens: int = 0  # prompt tokens served from the KV cache (RAM or SSD)
 
 
 class StepOutput(_Msg, tag="step"):
@@ -83,6 +84,7 @@ class EngineStatus(_Msg, tag="status"):
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     model_spec: str = ""
+    cache: dict[str, float] = {}  # RAM/SSD tier figures for /stats
 
 
 FromEngine = StepOutput | EngineStatus

@@ -41,6 +41,7 @@ class Generation:
         self.stream: RequestStream | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
 
     async def start(self) -> None:
         try:
@@ -76,6 +77,7 @@ class Generation:
                 raise _delta_error(d)
             self.completion_tokens = d.completion_tokens or self.completion_tokens
             self.prompt_tokens = d.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = d.cached_tokens or self.cached_tokens
             self.stream.delivered_token_ids.extend(d.token_ids)
             self.stream.delivered_text.append(d.text)
             yield d
@@ -90,4 +92,4 @@ class Generation:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

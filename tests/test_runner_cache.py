@@ -1,0 +1,69 @@
+"""The MLX thread's cache use, driven directly (no processes): history reuse token-exactly, and
+the next-token logits after a restore equal those of the live cache."""
+
+from __future__ import annotations
+
+import queue
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from mlxd.engine.model_loader import load_model
+from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tmp_path_factory):
+    m, tok, _ = load_model(str(tiny_model), tmp_path_factory.mktemp("c"))
+    return m, tok
+
+
+def run(runner, outq, add):
+    runner.inbox.put(add)
+    runner._handle_commands(block=False)
+    tokens, started = [], None
+    while True:
+        runner._step()
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, RequestStarted):
+                started = item
+            if isinstance(item, StepTokens):
+                for rid, tok, fin in item.rows:
+                    tokens.append(tok)
+                    if fin:
+                        return tokens, started
+
+
+def test_a_finished_history_is_reused_token_exactly(model):
+    m, tok = model
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
+    prompt = tok.encode("Hello, how are you today? The quick brown fox")
+    gen1, s1 = run(r, outq, AddRequest("a", prompt, 10, greedy_sampler, []))
+    assert s1.cached_tokens == 0
+    follow = prompt + gen1 + tok.encode(" and then")
+    gen2, s2 = run(r, outq, AddRequest("b", follow, 5, greedy_sampler, []))
+    # the KV of the prompt and every generated token was published
+    assert s2.cached_tokens == len(prompt) + len(gen1) and s2.source == "ram"
+    cold = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=0)
+    gen_cold, s3 = run(cold, outq, AddRequest("c", follow, 5, greedy_sampler, []))
+    assert s3.cached_tokens == 0 and gen_cold == gen2
+
+
+def test_logits_after_restore_equal_live_logits(model):
+    m, tok = model
+    prompt = tok.encode("What is the capital of France? The capital of France is")
+    live = make_prompt_cache(m)
+    logits_live = m(mx.array([prompt]), cache=live)[:, -1]
+    # restore: new cache objects over copies of the stored K/V (what an SSD restore builds)
+    layers = [(np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :]))
+              for c in live]
+    restored = Runner._lend([(mx.array(k), mx.array(v)) for k, v in layers], len(prompt))
+    nxt = mx.array([[int(mx.argmax(logits_live))]])
+    a = m(nxt, cache=live)[:, -1]
+    b = m(nxt, cache=restored)[:, -1]
+    assert mx.array_equal(a, b).item()
