@@ -29,7 +29,7 @@ class ServeConfig:
     max_tokens: int = 512
     load_wait: float = 120.0
     max_body: int = 16 * 1024 * 1024
-    shutdown_timeout: float = 10.0
+    shutdown_timeout: float = 15.0
     log_level: str = "info"
     model_pool: int = 1
     aliases: dict[str, str] = field(default_factory=dict)
@@ -40,6 +40,29 @@ class ServeConfig:
     pool_queue: int = 32
     restart_backoff: float = 0.5
     prompt_cache_gb: float = 4.0
+    ssd_cache: Path | None = None  # None: off
+    ssd_cache_max_gb: float = 20.0
+    ssd_verify: bool = True
+    block_tokens: int = 256
+    kv_slots: int = 16
+
+    def engine_flags(self) -> list[str]:
+        """Engine settings as `python -m mlxd.engine` flags (one place for both modes)."""
+        flags = ["--cache-dir", str(self.cache_dir), "--batch", str(self.batch),
+                 "--prefill-step", str(self.prefill_step), "--dtype", self.dtype,
+                 "--prompt-cache", str(self.prompt_cache_gb),
+                 "--block-tokens", str(self.block_tokens), "--kv-slots", str(self.kv_slots),
+                 "--ssd-verify", "on" if self.ssd_verify else "off"]
+        if self.ssd_cache is not None:
+            flags += ["--ssd-cache", str(self.ssd_cache)]
+        return flags
+
+    def storage_argv(self, supervised: bool) -> list[str]:
+        import sys
+        argv = [sys.executable, "-m", "mlxd.storage_worker", "--run-dir", str(self.run_dir),
+                "--root", str(self.ssd_cache), "--max-gb", str(self.ssd_cache_max_gb),
+                "--log-level", self.log_level]
+        return argv + (["--supervised"] if supervised else [])
 
     def engines(self) -> dict[str, str]:
         """Engine id -> model spec for the engines started with the daemon."""
@@ -75,8 +98,9 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a request waits for a loading model before a 503")
     ap.add_argument("--max-body", type=int, default=16 * 1024 * 1024,
                     help="largest request body in bytes")
-    ap.add_argument("--shutdown-timeout", type=float, default=10.0,
-                    help="seconds children get to exit on shutdown before SIGKILL")
+    ap.add_argument("--shutdown-timeout", type=float, default=15.0,
+                    help="seconds children get to exit on shutdown (engines flush their KV "
+                         "cache to SSD for up to 10 s of it) before SIGKILL")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--model-pool", type=int, default=1,
                     help="with --isolate: engines kept resident; a request naming another model "
@@ -94,6 +118,16 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a request waits for a busy pool to free an engine, then 503")
     ap.add_argument("--prompt-cache", type=float, default=4.0, metavar="GB",
                     help="RAM prefix cache per engine in GB (0 disables)")
+    ap.add_argument("--ssd-cache", default=None, metavar="DIR|off",
+                    help="SSD KV block store (default CACHE_DIR/kv; 'off' disables)")
+    ap.add_argument("--ssd-cache-max", type=float, default=20.0, metavar="GB",
+                    help="SSD tier cap; least recently used blocks are deleted beyond it")
+    ap.add_argument("--ssd-cache-verify", default="on", choices=["on", "off"],
+                    help="check every restored block's blake3 payload hash (headers always are)")
+    ap.add_argument("--block-tokens", type=int, default=256,
+                    help="tokens per SSD block")
+    ap.add_argument("--kv-slots", type=int, default=16,
+                    help="shared-memory slots per engine for blocks on their way to SSD")
     ap.add_argument("--restart-backoff", type=float, default=0.5,
                     help="first restart delay after a crash, doubling per crash up to 30 s")
     ap.add_argument("--pool-queue", type=int, default=32,
@@ -108,6 +142,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
               (0 <= args.port <= 65535, "--port must be 0..65535"),
               (args.max_tokens >= 1, "--max-tokens must be >= 1"),
               (args.prompt_cache >= 0, "--prompt-cache must be >= 0"),
+              (args.block_tokens >= 1, "--block-tokens must be >= 1"),
+              (args.kv_slots >= 1, "--kv-slots must be >= 1"),
               (0 <= args.temp <= 2, "--temp must be in [0, 2]"),
               (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
     checks += [(args.model_pool >= 1, "--model-pool must be >= 1"),
@@ -135,4 +171,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         hang_timeout=args.hang_timeout, idle_unload=args.idle_unload,
         crash_cooldown=args.crash_cooldown, pool_wait=args.pool_wait,
         pool_queue=args.pool_queue, restart_backoff=args.restart_backoff,
-        prompt_cache_gb=args.prompt_cache)
+        prompt_cache_gb=args.prompt_cache,
+        ssd_cache=None if args.ssd_cache == "off" else (
+            Path(args.ssd_cache).expanduser().absolute() if args.ssd_cache
+            else (args.cache_dir or default_cache_dir()).expanduser().absolute() / "kv"),
+        ssd_cache_max_gb=args.ssd_cache_max, ssd_verify=args.ssd_cache_verify == "on",
+        block_tokens=args.block_tokens, kv_slots=args.kv_slots)

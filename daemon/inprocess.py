@@ -13,6 +13,8 @@ import zmq.asyncio
 
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.paths import RunDirLock
+from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.protocol import shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
@@ -25,9 +27,11 @@ def run_inprocess(cfg: ServeConfig) -> int:
     setup_logging(cfg.log_level, "mlxd")
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
+    shm.remove_leftovers(cfg.run_dir)
     try:
         return asyncio.run(_serve(cfg))
     finally:
+        shm.remove_leftovers(cfg.run_dir)
         lock.release()
         print("mlxd: stopped", file=sys.stderr, flush=True)
 
@@ -37,7 +41,7 @@ async def _serve(cfg: ServeConfig) -> int:
 
     actx = zmq.asyncio.Context()
     sync_ctx = zmq.Context.shadow(actx.underlying)  # inproc needs one shared context
-    eps = Endpoints.inproc("mlxd")
+    eps = Endpoints.inproc("mlxd", cfg.run_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
@@ -66,19 +70,28 @@ async def _serve(cfg: ServeConfig) -> int:
         for eid, spec in cfg.engines().items():
             service = EngineService(
                 EngineSettings(eid, 0, spec, cfg.cache_dir, cfg.batch, cfg.prefill_step,
-                               cfg.dtype, cfg.prompt_cache_gb), eps, sync_ctx, supervised=False,
+                               cfg.dtype, cfg.prompt_cache_gb, cfg.run_dir, cfg.ssd_cache,
+                               cfg.block_tokens, cfg.kv_slots, cfg.ssd_verify),
+                eps, sync_ctx, supervised=False,
                 on_state=lambda state, error, spec=spec: loop.call_soon_threadsafe(
                     announce, spec, state, error))
             t = threading.Thread(target=service.run, name=f"engine-{eid}", daemon=True)
             t.start()
             engines.append((service, t))
 
+    storage = StorageWorkerProcess(cfg) if cfg.ssd_cache is not None else None
+    if storage is not None:
+        await storage.start()
+
     async def stop_engines() -> None:
-        """Engines stop first, while the proxy still reads what they send."""
+        """Engines stop first (flushing through the storage worker), while the proxy still
+        reads what they send; the storage worker last."""
         for service, _ in engines:
             service.stop()
         for _, t in engines:
             await asyncio.to_thread(t.join, cfg.shutdown_timeout)
+        if storage is not None:
+            await storage.stop()
 
     proxy = asyncio.create_task(run_proxy(
         actx, eps, cfg.engines(), Defaults(cfg.temp, cfg.top_p, cfg.top_k, cfg.max_tokens),
@@ -91,3 +104,46 @@ async def _serve(cfg: ServeConfig) -> int:
         await stop_engines()
         actx.destroy(linger=0)
     return 0
+
+
+class StorageWorkerProcess:
+    """Without --isolate the storage worker is still its own process: started, restarted after
+    a crash (with backoff), and stopped last by the serving process."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.argv = cfg.storage_argv(supervised=False)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.policy = RestartPolicy(base_delay=cfg.restart_backoff)
+        self.stopping = False
+        self._watch: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(*self.argv,
+                                                         stdin=asyncio.subprocess.DEVNULL)
+        self._watch = asyncio.create_task(self._watch_exit(self.proc))
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
+        import time
+        code = await proc.wait()
+        if self.stopping:
+            return
+        verdict, delay = self.policy.after_exit(code, time.monotonic())
+        if verdict == "failed":
+            print("mlxd: the storage worker keeps crashing; the SSD tier is off",
+                  file=sys.stderr, flush=True)
+            return
+        await asyncio.sleep(delay)  # the restart backoff
+        if not self.stopping:
+            await self.start()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._watch is not None:
+            self._watch.cancel()

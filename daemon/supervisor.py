@@ -22,7 +22,7 @@ from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.paths import RunDirLock
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.watchdog import HangWatchdog
-from mlxd.protocol import codec, exit_codes
+from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, ResetChild,
@@ -69,11 +69,8 @@ class Supervisor:
         return argv
 
     def _engine_argv(self, engine_id: str, spec: str) -> list[str]:
-        c = self.cfg
         return [sys.executable, "-m", "mlxd.engine", *self._common(), "--engine-id", engine_id,
-                "--model", spec, "--cache-dir", str(c.cache_dir), "--batch", str(c.batch),
-                "--prefill-step", str(c.prefill_step), "--dtype", c.dtype,
-                "--prompt-cache", str(c.prompt_cache_gb)]
+                "--model", spec, *self.cfg.engine_flags()]
 
     def _child(self, role: str, child_id: str, model: str, argv: list[str]) -> Child:
         return Child(role, child_id, model, argv,
@@ -91,6 +88,10 @@ class Supervisor:
         self._ctl.bind(self.eps.control)
         self._spawn_task(self._read_control())
         self._spawn_task(self._watch_hangs())
+        shm.remove_leftovers(self.cfg.run_dir)
+        if self.cfg.ssd_cache is not None:
+            self.children["storage"] = self._child("storage", "storage", "",
+                                                   self.cfg.storage_argv(supervised=True))
         self.children["proxy"] = self._child("proxy", "proxy", "", self._proxy_argv())
         for eid, spec in self.cfg.engines().items():
             self.children[eid] = self._child("engine", eid, spec, self._engine_argv(eid, spec))
@@ -149,6 +150,8 @@ class Supervisor:
 
     async def _watch(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if child.role == "engine":  # its KV arena goes with it (the worker keeps its mapping)
+            shm.unlink(shm.segment_name(self.cfg.run_dir, child.child_id, child.epoch))
         if child.proc is not proc:
             return
         child.last_exit = describe_exit(code)
@@ -258,6 +261,8 @@ class Supervisor:
         if child.role == "proxy":
             self._pin_port(child)
             print(f"mlxd: listening on {detail}", file=sys.stderr, flush=True)
+        elif child.role == "storage":
+            print(f"mlxd: SSD KV cache at {detail}", file=sys.stderr, flush=True)
         else:
             print(f"mlxd: model {model_id(child.model)} ready (engine {child.child_id}, pid "
                   f"{child.proc.pid if child.proc else '?'})", file=sys.stderr, flush=True)
@@ -317,7 +322,13 @@ class Supervisor:
         self._spawn_task(self._send(proxy, snapshot))
 
     async def _stop_all(self) -> None:
-        live = [c for c in self.children.values() if c.alive]
+        # Engines flush their caches through the storage worker: it stops last.
+        await self._stop_group([c for c in self.children.values() if c.role != "storage"])
+        await self._stop_group([c for c in self.children.values() if c.role == "storage"])
+        shm.remove_leftovers(self.cfg.run_dir)
+
+    async def _stop_group(self, children: list[Child]) -> None:
+        live = [c for c in children if c.alive]
         for child in live:
             child.state = "stopping"
             if not await self._send(child, Shutdown("daemon stopping")):

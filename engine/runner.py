@@ -32,7 +32,7 @@ class AddRequest:
     max_tokens: int
     sampler: Callable[[mx.array], mx.array]
     processors: list
-    restored: tuple[int, list] | None = None  # (tokens, per-layer (k, v) numpy) read from SSD
+    restored: tuple[int, list, str] | None = None  # (tokens, per-layer (k, v) numpy, dtype)
 
 
 @dataclass
@@ -175,8 +175,8 @@ class Runner:
         cache, cached, source = None, 0, "none"
         hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
         if add.restored is not None and (hit is None or add.restored[0] > hit[1]):
-            n, arrays = add.restored
-            layers = [(mx.array(k), mx.array(v)) for k, v in arrays]
+            n, arrays, dtype = add.restored
+            layers = [(_to_mx(k, dtype), _to_mx(v, dtype)) for k, v in arrays]
             cache, cached, source = self._lend(layers, n), n, "ssd"
             self.counters.ssd_restored_tokens += n
             entry = self.cache.insert(prompt[:n], layers, sum(k.nbytes + v.nbytes
@@ -315,3 +315,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _to_mx(a: Any, dtype: str) -> mx.array:
+    arr = mx.array(a)
+    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr

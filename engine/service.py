@@ -20,12 +20,13 @@ import msgspec
 import zmq
 
 from mlxd.engine.output import RequestOutput
-from mlxd.engine.runner import (AbortRequest, AddRequest, RequestStarted, RequestsRemoved, Runner,
-                                StepTokens, StopRunner)
+from mlxd.engine.runner import (AbortRequest, AddRequest, Call, RequestStarted, RequestsRemoved,
+                                Runner, StepTokens, StopRunner)
 from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints, engine_identity
-from mlxd.protocol.messages import (Abort, ChildFailed, Delta, EngineStatus, Generate, Heartbeat,
-                                    Hello, Ready, Shutdown, StepOutput)
+from mlxd.protocol.messages import (Abort, CacheFlushed, ChildFailed, Delta, EngineStatus,
+                                    FlushCache, Generate, Heartbeat, Hello, Ready, Shutdown,
+                                    StepOutput)
 from mlxd.protocol.models import model_id, model_names
 
 log = logging.getLogger("mlxd.engine")
@@ -43,6 +44,11 @@ class EngineSettings:
     prefill_step: int = 512
     dtype: str = "auto"
     prompt_cache_gb: float = 4.0
+    run_dir: Path | None = None  # for shared-memory names
+    ssd_root: Path | None = None  # None: no SSD tier
+    block_tokens: int = 256
+    kv_slots: int = 16
+    ssd_verify: bool = True
 
 
 class _StatusTick:
@@ -72,6 +78,7 @@ class EngineService:
         self.context_length = 0
         self.eos_ids: frozenset[int] = frozenset()
         self.outq: "queue.Queue[Any]" = queue.Queue()
+        self.ssd: Any = None  # SsdTier when the SSD tier is on
         self.outputs: dict[str, RequestOutput] = {}
         self.pending: list[Any] = []  # runner commands that arrive while the model loads
         self.identity = engine_identity(settings.engine_id, settings.epoch)
@@ -113,22 +120,72 @@ class EngineService:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.context_length = context_length(config, tokenizer)
         stream = mx.new_stream(mx.default_device())
+        self.ssd = self._open_ssd(model, config)
+        persist = self.ssd.persist if self.ssd is not None else None
         self.runner = Runner(model, sorted(self.eos_ids), batch_size=self.s.batch_size,
                              prefill_step=self.s.prefill_step, outbox=self.outq, stream=stream,
-                             cache_bytes=int(self.s.prompt_cache_gb * 2**30))
+                             cache_bytes=int(self.s.prompt_cache_gb * 2**30),
+                             on_entry=persist,
+                             on_evict=(lambda e: None if e.persisted else persist(e))
+                             if persist else None)
         log.info("model %s loaded in %.1f s (context %d)", model_id(self.s.model),
                  time.monotonic() - t0, self.context_length)
         self._set_state("ready")
         self._send_control(Ready(self.s.engine_id, self.s.epoch))
         if self.stop_event.is_set():
             return exit_codes.OK
-        self.runner.run()
+        try:
+            self.runner.run()
+        finally:
+            if self.ssd is not None:
+                self.ssd.close()
         return exit_codes.OK
 
-    def stop(self) -> None:
+    def _open_ssd(self, model: Any, config: dict) -> Any:
+        if self.s.ssd_root is None or self.s.run_dir is None or not self.eps.storage:
+            return None
+        from mlxd.engine.model_loader import resolve_model_dir
+        from mlxd.engine.ssd_tier import SsdTier, weights_digest
+        from mlxd.storage_worker.block_format import Layout
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        probe = make_prompt_cache(model)
+        if not all(type(c) is KVCache for c in probe):
+            log.info("this model's cache is not a plain KV cache: no SSD tier")
+            return None
+        model(mx.array([[0]]), cache=probe)
+        k, v = probe[0].keys, probe[0].values
+        dtype = str(k.dtype).split(".")[-1]
+        layout = Layout(len(probe), k.shape[1], k.shape[3], v.shape[3], dtype)
+        digest = weights_digest(resolve_model_dir(self.s.model, self.s.cache_dir))
+        description = (f"v1|{model_id(self.s.model)}|{digest}|{dtype}|{self.s.block_tokens}|"
+                       f"mlx {mx.__version__}|{layout}")
+        try:
+            return SsdTier(root=self.s.ssd_root, layout=layout, description=description,
+                           block_tokens=self.s.block_tokens, run_dir=self.s.run_dir,
+                           engine_id=self.s.engine_id, epoch=self.s.epoch, slots=self.s.kv_slots,
+                           verify=self.s.ssd_verify, ctx=self.ctx, endpoint=self.eps.storage)
+        except OSError as e:
+            log.error("no SSD tier: cannot create shared memory: %s", e)
+            return None
+
+    def stop(self, flush_timeout: float = 10.0) -> None:
+        """Stop after making the cache durable (bounded by `flush_timeout`)."""
         self.stop_event.set()
         if self.runner is not None:
+            if self.ssd is not None and flush_timeout > 0:
+                self.runner.inbox.put(Call(lambda r: self._flush(r, "shutdown", flush_timeout)))
             self.runner.inbox.put(StopRunner())
+
+    def _flush(self, runner: Runner, token: str, timeout: float) -> None:
+        """On the MLX thread: persist every RAM entry, wait until durable, report."""
+        if self.ssd is None:
+            self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, 0, 0, 0,
+                                       "the SSD tier is off"))
+            return
+        written, failed = self.ssd.flush(runner.cache.entries(), timeout)
+        self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, written, failed,
+                                   self.ssd.queue_depth, self.ssd.stats.error))
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -201,6 +258,13 @@ class EngineService:
             for rid in rids:
                 self._to_runner(AbortRequest(rid))
             return
+        if isinstance(msg, FlushCache):
+            if self.runner is None:
+                self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, msg.token, 0, 0, 0,
+                                           "the model is still loading"))
+            else:
+                self._to_runner(Call(lambda r, m=msg: self._flush(r, m.token, m.timeout)))
+            return
         if isinstance(msg, Generate):
             try:
                 self._admit(msg)
@@ -242,10 +306,19 @@ class EngineService:
         max_tokens = max(1, min(p.max_tokens, room))
         self.outputs[msg.request_id] = RequestOutput(
             msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids, len(prompt))
+        restored = None
+        if self.ssd is not None and self.runner is not None:
+            in_ram = self.runner.cache.peek(prompt)
+            on_ssd = self.ssd.available(prompt)
+            if on_ssd > in_ram:
+                restored = self.ssd.restore(prompt, in_ram)
+            elif on_ssd == 0:
+                self.ssd.stats.misses += 1
         # Admission notice first: the proxy may now start its response (errors came before).
         self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
         self._to_runner(AddRequest(msg.request_id, prompt, max_tokens, make_request_sampler(p),
-                                   make_request_processors(p)))
+                                   make_request_processors(p),
+                                   restored=(*restored, self.ssd.layout.dtype) if restored else None))
 
     def _to_runner(self, cmd: Any) -> None:
         if self.runner is not None:  # before the model loads there is nothing to abort
@@ -280,7 +353,21 @@ class EngineService:
                 "ram_capacity_bytes": r.cache.max_bytes, "ram_hits": st.hits,
                 "ram_misses": st.misses, "ram_evictions": st.evictions,
                 "prompt_tokens": c.prompt_tokens, "prefilled_tokens": c.prefilled_tokens,
-                "cached_tokens": c.cached_tokens, "ssd_restored_tokens": c.ssd_restored_tokens}
+                "cached_tokens": c.cached_tokens, "ssd_restored_tokens": c.ssd_restored_tokens,
+                **self._ssd_stats()}
+
+    def _ssd_stats(self) -> dict[str, Any]:
+        if self.ssd is None:
+            return {"ssd_state": "off"}
+        st = self.ssd.stats
+        return {"ssd_state": f"degraded: {st.error}" if st.error else "ok",
+                "ssd_hits": st.hits, "ssd_misses": st.misses,
+                "ssd_restored_tokens": st.restored_tokens, "ssd_blocks_queued": st.blocks_queued,
+                "ssd_blocks_written": st.blocks_written, "ssd_blocks_existed": st.blocks_existed,
+                "ssd_bytes_written": st.bytes_written, "ssd_write_failures": st.write_failures,
+                "ssd_skipped_no_slot": st.skipped_no_slot, "ssd_bad_blocks": st.bad_blocks,
+                "ssd_bytes": st.disk_bytes, "ssd_blocks": st.disk_blocks,
+                "ssd_evicted": st.evicted, "ssd_write_queue": self.ssd.queue_depth}
 
     def _output_loop(self) -> None:
         out_codec = codec.from_engine()
@@ -295,6 +382,8 @@ class EngineService:
                 push.send(out_codec.encode(msg))
             except zmq.Again:
                 log.warning("no proxy is reading engine output; dropped a message")
+
+        self._send_now = send
 
         next_status = 0.0
         try:
@@ -351,3 +440,5 @@ class EngineService:
                 out.cached_tokens = item.cached_tokens
         elif isinstance(item, Delta):
             deltas.append(item)
+        elif isinstance(item, CacheFlushed):
+            self._send_now(item)

@@ -15,6 +15,7 @@ class Endpoints:
     control: str
     requests: str
     outputs: str
+    storage: str = ""
 
     @classmethod
     def ipc(cls, run_dir: Path) -> "Endpoints":
@@ -22,19 +23,22 @@ class Endpoints:
             control=f"ipc://{run_dir}/ctl.sock",
             requests=f"ipc://{run_dir}/req.sock",
             outputs=f"ipc://{run_dir}/out.sock",
+            storage=f"ipc://{run_dir}/store.sock",
         )
-        for ep in (eps.control, eps.requests, eps.outputs):
+        for ep in (eps.control, eps.requests, eps.outputs, eps.storage):
             if len(ep) - len("ipc://") > MAX_UNIX_PATH:
                 raise ValueError(f"run dir {run_dir} is too long for a Unix socket path")
         return eps
 
     @classmethod
-    def inproc(cls, tag: str) -> "Endpoints":
+    def inproc(cls, tag: str, run_dir: Path) -> "Endpoints":
+        """Proxy and engine in one process; the storage worker is still its own process."""
         return cls(control=f"inproc://{tag}-ctl", requests=f"inproc://{tag}-req",
-                   outputs=f"inproc://{tag}-out")
+                   outputs=f"inproc://{tag}-out", storage=f"ipc://{run_dir}/store.sock")
 
     def socket_files(self) -> list[Path]:
-        return [Path(ep[len("ipc://"):]) for ep in (self.control, self.requests, self.outputs)
+        return [Path(ep[len("ipc://"):])
+                for ep in (self.control, self.requests, self.outputs, self.storage)
                 if ep.startswith("ipc://")]
 
 

@@ -6,7 +6,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from mlxd.protocol.messages import FromEngine, ToChild, ToEngine, ToSupervisor
+from mlxd.protocol.messages import (FromEngine, FromStorage, ToChild, ToEngine, ToStorage,
+                                    ToSupervisor)
 
 T = TypeVar("T")
 
@@ -37,3 +38,11 @@ def to_supervisor() -> Codec[ToSupervisor]:
 
 def to_child() -> Codec[ToChild]:
     return Codec(ToChild)
+
+
+def to_storage() -> Codec[ToStorage]:
+    return Codec(ToStorage)
+
+
+def from_storage() -> Codec[FromStorage]:
+    return Codec(FromStorage)

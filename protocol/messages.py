@@ -40,10 +40,16 @@ class Generate(_Msg, tag="gen"):
 
 
 class Abort(_Msg, tag="abort"):
-    request_ids: list[str]
+    request_ids: list[str]  # ["*"]: every request on the engine
 
 
-ToEngine = Generate | Abort
+class FlushCache(_Msg, tag="flush"):
+    """Make every cached entry durable on SSD; answered by CacheFlushed."""
+    token: str
+    timeout: float = 60.0
+
+
+ToEngine = Generate | Abort | FlushCache
 
 
 # ---------------------------------------------------------------- engine -> proxy (outputs)
@@ -84,10 +90,20 @@ class EngineStatus(_Msg, tag="status"):
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     model_spec: str = ""
-    cache: dict[str, float] = {}  # RAM/SSD tier figures for /stats
+    cache: dict[str, float | int | str] = {}  # RAM/SSD tier figures for /stats
 
 
-FromEngine = StepOutput | EngineStatus
+class CacheFlushed(_Msg, tag="flushed"):
+    engine_id: str
+    epoch: int
+    token: str
+    written: int
+    failed: int
+    pending: int
+    error: str | None = None
+
+
+FromEngine = StepOutput | EngineStatus | CacheFlushed
 
 
 # ---------------------------------------------------------------- control (supervisor <-> child)
@@ -161,3 +177,46 @@ class ResetChild(_Msg, tag="reset"):
 
 ToSupervisor = Hello | Ready | Heartbeat | ChildFailed | StartEngine | StopEngine | ResetChild
 ToChild = Shutdown | ChildStates
+
+
+# ---------------------------------------------------------------- engine <-> storage worker
+
+class BlockWrite(msgspec.Struct, array_like=True):
+    """One block's bytes are in shared-memory slot `slot` (payload layout, from its start)."""
+    slot: int
+    parent: bytes
+    key: bytes
+    tokens: list[int]
+    tail: bool = False
+
+
+class StoreBlocks(_Msg, tag="store"):
+    engine_id: str
+    epoch: int
+    segment: str  # shared-memory segment name
+    slot_bytes: int
+    namespace: bytes
+    layout: list  # [n_layers, kv_heads, k_head_dim, v_head_dim, dtype]
+    blocks: list[BlockWrite]
+
+
+class TouchBlocks(_Msg, tag="touch"):
+    """Blocks just restored: most recently used for the SSD cap's LRU."""
+    namespace: bytes
+    names: list[str]
+
+
+class StoreDone(_Msg, tag="stored"):
+    slots: list[int]  # free again
+    written: int = 0
+    existed: int = 0
+    failed: int = 0
+    bytes_written: int = 0
+    error: str | None = None  # set while the SSD tier cannot write (full, read-only, gone)
+    disk_bytes: int = 0
+    disk_blocks: int = 0
+    evicted: int = 0
+
+
+ToStorage = StoreBlocks | TouchBlocks
+FromStorage = StoreDone

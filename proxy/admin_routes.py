@@ -38,7 +38,21 @@ async def reset(request: web.Request) -> web.Response:
     return web.json_response({"model": rec.model_id, "state": "resetting"})
 
 
+async def flush_cache(request: web.Request) -> web.Response:
+    """Returns once every queued KV write of every ready engine is durable."""
+    import asyncio
+    client = request.app["client"]
+    ready = [r for r in client.engines.values() if r.state == "ready"]
+    results = await asyncio.gather(*(client.flush(r, 120.0) for r in ready))
+    engines = [{"model": r.model_id, "written": f.written, "failed": f.failed,
+                "pending": f.pending, "error": f.error} for r, f in zip(ready, results)]
+    return web.json_response({
+        "written": sum(f.written for f in results), "failed": sum(f.failed for f in results),
+        "pending": sum(f.pending for f in results), "engines": engines})
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/cache/flush", flush_cache)
     app.router.add_post("/admin/models/load", load)
     app.router.add_post("/admin/models/unload", unload)
     app.router.add_post("/admin/models/reset", reset)

@@ -17,8 +17,8 @@ import zmq.asyncio
 
 from mlxd.protocol import codec
 from mlxd.protocol.addresses import Endpoints, engine_identity
-from mlxd.protocol.messages import (Abort, ChildInfo, ChildStates, Delta, EngineStatus, Generate,
-                                    StepOutput)
+from mlxd.protocol.messages import (Abort, CacheFlushed, ChildInfo, ChildStates, Delta,
+                                    EngineStatus, FlushCache, Generate, StepOutput)
 from mlxd.protocol.models import model_id, model_names
 
 log = logging.getLogger("mlxd.proxy")
@@ -89,6 +89,7 @@ class EngineClient:
             for eid, spec in models.items()}
         self.streams: dict[str, RequestStream] = {}
         self.children: list[ChildInfo] = []
+        self._flushes: dict[str, asyncio.Future] = {}
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -195,6 +196,22 @@ class EngineClient:
         else:
             rec.ready.clear()
 
+    async def flush(self, rec: EngineRecord, timeout: float) -> CacheFlushed:
+        """Ask one engine to make its cache durable; wait for its answer."""
+        import uuid
+        token = uuid.uuid4().hex
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._flushes[token] = fut
+        try:
+            await self._router.send_multipart(
+                [rec.identity, self._enc.encode(FlushCache(token, timeout))])
+            return await asyncio.wait_for(fut, timeout + 5)
+        except (zmq.ZMQError, asyncio.TimeoutError) as e:
+            return CacheFlushed(rec.engine_id, rec.epoch, token, 0, 0, 0,
+                                f"no answer from the engine: {e!r}")
+        finally:
+            self._flushes.pop(token, None)
+
     async def _abort_all(self, rec: EngineRecord) -> None:
         try:
             await self._router.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
@@ -222,6 +239,10 @@ class EngineClient:
                     stream.queue.put_nowait(d)
             elif isinstance(msg, EngineStatus):
                 self._on_status(msg)
+            elif isinstance(msg, CacheFlushed):
+                fut = self._flushes.pop(msg.token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
 
     def _on_status(self, st: EngineStatus) -> None:
         rec = self.engines.get(st.engine_id)

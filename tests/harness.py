@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx2 as httpx
 import psutil
 
+from mlxd.protocol import shm
+
 
 class Daemon:
     def __init__(self, model: str | None, *extra: str, isolate: bool = False,
@@ -113,6 +115,10 @@ class Daemon:
         assert not alive, f"children outlived the daemon: {alive}"
         left = [p.name for p in self.run_dir.iterdir()] if self.run_dir.exists() else []
         assert not left, f"left in the run dir: {left}"
+        tag = shm.segment_name(self.run_dir, "", 0)[:8]  # "mlxd" + this run dir's hash
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(tag)] \
+            if os.path.isdir("/dev/shm") else []
+        assert not segments, f"shared-memory segments left: {segments}"
 
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,340 @@
+"""The engine's side of the SSD tier.
+
+- Write-behind (MLX thread): a new RAM entry's blocks that the disk lacks are copied, one
+  memcpy per layer, into free slots of this engine's shared-memory arena; a `StoreBlocks`
+  message names the slots. No hashing, writing or fsync here, and no waiting: with no free slot
+  the block is skipped (counted) rather than stall decoding.
+- The storage thread owns the DEALER to the storage worker: it sends, frees slots on
+  `StoreDone`, and reclaims slots a dead worker never answered for.
+- Restore (I/O thread, before a request reaches the MLX thread): walk the prompt's chained keys
+  while block files exist, then the best tail; read and verify each file. A bad file is a miss
+  (logged and removed), never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from mlxd.engine.prefix_cache import Entry
+from mlxd.protocol import codec, shm
+from mlxd.protocol.messages import BlockWrite, StoreBlocks, StoreDone, TouchBlocks
+from mlxd.storage_worker.block_format import (BadBlock, Layout, block_key, block_path,
+                                              chain_keys, namespace_key, parse_name, read_block)
+
+log = logging.getLogger("mlxd.engine")
+
+RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead worker is assumed
+_RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@dataclass
+class SsdStats:
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    blocks_queued: int = 0
+    blocks_written: int = 0
+    blocks_existed: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    skipped_no_slot: int = 0
+    bad_blocks: int = 0
+    disk_bytes: int = 0
+    disk_blocks: int = 0
+    evicted: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    sent_at: float
+    keys: list[bytes] = field(default_factory=list)
+
+
+def weights_digest(model_dir: Path) -> str:
+    """Cheap identity of the weights: config plus every safetensors header and size."""
+    h = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.json")) + sorted(model_dir.glob("*.safetensors")):
+        h.update(path.name.encode())
+        h.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors":
+                n = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(n, 1 << 24)))
+            elif path.name == "config.json":
+                h.update(f.read())
+    return h.hexdigest()
+
+
+class SsdTier:
+    def __init__(self, *, root: Path, layout: Layout, description: str, block_tokens: int,
+                 run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
+                 ctx: zmq.Context, endpoint: str) -> None:
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self.namespace = namespace_key(description)
+        self.ns_dir = root / self.namespace.hex()[:16]
+        self.verify = verify
+        self.engine_id, self.epoch = engine_id, epoch
+        self.slot_bytes = layout.payload_bytes(block_tokens)
+        self.segment = shm.segment_name(run_dir, engine_id, epoch)
+        self._shm = shm.create(run_dir, self.segment, self.slot_bytes * slots)
+        self._free: "queue.Queue[int]" = queue.Queue()
+        for i in range(slots):
+            self._free.put(i)
+        self._pending: dict[int, _Pending] = {}
+        self._queued_keys: set[bytes] = set()
+        self._out: "queue.Queue[Any]" = queue.Queue()
+        self._idle = threading.Condition()
+        self.stats = SsdStats()
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._client_loop, name="engine-ssd", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._shm.close()
+        shm.unlink(self.segment)
+
+    # ------------------------------------------------------------------ keys
+
+    def _blocks_of(self, tokens: tuple[int, ...] | list[int]) -> list[tuple[int, int, bytes, bytes]]:
+        """(start, end, parent, key) for every full block and the tail of `tokens`."""
+        out = []
+        parent = self.namespace
+        B = self.block_tokens
+        full = len(tokens) // B
+        for i in range(full):
+            key = block_key(parent, list(tokens[i * B:(i + 1) * B]))
+            out.append((i * B, (i + 1) * B, parent, key))
+            parent = key
+        if len(tokens) % B:
+            out.append((full * B, len(tokens), parent, block_key(parent, list(tokens[full * B:]))))
+        return out
+
+    def _path(self, parent: bytes, n: int, key: bytes) -> Path:
+        return block_path(self.ns_dir, parent, n, key)
+
+    # ------------------------------------------------------------------ write-behind (MLX thread)
+
+    def persist(self, entry: Entry) -> int:
+        """Queue `entry`'s missing blocks for the storage worker; return how many were queued."""
+        import mlx.core as mx
+        todo = [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
+                if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
+        if not todo:
+            entry.persisted = True
+            return 0
+        mx.eval([a for kv in entry.layers for a in kv])
+        writes = []
+        for start, end, parent, key in todo:
+            try:
+                slot = self._free.get_nowait()
+            except queue.Empty:
+                self.stats.skipped_no_slot += 1
+                continue
+            self._copy(entry, start, end, slot)
+            writes.append(BlockWrite(slot, parent, key, list(entry.tokens[start:end]),
+                                     tail=end - start < self.block_tokens))
+            self._queued_keys.add(key)
+        if writes:
+            self.stats.blocks_queued += len(writes)
+            with self._idle:
+                for w in writes:
+                    self._pending[w.slot] = _Pending(time.monotonic(), [w.key])
+            self._out.put(StoreBlocks(self.engine_id, self.epoch, self.segment, self.slot_bytes,
+                                      self.namespace, self._layout_list(), writes))
+        entry.persisted = len(writes) == len(todo)
+        return len(writes)
+
+    def _layout_list(self) -> list:
+        lay = self.layout
+        return [lay.n_layers, lay.kv_heads, lay.k_head_dim, lay.v_head_dim, lay.dtype]
+
+    def _copy(self, entry: Entry, start: int, end: int, slot: int) -> None:
+        import mlx.core as mx
+        n = end - start
+        raw = _RAW[self.layout.dtype]
+        base = slot * self.slot_bytes
+        lay = self.layout
+        off = base
+        for k, v in entry.layers:
+            for arr, hd in ((k, lay.k_head_dim), (v, lay.v_head_dim)):
+                part = arr[0, :, start:end, :]
+                if lay.dtype == "bfloat16":
+                    part = part.view(mx.uint16)
+                dst = np.ndarray((lay.kv_heads, n, hd), dtype=raw, buffer=self._shm.buf,
+                                 offset=off)
+                dst[...] = np.asarray(part)
+                off += dst.nbytes
+
+    def flush(self, entries: list[Entry], timeout: float) -> tuple[int, int]:
+        """Persist every entry, waiting for slots as needed; return (written, failed) once
+        every queued write is durable or `timeout` passed."""
+        deadline = time.monotonic() + timeout
+        w0, f0 = self.stats.blocks_written, self.stats.write_failures
+        for entry in entries:
+            while not entry.persisted and time.monotonic() < deadline:
+                self.persist(entry)
+                if not entry.persisted:
+                    self._wait_for_slot(deadline)
+        with self._idle:
+            while self._pending and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
+        return self.stats.blocks_written - w0, self.stats.write_failures - f0
+
+    def _wait_for_slot(self, deadline: float) -> None:
+        with self._idle:
+            while self._free.empty() and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ storage thread
+
+    def _client_loop(self) -> None:
+        enc, dec = codec.to_storage(), codec.from_storage()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        sock.connect(self._endpoint)
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        msg = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        sock.send(enc.encode(msg))
+                    except zmq.Again:
+                        self._fail(msg, "the storage worker is not reachable")
+                if sock.poll(50, zmq.POLLIN):
+                    self._done(dec.decode(sock.recv()))
+                self._reclaim()
+        finally:
+            sock.close()
+
+    def _fail(self, msg: Any, error: str) -> None:
+        if isinstance(msg, StoreBlocks):
+            self._done(StoreDone([b.slot for b in msg.blocks], failed=len(msg.blocks),
+                                 error=error))
+
+    def _done(self, done: StoreDone) -> None:
+        s = self.stats
+        s.blocks_written += done.written
+        s.blocks_existed += done.existed
+        s.bytes_written += done.bytes_written
+        s.write_failures += done.failed
+        s.evicted += done.evicted
+        s.error = done.error
+        if done.disk_blocks or done.disk_bytes:
+            s.disk_bytes, s.disk_blocks = done.disk_bytes, done.disk_blocks
+        with self._idle:
+            for slot in done.slots:
+                p = self._pending.pop(slot, None)
+                if p is not None:
+                    self._queued_keys.difference_update(p.keys)
+                    self._free.put(slot)
+            self._idle.notify_all()
+
+    def _reclaim(self) -> None:
+        now = time.monotonic()
+        stale = [slot for slot, p in list(self._pending.items()) if now - p.sent_at > RECLAIM_AFTER]
+        if stale:
+            log.warning("storage worker never answered for %d blocks; reclaiming their slots",
+                        len(stale))
+            self._done(StoreDone(stale, failed=len(stale), error="the storage worker died"))
+
+    # ------------------------------------------------------------------ restore (I/O thread)
+
+    def available(self, prompt: list[int]) -> int:
+        """How many prompt tokens the SSD tier could serve (file existence only)."""
+        return self._walk(prompt)[0]
+
+    def _walk(self, prompt: list[int]) -> tuple[int, list[tuple[bytes, int, bytes, list[int]]]]:
+        usable = prompt[:len(prompt) - 1]
+        found: list[tuple[bytes, int, bytes, list[int]]] = []
+        parent = self.namespace
+        B = self.block_tokens
+        for i, key in enumerate(chain_keys(self.namespace, usable, B)):
+            if not self._path(parent, B, key).exists():
+                break
+            found.append((parent, B, key, usable[i * B:(i + 1) * B]))
+            parent = key
+        n = len(found) * B
+        rest = usable[n:n + B - 1]
+        best = None
+        try:
+            names = os.listdir(self.ns_dir / parent.hex()[:2]) if rest else []
+        except FileNotFoundError:
+            names = []
+        prefix = parent.hex() + "-"
+        for name in names:
+            if not name.startswith(prefix):
+                continue
+            parsed = parse_name(name)
+            if parsed is None or parsed[1] >= B or parsed[1] > len(rest):
+                continue
+            t = parsed[1]
+            if (best is None or t > best[1]) and block_key(parent, rest[:t]).hex() == parsed[2]:
+                best = (parent, t, bytes.fromhex(parsed[2]), rest[:t])
+        if best is not None:
+            found.append(best)
+            n += best[1]
+        return n, found
+
+    def restore(self, prompt: list[int], better_than: int) -> tuple[int, list] | None:
+        """Per-layer (k, v) numpy arrays (1, kv_heads, n, head_dim) for the longest verified
+        prefix on SSD, if it beats `better_than` tokens."""
+        n, found = self._walk(prompt)
+        if n <= better_than:
+            return None
+        lay = self.layout
+        raw = _RAW[lay.dtype]
+        parts: list[list[np.ndarray]] = [[] for _ in range(2 * lay.n_layers)]
+        got = 0
+        names = []
+        for parent, t, key, tokens in found:
+            path = self._path(parent, t, key)
+            try:
+                payload = read_block(path, lay, self.namespace, parent, key, tokens, self.verify)
+            except BadBlock as e:
+                log.warning("SSD block unusable, removed: %s", e)
+                self.stats.bad_blocks += 1
+                path.unlink(missing_ok=True)
+                break
+            flat = np.frombuffer(payload, dtype=raw)
+            off = 0
+            for i in range(lay.n_layers):
+                for j, hd in ((0, lay.k_head_dim), (1, lay.v_head_dim)):
+                    size = lay.kv_heads * t * hd
+                    parts[2 * i + j].append(flat[off:off + size].reshape(lay.kv_heads, t, hd))
+                    off += size
+            got += t
+            names.append(path.name)
+        if got <= better_than:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.restored_tokens += got
+        self._out.put(TouchBlocks(self.namespace, names))
+        layers = [(np.concatenate(parts[2 * i], axis=1)[None],
+                   np.concatenate(parts[2 * i + 1], axis=1)[None]) for i in range(lay.n_layers)]
+        return got, layers

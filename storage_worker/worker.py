@@ -1,0 +1,149 @@
+"""The storage worker's loop: engines hand over blocks in shared-memory slots; the worker packs,
+hashes (blake3), writes, fsyncs and renames them into place, then frees the slots. CPU only: it
+never imports MLX. Serving never waits on it: when the disk is full, read-only or gone, it
+answers failures (engines keep serving without the SSD tier) and recovers on its own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import zmq
+
+from mlxd.protocol import codec, exit_codes, faults, shm
+from mlxd.protocol.messages import Heartbeat, Hello, Ready, Shutdown, StoreBlocks, StoreDone, TouchBlocks
+from mlxd.storage_worker.block_format import Layout, block_path, pack_header, parse_name
+from mlxd.storage_worker.block_store import BlockStore
+
+log = logging.getLogger("mlxd.storage")
+
+
+class StorageWorker:
+    def __init__(self, root: Path, cap_bytes: int, ctx: zmq.Context, storage_ep: str,
+                 control_ep: str | None, epoch: int) -> None:
+        self.store = BlockStore(root, cap_bytes)
+        self.ctx = ctx
+        self.storage_ep = storage_ep
+        self.control_ep = control_ep
+        self.epoch = epoch
+        self.error: str | None = None
+        self._segments: dict[str, Any] = {}  # name -> attached SharedMemory
+        self._latest: dict[str, tuple[int, str]] = {}  # engine id -> (epoch, segment)
+
+    def run(self) -> int:
+        try:
+            self.store.scan()
+        except OSError as e:
+            self.error = f"cannot read {self.store.root}: {e}"
+            log.error("%s", self.error)
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 1000)
+        router.bind(self.storage_ep)
+        ctl = None
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        sup = codec.to_supervisor()
+        parent = os.getppid()
+        if self.control_ep:
+            ctl = self.ctx.socket(zmq.DEALER)
+            ctl.setsockopt(zmq.IDENTITY, f"storage:storage:{self.epoch}".encode())
+            ctl.setsockopt(zmq.LINGER, 1000)
+            ctl.connect(self.control_ep)
+            ctl.send(sup.encode(Hello("storage", "storage", self.epoch, os.getpid())))
+            ctl.send(sup.encode(Ready("storage", self.epoch, str(self.store.root))))
+            poller.register(ctl, zmq.POLLIN)
+        dec = codec.to_storage()
+        enc = codec.from_storage()
+        ctl_dec = codec.to_child()
+        next_beat = 0.0
+        try:
+            while True:
+                events = dict(poller.poll(500))
+                if router in events:
+                    identity, data = router.recv_multipart()
+                    msg = dec.decode(data)
+                    if isinstance(msg, StoreBlocks):
+                        router.send_multipart([identity, enc.encode(self._store(msg))])
+                    elif isinstance(msg, TouchBlocks):
+                        for name in msg.names:
+                            parsed = parse_name(name)
+                            if parsed:
+                                self.store.touch(parsed[2])
+                if ctl is not None:
+                    if ctl in events and isinstance(ctl_dec.decode(ctl.recv()), Shutdown):
+                        log.info("shutdown requested")
+                        return exit_codes.OK
+                    now = time.monotonic()
+                    if now >= next_beat:
+                        next_beat = now + 0.5
+                        ctl.send(sup.encode(Heartbeat("storage", self.epoch)))
+                        if os.getppid() != parent:
+                            log.error("supervisor is gone; exiting")
+                            return exit_codes.PARENT_GONE
+                elif os.getppid() != parent:
+                    return exit_codes.PARENT_GONE
+        finally:
+            router.close()
+            if ctl is not None:
+                ctl.close()
+            for seg in self._segments.values():
+                seg.close()
+
+    def _segment(self, msg: StoreBlocks) -> Any:
+        seg = self._segments.get(msg.segment)
+        if seg is None:
+            old = self._latest.get(msg.engine_id)
+            if old is not None and old[0] < msg.epoch and old[1] in self._segments:
+                self._segments.pop(old[1]).close()  # a dead epoch's segment: let it go
+            seg = shm.attach(msg.segment)
+            self._segments[msg.segment] = seg
+            self._latest[msg.engine_id] = (msg.epoch, msg.segment)
+        return seg
+
+    def _store(self, msg: StoreBlocks) -> StoreDone:
+        done = StoreDone(slots=[b.slot for b in msg.blocks])
+        layout = Layout(*msg.layout)
+        ns_dir = self.store.root / msg.namespace.hex()[:16]
+        try:
+            seg = self._segment(msg)
+        except (FileNotFoundError, OSError) as e:
+            done.failed = len(msg.blocks)
+            done.error = f"shared memory {msg.segment} is gone: {e}"
+            return self._finish(done)
+        for b in msg.blocks:
+            n = len(b.tokens)
+            size = layout.payload_bytes(n)
+            payload = seg.buf[b.slot * msg.slot_bytes: b.slot * msg.slot_bytes + size]
+            try:
+                digest = blake3.blake3(payload).digest()
+                header = pack_header(layout, msg.namespace, b.parent, b.key, b.tokens, digest,
+                                     size, b.tail)
+                wrote = self.store.write(block_path(ns_dir, b.parent, n, b.key), [header, payload])
+            except (OSError, faults.FaultInjected) as e:
+                done.failed += 1
+                done.error = f"cannot write to {self.store.root}: {e}"
+            else:
+                if wrote:
+                    done.written += 1
+                    done.bytes_written += wrote
+                else:
+                    done.existed += 1
+            finally:
+                payload.release()
+        if done.failed == 0:
+            done.evicted = self.store.evict_to_cap()
+        return self._finish(done)
+
+    def _finish(self, done: StoreDone) -> StoreDone:
+        if done.error and done.error != self.error:
+            log.error("SSD tier degraded: %s", done.error)
+        elif not done.error and self.error:
+            log.info("SSD tier writable again")
+        self.error = done.error
+        done.disk_bytes = self.store.bytes
+        done.disk_blocks = len(self.store.blocks)
+        return done
