@@ -314,12 +314,13 @@ class Supervisor:
             return False
 
     def _broadcast(self) -> None:
-        proxy = self.children.get("proxy")
-        if proxy is None or not proxy.alive:
-            return
+        """Every child state to the proxy (routing) and the engines (a restarted storage
+        worker means their unanswered writes are lost)."""
         now = time.monotonic()
         snapshot = ChildStates([c.info(now) for c in self.children.values()])
-        self._spawn_task(self._send(proxy, snapshot))
+        for child in list(self.children.values()):
+            if child.alive and child.role in ("proxy", "engine"):
+                self._spawn_task(self._send(child, snapshot))
 
     async def _stop_all(self) -> None:
         # Engines flush their caches through the storage worker: it stops last.

@@ -24,7 +24,8 @@ from mlxd.engine.runner import (AbortRequest, AddRequest, Call, RequestStarted, 
                                 Runner, StepTokens, StopRunner)
 from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints, engine_identity
-from mlxd.protocol.messages import (Abort, CacheFlushed, ChildFailed, Delta, EngineStatus,
+from mlxd.protocol.messages import (Abort, CacheFlushed, ChildFailed, ChildStates, Delta,
+                                    EngineStatus,
                                     FlushCache, Generate, Heartbeat, Hello, Ready, Shutdown,
                                     StepOutput)
 from mlxd.protocol.models import model_id, model_names
@@ -224,6 +225,8 @@ class EngineService:
                         if isinstance(msg, Shutdown):
                             log.info("shutdown requested: %s", msg.reason)
                             self.stop()
+                        elif isinstance(msg, ChildStates):
+                            self._on_children(msg)
                     while True:
                         try:
                             ctl.send(sup_codec.encode(self._ctl_out.get_nowait()))
@@ -243,6 +246,16 @@ class EngineService:
             req.close()
             if ctl is not None:
                 ctl.close()
+
+    def _on_children(self, msg: ChildStates) -> None:
+        storage = next((c for c in msg.children if c.role == "storage"), None)
+        if storage is None:
+            return
+        seen = getattr(self, "_storage_epoch", None)
+        self._storage_epoch = storage.epoch
+        if seen is not None and storage.epoch != seen and self.ssd is not None:
+            log.warning("the storage worker restarted; its unanswered writes are requeued")
+            self.ssd.worker_restarted()
 
     def _send_control(self, msg: Any) -> None:
         self._ctl_out.put(msg)
@@ -306,19 +319,29 @@ class EngineService:
         max_tokens = max(1, min(p.max_tokens, room))
         self.outputs[msg.request_id] = RequestOutput(
             msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids, len(prompt))
-        restored = None
-        if self.ssd is not None and self.runner is not None:
-            in_ram = self.runner.cache.peek(prompt)
-            on_ssd = self.ssd.available(prompt)
-            if on_ssd > in_ram:
-                restored = self.ssd.restore(prompt, in_ram)
-            elif on_ssd == 0:
-                self.ssd.stats.misses += 1
+        restored = self._restore(prompt)
         # Admission notice first: the proxy may now start its response (errors came before).
         self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
         self._to_runner(AddRequest(msg.request_id, prompt, max_tokens, make_request_sampler(p),
                                    make_request_processors(p),
                                    restored=(*restored, self.ssd.layout.dtype) if restored else None))
+
+    def _restore(self, prompt: list[int]) -> tuple[int, list] | None:
+        """KV for the prompt's longest prefix on SSD, if it beats the RAM tier. Whatever goes
+        wrong with the disk is a miss: the request is served by prefilling."""
+        if self.ssd is None or self.runner is None:
+            return None
+        try:
+            in_ram = self.runner.cache.peek(prompt)
+            on_ssd = self.ssd.available(prompt)
+            if on_ssd > in_ram:
+                return self.ssd.restore(prompt, in_ram)
+            if on_ssd == 0:
+                self.ssd.stats.misses += 1
+        except Exception as e:  # noqa: BLE001
+            log.warning("SSD lookup failed, serving without it: %s", e)
+            self.ssd.stats.misses += 1
+        return None
 
     def _to_runner(self, cmd: Any) -> None:
         if self.runner is not None:  # before the model loads there is nothing to abort

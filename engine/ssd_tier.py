@@ -77,6 +77,10 @@ def weights_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+class _ReclaimAll:
+    pass
+
+
 class SsdTier:
     def __init__(self, *, root: Path, layout: Layout, description: str, block_tokens: int,
                  run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
@@ -131,11 +135,14 @@ class SsdTier:
 
     # ------------------------------------------------------------------ write-behind (MLX thread)
 
+    def _missing(self, entry: Entry) -> list[tuple[int, int, bytes, bytes]]:
+        return [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
+                if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
+
     def persist(self, entry: Entry) -> int:
         """Queue `entry`'s missing blocks for the storage worker; return how many were queued."""
         import mlx.core as mx
-        todo = [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
-                if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
+        todo = self._missing(entry)
         if not todo:
             entry.persisted = True
             return 0
@@ -188,9 +195,9 @@ class SsdTier:
         deadline = time.monotonic() + timeout
         w0, f0 = self.stats.blocks_written, self.stats.write_failures
         for entry in entries:
-            while not entry.persisted and time.monotonic() < deadline:
+            while self._missing(entry) and time.monotonic() < deadline:
                 self.persist(entry)
-                if not entry.persisted:
+                if self._missing(entry):
                     self._wait_for_slot(deadline)
         with self._idle:
             while self._pending and time.monotonic() < deadline:
@@ -221,6 +228,11 @@ class SsdTier:
                         msg = self._out.get_nowait()
                     except queue.Empty:
                         break
+                    if isinstance(msg, _ReclaimAll):
+                        if self._pending:
+                            self._done(StoreDone(list(self._pending), failed=len(self._pending),
+                                                 error=None))
+                        continue
                     try:
                         sock.send(enc.encode(msg))
                     except zmq.Again:
@@ -254,6 +266,10 @@ class SsdTier:
                     self._free.put(slot)
             self._idle.notify_all()
 
+    def worker_restarted(self) -> None:
+        """The storage worker was replaced: what the dead one held will never be answered."""
+        self._out.put(_ReclaimAll())
+
     def _reclaim(self) -> None:
         now = time.monotonic()
         stale = [slot for slot, p in list(self._pending.items()) if now - p.sent_at > RECLAIM_AFTER]
@@ -283,7 +299,7 @@ class SsdTier:
         best = None
         try:
             names = os.listdir(self.ns_dir / parent.hex()[:2]) if rest else []
-        except FileNotFoundError:
+        except OSError:  # gone, not a directory, unreadable: no tails
             names = []
         prefix = parent.hex() + "-"
         for name in names:

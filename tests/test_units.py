@@ -208,3 +208,61 @@ def test_faults_fire_at_the_nth_hit_of_the_right_epoch():
         faults.hit("engine.load")
     faults.configure(None, "")
     faults.hit("engine.load")
+
+
+# ---------------------------------------------------------------- block files
+
+import numpy as np  # noqa: E402
+
+from mlxd.storage_worker.block_format import (BadBlock, Layout, block_key,  # noqa: E402
+                                              block_path, namespace_key, pack_header,
+                                              read_block)
+from mlxd.storage_worker.block_store import BlockStore  # noqa: E402
+
+
+def _write_block(tmp_path, tokens, parent=None):
+    import blake3
+    lay = Layout(2, 2, 4, 4, "float32")
+    ns = namespace_key("test")
+    parent = parent or ns
+    key = block_key(parent, tokens)
+    payload = np.arange(lay.payload_bytes(len(tokens)) // 4, dtype=np.float32).tobytes()
+    head = pack_header(lay, ns, parent, key, tokens, blake3.blake3(payload).digest(),
+                       len(payload), False)
+    store = BlockStore(tmp_path, 0)
+    path = block_path(tmp_path / "ns", parent, len(tokens), key)
+    store.write(path, [head, payload])
+    return lay, ns, parent, key, path, payload
+
+
+def test_block_round_trip_and_every_kind_of_damage(tmp_path):
+    tokens = [5, 6, 7, 8]
+    lay, ns, parent, key, path, payload = _write_block(tmp_path, tokens)
+    assert bytes(read_block(path, lay, ns, parent, key, tokens)) == payload
+    with pytest.raises(BadBlock):  # asked for other tokens
+        read_block(path, lay, ns, parent, key, [5, 6, 7, 9])
+    good = path.read_bytes()
+    flipped = bytearray(good)
+    flipped[-3] ^= 1
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(BadBlock, match="hash"):
+        read_block(path, lay, ns, parent, key, tokens)
+    assert read_block(path, lay, ns, parent, key, tokens, verify=False)  # verify off: trusted
+    path.write_bytes(good[:len(good) // 2])
+    with pytest.raises(BadBlock, match="truncated"):
+        read_block(path, lay, ns, parent, key, tokens)
+    path.unlink()
+    with pytest.raises(BadBlock):
+        read_block(path, lay, ns, parent, key, tokens)
+
+
+def test_block_store_rescan_drops_temporaries_and_evicts_leaves_first(tmp_path):
+    lay, ns, parent, key, path, _ = _write_block(tmp_path, [1, 2])
+    _, _, _, key2, path2, _ = _write_block(tmp_path, [3, 4], parent=key)
+    (path.parent / "junk.blk.tmp").write_bytes(b"torn")
+    store = BlockStore(tmp_path, cap_bytes=path.stat().st_size)
+    store.scan()
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert len(store.blocks) == 2
+    assert store.evict_to_cap() == 1
+    assert path.exists() and not path2.exists()  # the child went first: the chain stays whole
