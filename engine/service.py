@@ -171,22 +171,41 @@ class EngineService:
             return None
 
     def stop(self, flush_timeout: float = 10.0) -> None:
-        """Stop after making the cache durable (bounded by `flush_timeout`)."""
+        """Stop after making the cache durable (bounded by `flush_timeout`). Never blocks:
+        it may run in a signal handler on the MLX thread itself."""
+        if self.stop_event.is_set():
+            return
         self.stop_event.set()
-        if self.runner is not None:
-            if self.ssd is not None and flush_timeout > 0:
-                self.runner.inbox.put(Call(lambda r: self._flush(r, "shutdown", flush_timeout)))
+        if self.runner is None:
+            return
+        if self.ssd is not None and flush_timeout > 0:
+            self._flush_async("shutdown", flush_timeout, then_stop=True)
+        else:
             self.runner.inbox.put(StopRunner())
 
-    def _flush(self, runner: Runner, token: str, timeout: float) -> None:
-        """On the MLX thread: persist every RAM entry, wait until durable, report."""
-        if self.ssd is None:
-            self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, 0, 0, 0,
-                                       "the SSD tier is off"))
-            return
-        written, failed = self.ssd.flush(runner.cache.entries(), timeout)
-        self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, written, failed,
-                                   self.ssd.queue_depth, self.ssd.stats.error))
+    def _flush_async(self, token: str, timeout: float, then_stop: bool = False) -> None:
+        threading.Thread(target=self._flush, args=(token, timeout, then_stop),
+                         name="engine-flush", daemon=True).start()
+
+    def _flush(self, token: str, timeout: float, then_stop: bool) -> None:
+        runner = self.runner
+        assert runner is not None and self.ssd is not None
+        deadline = time.monotonic() + timeout
+
+        def run_on_mlx(fn: Callable[[], int]) -> int | None:
+            box: list[int] = []
+            done = threading.Event()
+            runner.inbox.put(Call(lambda r: (box.append(fn()), done.set())))
+            done.wait(max(0.0, deadline - time.monotonic()))
+            return box[0] if box else None
+
+        try:
+            written, failed = self.ssd.flush(run_on_mlx, runner.cache.entries, timeout)
+            self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, written, failed,
+                                       self.ssd.queue_depth, self.ssd.stats.error))
+        finally:
+            if then_stop:
+                runner.inbox.put(StopRunner())
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -272,11 +291,12 @@ class EngineService:
                 self._to_runner(AbortRequest(rid))
             return
         if isinstance(msg, FlushCache):
-            if self.runner is None:
+            if self.runner is None or self.ssd is None:
                 self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, msg.token, 0, 0, 0,
-                                           "the model is still loading"))
+                                           "the model is still loading" if self.ssd else
+                                           "the SSD tier is off"))
             else:
-                self._to_runner(Call(lambda r, m=msg: self._flush(r, m.token, m.timeout)))
+                self._flush_async(msg.token, msg.timeout)
             return
         if isinstance(msg, Generate):
             try:

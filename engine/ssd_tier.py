@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -189,16 +189,27 @@ class SsdTier:
                 dst[...] = np.asarray(part)
                 off += dst.nbytes
 
-    def flush(self, entries: list[Entry], timeout: float) -> tuple[int, int]:
-        """Persist every entry, waiting for slots as needed; return (written, failed) once
-        every queued write is durable or `timeout` passed."""
+    def flush(self, run_on_mlx: Callable[[Callable[[], int]], int | None],
+              entries: Callable[[], list[Entry]], timeout: float) -> tuple[int, int]:
+        """Make every entry durable; return (written, failed) once every queued write is
+        durable or `timeout` passed. Runs on a helper thread: only the copies run on the MLX
+        thread (through `run_on_mlx`), in rounds as slots free up, so decoding never waits
+        for the disk."""
         deadline = time.monotonic() + timeout
         w0, f0 = self.stats.blocks_written, self.stats.write_failures
-        for entry in entries:
-            while self._missing(entry) and time.monotonic() < deadline:
+
+        def copy_round() -> int:
+            missing = 0
+            for entry in entries():
                 self.persist(entry)
-                if self._missing(entry):
-                    self._wait_for_slot(deadline)
+                missing += len(self._missing(entry))
+            return missing
+
+        while time.monotonic() < deadline:
+            missing = run_on_mlx(copy_round)
+            if not missing:
+                break
+            self._wait_for_slot(deadline)
         with self._idle:
             while self._pending and time.monotonic() < deadline:
                 self._idle.wait(max(0.0, deadline - time.monotonic()))
