@@ -45,6 +45,8 @@ class ServeConfig:
     ssd_verify: bool = True
     block_tokens: int = 256
     kv_slots: int = 16
+    generation_checkpoint: int = 0
+    resume: bool = True
 
     def engine_flags(self) -> list[str]:
         """Engine settings as `python -m mlxd.engine` flags (one place for both modes)."""
@@ -52,7 +54,8 @@ class ServeConfig:
                  "--prefill-step", str(self.prefill_step), "--dtype", self.dtype,
                  "--prompt-cache", str(self.prompt_cache_gb),
                  "--block-tokens", str(self.block_tokens), "--kv-slots", str(self.kv_slots),
-                 "--ssd-verify", "on" if self.ssd_verify else "off"]
+                 "--ssd-verify", "on" if self.ssd_verify else "off",
+                 "--generation-checkpoint", str(self.generation_checkpoint)]
         if self.ssd_cache is not None:
             flags += ["--ssd-cache", str(self.ssd_cache)]
         return flags
@@ -128,6 +131,12 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
                     help="tokens per SSD block")
     ap.add_argument("--kv-slots", type=int, default=16,
                     help="shared-memory slots per engine for blocks on their way to SSD")
+    ap.add_argument("--generation-checkpoint", type=int, default=0, metavar="N",
+                    help="every N generated tokens, persist a running request's KV to SSD, so "
+                         "a resume after a crash recomputes at most N tokens (0: off)")
+    ap.add_argument("--resume", default="on", choices=["on", "off"],
+                    help="continue a request whose engine died on the restarted engine, "
+                         "transparently to the client (off: the client gets the error)")
     ap.add_argument("--restart-backoff", type=float, default=0.5,
                     help="first restart delay after a crash, doubling per crash up to 30 s")
     ap.add_argument("--pool-queue", type=int, default=32,
@@ -144,6 +153,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
               (args.prompt_cache >= 0, "--prompt-cache must be >= 0"),
               (args.block_tokens >= 1, "--block-tokens must be >= 1"),
               (args.kv_slots >= 1, "--kv-slots must be >= 1"),
+              (args.generation_checkpoint >= 0, "--generation-checkpoint must be >= 0"),
               (0 <= args.temp <= 2, "--temp must be in [0, 2]"),
               (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
     checks += [(args.model_pool >= 1, "--model-pool must be >= 1"),
@@ -176,4 +186,5 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             Path(args.ssd_cache).expanduser().absolute() if args.ssd_cache
             else (args.cache_dir or default_cache_dir()).expanduser().absolute() / "kv"),
         ssd_cache_max_gb=args.ssd_cache_max, ssd_verify=args.ssd_cache_verify == "on",
-        block_tokens=args.block_tokens, kv_slots=args.kv_slots)
+        block_tokens=args.block_tokens, kv_slots=args.kv_slots,
+        generation_checkpoint=args.generation_checkpoint, resume=args.resume == "on")

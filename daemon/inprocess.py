@@ -71,7 +71,8 @@ async def _serve(cfg: ServeConfig) -> int:
             service = EngineService(
                 EngineSettings(eid, 0, spec, cfg.cache_dir, cfg.batch, cfg.prefill_step,
                                cfg.dtype, cfg.prompt_cache_gb, cfg.run_dir, cfg.ssd_cache,
-                               cfg.block_tokens, cfg.kv_slots, cfg.ssd_verify),
+                               cfg.block_tokens, cfg.kv_slots, cfg.ssd_verify,
+                               cfg.generation_checkpoint),
                 eps, sync_ctx, supervised=False,
                 on_state=lambda state, error, spec=spec: loop.call_soon_threadsafe(
                     announce, spec, state, error))

@@ -59,7 +59,7 @@ class Supervisor:
                 "--load-wait", str(c.load_wait), "--max-body", str(c.max_body),
                 "--model-pool", str(c.model_pool), "--idle-unload", str(c.idle_unload),
                 "--pool-wait", str(c.pool_wait), "--pool-queue", str(c.pool_queue),
-                "--batch", str(c.batch)]
+                "--batch", str(c.batch), "--resume", "on" if c.resume else "off"]
         if c.socket is not None:
             argv += ["--socket", str(c.socket)]
         for eid, spec in c.engines().items():

@@ -32,13 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=256)
     ap.add_argument("--kv-slots", type=int, default=16)
     ap.add_argument("--ssd-verify", default="on")
+    ap.add_argument("--generation-checkpoint", type=int, default=0)
     args = ap.parse_args(argv)
     child_process_setup(args.log_level, f"engine:{model_id(args.model)}#{args.epoch}")
     faults.configure(args.epoch)
     settings = EngineSettings(args.engine_id, args.epoch, args.model, args.cache_dir,
                               args.batch, args.prefill_step, args.dtype, args.prompt_cache,
                               args.run_dir, args.ssd_cache, args.block_tokens, args.kv_slots,
-                              args.ssd_verify == "on")
+                              args.ssd_verify == "on", args.generation_checkpoint)
     ctx = zmq.Context()
     service = EngineService(settings, Endpoints.ipc(args.run_dir), ctx, supervised=True)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())

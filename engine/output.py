@@ -37,6 +37,17 @@ class RequestOutput:
     _seen: int = 0  # characters of detokenizer.text already consumed
     token_ids: list[int] = field(default_factory=list)
 
+    def prime(self, tokens: list[int], delivered_chars: int) -> None:
+        """Resume: replay what was delivered before a crash, so the text continues exactly
+        (held-back characters, multi-byte sequences split across tokens included)."""
+        for t in tokens:
+            self.detokenizer.add_token(t)
+        self.completion_tokens = len(tokens)
+        self.token_ids = list(tokens)
+        full = self.detokenizer.text
+        self._pending = full[delivered_chars:]
+        self._seen = len(full)
+
     def add(self, token: int, finish_reason: str | None) -> Delta | None:
         """Feed one generated token; return the delta to send (None if nothing to say)."""
         if self.finished:

@@ -79,6 +79,7 @@ class RunnerCounters:
     cached_tokens: int = 0
     ssd_restored_tokens: int = 0
     generated_tokens: int = 0
+    checkpoints: int = 0
     active: int = 0
     busy: bool = False
     last_step_at: float = field(default_factory=time.monotonic)
@@ -88,7 +89,9 @@ class Runner:
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
                  outbox: "queue.Queue[Any]", stream: Any = None, cache_bytes: int = 0,
                  on_entry: Callable[[Entry], None] | None = None,
-                 on_evict: Callable[[Entry], None] | None = None) -> None:
+                 on_evict: Callable[[Entry], None] | None = None,
+                 checkpoint_every: int = 0,
+                 on_checkpoint: Callable[[Entry], None] | None = None) -> None:
         self._model = model
         self._batch_size = batch_size
         self._prefill_step = prefill_step
@@ -104,6 +107,9 @@ class Runner:
         cacheable = all(type(c) is KVCache for c in make_prompt_cache(model))
         self.cache = PrefixCache(cache_bytes if cacheable else 0, on_evict=on_evict)
         self._on_entry = on_entry  # a new RAM entry: queue its blocks for the SSD tier
+        self._checkpoint_every = checkpoint_every if on_checkpoint else 0
+        self._on_checkpoint = on_checkpoint
+        self._generated: dict[int, int] = {}  # uid -> tokens generated, for checkpoints
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -221,6 +227,7 @@ class Runner:
         uids = [self._rid_to_uid.pop(r) for r in rids if r in self._rid_to_uid]
         for uid in uids:
             del self._uid_to_rid[uid]
+            self._generated.pop(uid, None)
         if uids:
             caches = self._gen.remove(uids, return_prompt_caches=bool(self.cache.max_bytes))
             for uid in uids:
@@ -259,22 +266,43 @@ class Runner:
         if not responses:
             return
         rows = []
+        due = []
         for r in responses:
             rid = self._uid_to_rid.get(r.uid)
             if rid is None:
                 continue
             rows.append((rid, r.token, r.finish_reason))
+            if self._checkpoint_every and r.finish_reason is None:
+                n = self._generated.get(r.uid, 0) + 1
+                self._generated[r.uid] = n
+                if n % self._checkpoint_every == 0:
+                    due.append(r.uid)
             if r.finish_reason is not None:
+                self._generated.pop(r.uid, None)
                 del self._uid_to_rid[r.uid]
                 del self._rid_to_uid[rid]
                 self._release_followers(r.uid)
                 if r.prompt_cache is not None and self.cache.max_bytes:
                     self._publish(r.all_tokens, r.prompt_cache)
+        if due:
+            self._checkpoint(due)
         c.generated_tokens += len(rows)
         c.peak_batch = max(c.peak_batch, len(responses))
         c.active = len(self._uid_to_rid)
         c.busy = bool(self._uid_to_rid)
         self._outbox.put(StepTokens(rows))
+
+    def _checkpoint(self, uids: list[int]) -> None:
+        """--generation-checkpoint: a running request's boundary (prompt and generated so far)
+        goes to the SSD tier only (not RAM: it is still live here). Only blocks the disk lacks
+        are copied."""
+        for uid, (cache, tokens) in self._gen.extract_cache(uids).items():
+            if any(type(c) is not KVCache or c.keys is None for c in cache):
+                continue
+            n = min(len(tokens), cache[0].offset)
+            layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+            self._on_checkpoint(Entry(tuple(tokens[:n]), layers, 0))  # type: ignore[misc]
+            self.counters.checkpoints += 1
 
     def _publish_prompt(self, uid: int) -> None:
         """A leader's prompt is in its cache: store that boundary, admit its followers."""

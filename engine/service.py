@@ -50,6 +50,7 @@ class EngineSettings:
     block_tokens: int = 256
     kv_slots: int = 16
     ssd_verify: bool = True
+    generation_checkpoint: int = 0
 
 
 class _StatusTick:
@@ -128,7 +129,9 @@ class EngineService:
                              cache_bytes=int(self.s.prompt_cache_gb * 2**30),
                              on_entry=persist,
                              on_evict=(lambda e: None if e.persisted else persist(e))
-                             if persist else None)
+                             if persist else None,
+                             checkpoint_every=self.s.generation_checkpoint,
+                             on_checkpoint=persist)
         log.info("model %s loaded in %.1f s (context %d)", model_id(self.s.model),
                  time.monotonic() - t0, self.context_length)
         self._set_state("ready")
@@ -327,6 +330,8 @@ class EngineService:
             prompt = list(tok.encode(msg.prompt or ""))
         if not prompt:
             raise ClientError("the prompt is empty", "empty_prompt")
+        if "MLXD_POISON" in str(msg.messages or msg.prompt or ""):
+            faults.hit("engine.poison")  # tests: a request that kills whatever engine runs it
         vocab = len(tok)
         if any(t < 0 or t >= vocab for t in prompt):
             raise ClientError("a prompt token id is outside the vocabulary", "invalid_token")
@@ -337,12 +342,25 @@ class EngineService:
                 f"{self.context_length} tokens", "context_length_exceeded")
         p = msg.sampling
         max_tokens = max(1, min(p.max_tokens, room))
-        self.outputs[msg.request_id] = RequestOutput(
-            msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids, len(prompt))
+        resumed = list(msg.resume_token_ids)
+        out = RequestOutput(msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids,
+                            len(prompt))
+        if resumed:
+            out.prime(resumed, msg.resume_text_len)
+            max_tokens -= len(resumed)
+            prompt = prompt + resumed
+            if max_tokens < 1:  # it had delivered everything but the finish
+                self.outq.put(Delta(msg.request_id, prompt_tokens=out.prompt_tokens))
+                self.outq.put(Delta(msg.request_id, finish_reason="length",
+                                    prompt_tokens=out.prompt_tokens,
+                                    completion_tokens=out.completion_tokens))
+                return
+        self.outputs[msg.request_id] = out
         restored = self._restore(prompt)
         # Admission notice first: the proxy may now start its response (errors came before).
-        self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
-        self._to_runner(AddRequest(msg.request_id, prompt, max_tokens, make_request_sampler(p),
+        self.outq.put(Delta(msg.request_id, prompt_tokens=out.prompt_tokens))
+        self._to_runner(AddRequest(msg.request_id, prompt, max_tokens,
+                                   make_request_sampler(p, start_position=len(resumed)),
                                    make_request_processors(p),
                                    restored=(*restored, self.ssd.layout.dtype) if restored else None))
 
@@ -396,7 +414,7 @@ class EngineService:
                 "ram_capacity_bytes": r.cache.max_bytes, "ram_hits": st.hits,
                 "ram_misses": st.misses, "ram_evictions": st.evictions,
                 "prompt_tokens": c.prompt_tokens, "prefilled_tokens": c.prefilled_tokens,
-                "cached_tokens": c.cached_tokens, "ssd_restored_tokens": c.ssd_restored_tokens,
+                "cached_tokens": c.cached_tokens, "checkpoints": c.checkpoints,
                 **self._ssd_stats()}
 
     def _ssd_stats(self) -> dict[str, Any]:

@@ -146,7 +146,7 @@ class SsdTier:
         if not todo:
             entry.persisted = True
             return 0
-        mx.eval([a for kv in entry.layers for a in kv])
+        mx.eval([a for kv in entry.layers for a in kv])  # no-op for RAM entries
         writes = []
         for start, end, parent, key in todo:
             try:
@@ -173,6 +173,7 @@ class SsdTier:
         return [lay.n_layers, lay.kv_heads, lay.k_head_dim, lay.v_head_dim, lay.dtype]
 
     def _copy(self, entry: Entry, start: int, end: int, slot: int) -> None:
+        """One copy per layer into the slot; only this block's span is evaluated."""
         import mlx.core as mx
         n = end - start
         raw = _RAW[self.layout.dtype]

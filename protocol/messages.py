@@ -37,6 +37,10 @@ class Generate(_Msg, tag="gen"):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
+    # Transparent resume: tokens (and characters of text) already delivered to the client by an
+    # engine that died. They are appended to the prompt; sampling continues at their count.
+    resume_token_ids: list[int] = []
+    resume_text_len: int = 0
 
 
 class Abort(_Msg, tag="abort"):

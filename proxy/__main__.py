@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-wait", type=float, default=60.0)
     ap.add_argument("--pool-queue", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--resume", default="on")
     args = ap.parse_args(argv)
     child_process_setup(args.log_level, f"proxy#{args.epoch}")
     models = dict(e.split("=", 1) for e in args.engine)
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_body)
     defaults = Defaults(args.temp, args.top_p, args.top_k, args.max_tokens)
     pool = PoolSettings(args.model_pool, args.idle_unload, args.pool_wait, args.pool_queue,
-                        args.batch, dict(a.split("=", 1) for a in args.model_alias))
+                        args.batch, dict(a.split("=", 1) for a in args.model_alias),
+                        resume=args.resume == "on")
 
     async def run() -> int:
         stop = asyncio.Event()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -15,6 +16,7 @@ from mlxd.proxy import admin_routes, openai_routes
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.router import Router
 from mlxd.proxy.errors import error_middleware
+from mlxd.proxy.generation import ResumeStats
 from mlxd.proxy.openai_schema import Defaults
 
 
@@ -34,6 +36,8 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults,
     app["defaults"] = defaults
     app["max_body"] = max_body
     app["started"] = int(time.time())
+    app["resume"] = False
+    app["resume_stats"] = ResumeStats()
     openai_routes.add_routes(app)
     admin_routes.add_routes(app)
     app.router.add_get("/health", health)
@@ -72,8 +76,11 @@ async def stats(request: web.Request) -> web.Response:
                               "idle_s": round(time.monotonic() - r.last_used, 1),
                               "pinned": r.pinned} for r in router.pool.resident.values()]}
     children = [msgspec.structs.asdict(c) for c in client.children]
+    rs = request.app["resume_stats"]
     return web.json_response({"proxy": {"pid": os.getpid(), "in_flight": len(client.streams),
-                                        "uptime_s": int(time.time()) - request.app["started"]},
+                                        "uptime_s": int(time.time()) - request.app["started"],
+                                        "resume": {"enabled": request.app["resume"],
+                                                   **dataclasses.asdict(rs)}},
                               "engines": engines, "children": children, "pool": pool})
 
 

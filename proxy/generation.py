@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
+
+import msgspec
 
 from mlxd.protocol.messages import Delta, Generate
 from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
@@ -30,29 +33,91 @@ def _delta_error(d: Delta) -> APIError:
                     code=d.error_code or "engine_error")
 
 
+@dataclass
+class ResumeStats:
+    resumes: int = 0
+    resumed_tokens: int = 0  # tokens delivered before a crash and kept
+    recomputed_tokens: int = 0  # prompt + delivered tokens the new engine had to prefill
+    poison_rejections: int = 0
+
+
 class Generation:
     """One request's run. `start()` returns once the engine admitted it (errors raised there
-    happen before any byte is sent); then iterate `deltas()`."""
+    happen before any byte is sent); then iterate `deltas()`. If the engine dies, the request
+    is re-sent to its restarted engine with the token IDs already delivered, and the client
+    only sees a pause (transparent resume); a request that was running during two engine
+    deaths is failed as poison."""
 
-    def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate) -> None:
+    MAX_CRASHES = 2
+
+    def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
+                 resume: bool = False, load_wait: float = 120.0,
+                 stats: ResumeStats | None = None) -> None:
         self.client = client
         self.engine = engine
         self.msg = msg
+        self.resume = resume
+        self.load_wait = load_wait
+        self.stats = stats or ResumeStats()
         self.stream: RequestStream | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.crashes = 0
+        self.recovered_tokens = 0
+        self.delivered_ids: list[int] = []
+        self.delivered_chars = 0
+        self._pending: Delta | None = None
 
     async def start(self) -> None:
-        try:
-            self.stream = await self.client.submit(self.engine, self.msg)
-        except EngineGone as e:
-            raise unavailable(str(e), "engine_unavailable") from e
-        first = await self._next()
+        first = await self._submit(self.msg)
         if first.finish_reason == "error":
+            if first.error_code == "engine_crashed" and await self._may_resume():
+                return await self.start_resumed()
             raise _delta_error(first)
         self.prompt_tokens = first.prompt_tokens
-        self._pending: Delta | None = first if (first.text or first.finish_reason) else None
+        self._pending = first if (first.text or first.finish_reason) else None
+
+    async def start_resumed(self) -> None:
+        """Re-send to the restarted engine with what the client already has."""
+        while True:
+            msg = msgspec.structs.replace(
+                self.msg, request_id=new_request_id("resume"),
+                resume_token_ids=list(self.delivered_ids), resume_text_len=self.delivered_chars)
+            first = await self._submit(msg)
+            if first.finish_reason == "error":
+                if first.error_code == "engine_crashed" and await self._may_resume():
+                    continue
+                raise _delta_error(first)
+            self.stats.resumes += 1
+            self.stats.resumed_tokens += len(self.delivered_ids)
+            self.recovered_tokens += len(self.delivered_ids)
+            self._pending = first if (first.text or first.finish_reason) else None
+            self._resumed_prompt = first.prompt_tokens + len(self.delivered_ids)
+            return
+
+    async def _submit(self, msg: Generate) -> Delta:
+        try:
+            self.stream = await self.client.submit(self.engine, msg)
+        except EngineGone as e:
+            raise unavailable(str(e), "engine_unavailable") from e
+        return await self._next()
+
+    async def _may_resume(self) -> bool:
+        """After an engine death: wait for its restart, unless resume is off or this request
+        has now been running during MAX_CRASHES deaths (it is probably what kills it)."""
+        self.crashes += 1
+        if not self.resume:
+            return False
+        if self.crashes >= self.MAX_CRASHES:
+            self.stats.poison_rejections += 1
+            raise APIError(500, f"this request was running when the engine serving "
+                           f"{self.engine.model_id} crashed {self.crashes} times; it is not "
+                           "retried again", type="server_error", code="request_poisoned")
+        if not await self.client.wait_ready(self.engine, self.load_wait) \
+                or self.engine.state != "ready":
+            return False
+        return True
 
     async def _next(self) -> Delta:
         assert self.stream is not None
@@ -63,8 +128,9 @@ class Generation:
                 if not self.client.alive(self.stream):
                     self.stream.finished = True
                     self.client.streams.pop(self.stream.request_id, None)
-                    raise unavailable(f"the engine serving {self.engine.model_id} crashed "
-                                      "while running this request", "engine_crashed") from None
+                    return Delta(self.stream.request_id, finish_reason="error",
+                                 error=f"the engine serving {self.engine.model_id} crashed "
+                                       "while running this request", error_code="engine_crashed")
 
     async def deltas(self) -> AsyncIterator[Delta]:
         assert self.stream is not None
@@ -74,10 +140,21 @@ class Generation:
             if d is None:
                 d = await self._next()
             if d.finish_reason == "error":
+                if d.error_code == "engine_crashed" and await self._may_resume():
+                    await self.start_resumed()
+                    d = self._pending
+                    self._pending = None
+                    continue
                 raise _delta_error(d)
             self.completion_tokens = d.completion_tokens or self.completion_tokens
             self.prompt_tokens = d.prompt_tokens or self.prompt_tokens
-            self.cached_tokens = d.cached_tokens or self.cached_tokens
+            if d.finish_reason is not None and hasattr(self, "_resumed_prompt"):
+                self.stats.recomputed_tokens += self._resumed_prompt - d.cached_tokens
+                del self._resumed_prompt
+            elif not self.crashes:
+                self.cached_tokens = d.cached_tokens or self.cached_tokens
+            self.delivered_ids.extend(d.token_ids)
+            self.delivered_chars += len(d.text)
             self.stream.delivered_token_ids.extend(d.token_ids)
             self.stream.delivered_text.append(d.text)
             yield d
@@ -90,6 +167,10 @@ class Generation:
             await self.client.abort(self.stream)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        u = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+             "total_tokens": self.prompt_tokens + self.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.crashes:
+            u["resumes"] = self.crashes
+            u["recovered_tokens"] = self.recovered_tokens
+        return u

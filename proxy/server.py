@@ -32,6 +32,7 @@ class PoolSettings:
     queue: int = 32
     batch: int = 8
     aliases: dict[str, str] = field(default_factory=dict)
+    resume: bool = True
 
 
 class SupervisorLink:
@@ -83,6 +84,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict
                     send=link.send if link else None, batch=pool.batch, pool_wait=pool.wait,
                     pool_queue=pool.queue)
     app = make_app(client, router, defaults, listen.max_body)
+    app["resume"] = pool.resume and supervised  # without --isolate no engine comes back
     runner, where = await start_listeners(app, listen)
     write_listen_file(run_dir, app)
     log.info("listening on %s", where)

@@ -13,6 +13,7 @@ from conftest import start_daemon
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 FAST = ["--restart-backoff", "0.1"]
+NO_RESUME = [*FAST, "--resume", "off"]  # the plain error behaviour (tests/test_resume.py: resume)
 
 
 def engine(d, model="tiny-llama"):
@@ -42,7 +43,7 @@ def finish(d):
 
 @pytest.fixture
 def iso(tiny_model):
-    d = start_daemon(tiny_model, *FAST, isolate=True)
+    d = start_daemon(tiny_model, *NO_RESUME, isolate=True)
     yield d
     finish(d)
 
@@ -73,7 +74,7 @@ def test_kill_9_mid_stream_gives_in_band_error_then_engine_returns(iso):
 
 def test_kill_9_before_first_byte_gives_503_with_retry_after(tiny_model):
     import threading
-    d = start_daemon(tiny_model, *FAST, isolate=True,
+    d = start_daemon(tiny_model, *NO_RESUME, isolate=True,
                      env={"MLXD_FAULTS": "engine.step=delay@1#0"})  # 50 ms steps: time to aim
     try:
         pid = engine(d)["pid"]
@@ -153,7 +154,7 @@ def test_crash_loop_trips_the_breaker_and_admin_reset_clears_it(tiny_model):
 
 
 def test_hung_engine_is_killed_and_restarted_within_hang_timeout(tiny_model):
-    d = start_daemon(tiny_model, *FAST, "--hang-timeout", "2", isolate=True,
+    d = start_daemon(tiny_model, *NO_RESUME, "--hang-timeout", "2", isolate=True,
                      env={"MLXD_FAULTS": "engine.step=hang@5#0"})
     try:
         t0 = time.monotonic()
