@@ -191,7 +191,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_target(target: str, model_dir: str, batch: int, dtype: str) -> tuple[Server, str, str]:
+def start_target(target: str, model_dir: str, batch: int, dtype: str,
+                 extra: list[str] | None = None) -> tuple[Server, str, str]:
     port = free_port()
     if target == "mlx_lm.server":
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port),
@@ -205,6 +206,7 @@ def start_target(target: str, model_dir: str, batch: int, dtype: str) -> tuple[S
             "--log-level", "warning"]
     if target == "mlxd-isolate":
         argv.append("--isolate")
+    argv += extra or []
     return Server(argv, f"http://127.0.0.1:{port}/health"), f"http://127.0.0.1:{port}", model_dir
 
 
@@ -237,7 +239,8 @@ async def main_async(args: argparse.Namespace) -> list[Round]:
                 print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
             continue
         batch = max(levels)
-        server, base, name = start_target(target, model_dir, batch, args.dtype)
+        server, base, name = start_target(target, model_dir, batch, args.dtype,
+                                          args.mlxd_args.split() if args.mlxd_args else None)
         try:
             await server.wait()
             for c in levels:
@@ -299,6 +302,8 @@ def main() -> None:
     ap.add_argument("--targets", default="inprocess,mlxd-isolate,mlxd,mlx_lm.server")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mlxd-args", default="", help="extra `mlxd serve` flags, e.g. "
+                    "'--ssd-cache off --prompt-cache 0'")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput"))
     args = ap.parse_args()
     rounds = asyncio.run(main_async(args))

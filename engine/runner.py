@@ -110,6 +110,7 @@ class Runner:
         self._checkpoint_every = checkpoint_every if on_checkpoint else 0
         self._on_checkpoint = on_checkpoint
         self._generated: dict[int, int] = {}  # uid -> tokens generated, for checkpoints
+        self._prompt_len: dict[int, int] = {}  # uid -> prompt tokens, for the prompt boundary
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -203,6 +204,7 @@ class Runner:
         )[0]
         self._uid_to_rid[uid] = add.request_id
         self._rid_to_uid[add.request_id] = uid
+        self._prompt_len[uid] = len(prompt)
         c = self.counters
         c.prompt_tokens += len(prompt)
         c.cached_tokens += cached
@@ -232,9 +234,10 @@ class Runner:
             caches = self._gen.remove(uids, return_prompt_caches=bool(self.cache.max_bytes))
             for uid in uids:
                 self._release_followers(uid)
+                prompt_len = self._prompt_len.pop(uid, 0)
                 if uid in caches:
                     cache, tokens = caches[uid]
-                    self._publish(tokens, cache)
+                    self._publish(tokens, cache, prompt_len)
         self._outbox.put(RequestsRemoved(rids))
 
     def _release_followers(self, uid: int) -> None:
@@ -282,8 +285,9 @@ class Runner:
                 del self._uid_to_rid[r.uid]
                 del self._rid_to_uid[rid]
                 self._release_followers(r.uid)
+                prompt_len = self._prompt_len.pop(r.uid, 0)
                 if r.prompt_cache is not None and self.cache.max_bytes:
-                    self._publish(r.all_tokens, r.prompt_cache)
+                    self._publish(r.all_tokens, r.prompt_cache, prompt_len)
         if due:
             self._checkpoint(due)
         c.generated_tokens += len(rows)
@@ -312,21 +316,30 @@ class Runner:
             self._publish(list(tokens), cache)
         self._release_followers(uid)
 
-    def _publish(self, tokens: list[int], cache: list[Any]) -> None:
+    def _publish(self, tokens: list[int], cache: list[Any], prompt_len: int = 0) -> None:
+        """A request's history into the RAM tier; to the SSD tier both the history and the
+        prompt boundary (the tail block of the prompt alone), so that repeating the same prompt
+        after a restart is served whole, not just its full blocks."""
         if not tokens or any(type(c) is not KVCache or c.keys is None for c in cache):
             return
         n = min(len(tokens), cache[0].offset)
         layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
         entry = self.cache.insert(list(tokens[:n]), layers,
                                   sum(k.nbytes + v.nbytes for k, v in layers))
-        if entry is not None and self._on_entry is not None and not entry.persisted:
+        if self._on_entry is None:
+            return
+        if entry is not None and not entry.persisted:
             self._on_entry(entry)
+        if 0 < prompt_len < n:
+            boundary = [(k[..., :prompt_len, :], v[..., :prompt_len, :]) for k, v in layers]
+            self._on_entry(Entry(tuple(tokens[:prompt_len]), boundary, 0))
 
     def _fail_all(self, message: str) -> None:
         rids = list(self._rid_to_uid)
         waiting = [a.request_id for w in self._followers.values() for a in w]
         self._followers.clear()
         self._prefilling.clear()
+        self._prompt_len.clear()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))
         self._uid_to_rid.clear()

@@ -1,0 +1,72 @@
+"""Where the time goes in mlxd's serving path under load: starts `mlxd serve --isolate` on a
+random-weight model, drives `--concurrency` streaming clients, and samples the engine and proxy
+processes with py-spy (`record`, flat text and speedscope JSON) while they work.
+
+    python benchmarks/profile_serving.py --shape 1b --concurrency 32 --seconds 15 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import model_for, run_http, start_target  # noqa: E402
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    model = model_for(args)
+    server, base, name = start_target("mlxd-isolate", model, args.concurrency, "auto",
+                                      args.mlxd_args.split() if args.mlxd_args else None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        await server.wait()
+        await run_http("warm", base, name, args.concurrency, 32)
+        kids = psutil.Process(server.proc.pid).children(recursive=True)
+        roles = {}
+        for p in kids:
+            cmd = " ".join(p.cmdline())
+            for role in ("mlxd.engine", "mlxd.proxy"):
+                if role in cmd:
+                    roles[role] = p.pid
+        spies = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration",
+                                   str(args.seconds), "--rate", "200", "--threads",
+                                   "--format", fmt, "--output",
+                                   str(args.out / f"{role.split('.')[-1]}.{ext}")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for role, pid in roles.items()
+                 for fmt, ext in (("raw", "txt"), ("speedscope", "json"))]
+        t0 = time.time()
+        rounds = []
+        while time.time() - t0 < args.seconds:
+            r = await run_http("mlxd-isolate", base, name, args.concurrency, args.max_tokens)
+            rounds.append(r.tok_s)
+            print(f"round {len(rounds)}: {r.tok_s:.0f} tok/s", flush=True)
+        for s in spies:
+            s.wait()
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--model-dtype", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--seconds", type=int, default=15)
+    ap.add_argument("--mlxd-args", default="")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
+    asyncio.run(main_async(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
