@@ -73,9 +73,11 @@ class Daemon:
 
 
 def recovery(model: str) -> dict:
+    t0 = time.time()
     d = Daemon(model)
     try:
         d.wait_ready()
+        cold_start = time.time() - t0
         load = [float(m.group(1)) for line in d.lines()
                 if (m := re.search(r"loaded in ([\d.]+) s", line))][0]
         d.http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
@@ -90,8 +92,8 @@ def recovery(model: str) -> dict:
         answered = time.time() - t_kill
         seen = [stamp(line) for line in d.lines() if "exited with signal SIGKILL" in line]
         detect = seen[0] - t_kill if seen and seen[0] else float("nan")
-        return {"model_load_s": load, "kill_to_answer_s": answered,
-                "death_detection_ms": detect * 1e3,
+        return {"model_load_s": load, "daemon_start_to_ready_s": cold_start,
+                "kill_to_answer_s": answered, "death_detection_ms": detect * 1e3,
                 "target_recovery_within_load_plus_1s": answered <= load + 1.0}
     finally:
         d.stop()
