@@ -53,3 +53,41 @@ def test_interrupted_conversion_is_never_used(tmp_path):
     assert cfg["num_key_value_heads"] == 3 and cfg["tie_word_embeddings"] is True
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{gguf.stem}.")
                 and p != torn]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_default_model_stream_survives_an_engine_kill(cache_dir, sampling):
+    import json
+    import os
+    import signal
+    d = start_daemon(None, "--restart-backoff", "0.1", isolate=True, cache_dir=cache_dir)
+    body = {"messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+            "max_tokens": 16, "stream": True, **sampling}
+
+    def run(kill_after=None):
+        parts, n = [], 0
+        with d.http(timeout=300) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    obj = json.loads(line[6:])
+                    assert "error" not in obj, obj
+                    for ch in obj["choices"]:
+                        if ch["delta"].get("content"):
+                            parts.append(ch["delta"]["content"])
+                            n += 1
+                            if n == kill_after:
+                                os.kill(d.stats()["engines"][0]["pid"], signal.SIGKILL)
+        return "".join(parts)
+
+    try:
+        reference = run()
+        assert len(reference) > 20
+        assert run(kill_after=5) == reference
+        assert d.stats()["proxy"]["resume"]["resumes"] == 1
+        assert d.stop() == 0
+        d.assert_clean()
+    finally:
+        d.cleanup()
