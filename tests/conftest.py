@@ -33,6 +33,15 @@ def start_daemon(model, *extra, isolate=False, **kw) -> Daemon:
     return d
 
 
+def stop_and_check(d: Daemon) -> None:
+    """Stop a daemon with SIGTERM: it exits 0 and leaves no process, socket or segment."""
+    try:
+        assert d.stop() == 0, d.log()
+        d.assert_clean()
+    finally:
+        d.cleanup()
+
+
 @pytest.fixture(scope="module", params=["inprocess", "isolate"])
 def daemon(request, tiny_model):
     d = start_daemon(tiny_model, "--batch", "8", isolate=request.param == "isolate")

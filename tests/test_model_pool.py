@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import start_daemon
+from conftest import start_daemon, stop_and_check
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -30,11 +30,7 @@ def pool(tiny_model, tiny_model_b, tiny_model_c):
     d = start_daemon(tiny_model, "--model-pool", "2", "--model-alias", f"bee={tiny_model_b}",
                      isolate=True)
     yield d
-    try:
-        assert d.stop() == 0, d.log()
-        d.assert_clean()
-    finally:
-        d.cleanup()
+    stop_and_check(d)
 
 
 def test_lru_on_demand_loading_and_eviction(pool, tiny_model_b, tiny_model_c):
@@ -111,11 +107,7 @@ def test_busy_engines_are_never_evicted_and_two_models_answer_at_once(
         assert out["a"][0] < out["c"][1] and out["c"][0] < out["a"][1]  # they overlapped
         assert len(resident(d)) == 2 and "tiny-llama-b" in resident(d)
     finally:
-        try:
-            assert d.stop() == 0
-            d.assert_clean()
-        finally:
-            d.cleanup()
+        stop_and_check(d)
 
 
 def test_full_pool_queue_answers_503_pool_busy(tiny_model, tiny_model_b):
@@ -132,8 +124,4 @@ def test_full_pool_queue_answers_503_pool_busy(tiny_model, tiny_model_b):
         assert r.headers["Retry-After"]
         assert out["a"][2]
     finally:
-        try:
-            assert d.stop() == 0
-            d.assert_clean()
-        finally:
-            d.cleanup()
+        stop_and_check(d)

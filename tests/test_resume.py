@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from conftest import start_daemon
+from conftest import start_daemon, stop_and_check as stop
 
 CHAT = [{"role": "user", "content": "Tell me a long story about the sea and the lighthouse."}]
 SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<2"}  # 50 ms steps in epochs 0 and 1: time to aim
@@ -22,12 +22,6 @@ def serve(model, *extra, env=SLOW):
                         isolate=True, env=env)
 
 
-def stop(d):
-    try:
-        assert d.stop() == 0, d.log()
-        d.assert_clean()
-    finally:
-        d.cleanup()
 
 
 def engine_pid(d):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from conftest import start_daemon
+from conftest import start_daemon, stop_and_check as stop
 
 BLOCK = 16
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 2}
@@ -44,12 +44,6 @@ def serve(model, ssd: Path, *extra, run_dir=None, **kw):
                         "--restart-backoff", "0.1", *extra, isolate=True, run_dir=run_dir, **kw)
 
 
-def stop(d):
-    try:
-        assert d.stop() == 0, d.log()
-        d.assert_clean()
-    finally:
-        d.cleanup()
 
 
 def test_flush_kill_9_everything_restart_and_hit_ssd(tiny_model, tmp_path):

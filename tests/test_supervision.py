@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import start_daemon
+from conftest import start_daemon, stop_and_check as finish
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 FAST = ["--restart-backoff", "0.1"]
@@ -33,12 +33,6 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
-def finish(d):
-    try:
-        assert d.stop() == 0, d.log()
-        d.assert_clean()
-    finally:
-        d.cleanup()
 
 
 @pytest.fixture
