@@ -318,7 +318,7 @@ class Runner:
 
     def _publish(self, tokens: list[int], cache: list[Any], prompt_len: int = 0) -> None:
         """A request's history into the RAM tier; to the SSD tier both the history and the
-        prompt boundary (the tail block of the prompt alone), so that repeating the same prompt
+        prompt boundary (a tail block ending with the prompt), so that repeating the same prompt
         after a restart is served whole, not just its full blocks."""
         if not tokens or any(type(c) is not KVCache or c.keys is None for c in cache):
             return
@@ -330,9 +330,12 @@ class Runner:
             return
         if entry is not None and not entry.persisted:
             self._on_entry(entry)
-        if 0 < prompt_len < n:
-            boundary = [(k[..., :prompt_len, :], v[..., :prompt_len, :]) for k, v in layers]
-            self._on_entry(Entry(tuple(tokens[:prompt_len]), boundary, 0))
+        # One token short of the prompt: a lookup uses at most len(prompt) - 1 tokens (one is
+        # always fed), so this is the boundary the same prompt, repeated, can use whole.
+        cut = prompt_len - 1
+        if 0 < cut < n:
+            boundary = [(k[..., :cut, :], v[..., :cut, :]) for k, v in layers]
+            self._on_entry(Entry(tuple(tokens[:cut]), boundary, 0))
 
     def _fail_all(self, message: str) -> None:
         rids = list(self._rid_to_uid)
