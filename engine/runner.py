@@ -166,16 +166,23 @@ class Runner:
         wait for it and then hit the cache: N agents with one system prompt prefill it once."""
         for add in adds:
             if self.cache.max_bytes:
-                cached = max(self.cache.peek(add.prompt), add.restored[0] if add.restored else 0)
-                lead = next((uid for uid, p in self._prefilling.items()
-                             if MIN_SHARED_PREFIX <= _common_prefix(p, add.prompt) - cached
-                             and _common_prefix(p, add.prompt) < len(add.prompt)), None)
+                lead = self._leader_for(add)
                 if lead is not None:
                     self._followers.setdefault(lead, []).append(add)
                     continue
             uid = self._insert(add)
             if self.cache.max_bytes:
                 self._prefilling[uid] = add.prompt
+
+    def _leader_for(self, add: AddRequest) -> int | None:
+        """A prefilling request sharing MIN_SHARED_PREFIX tokens beyond what the caches give
+        `add` already (one slice comparison per candidate, at C speed)."""
+        cached = max(self.cache.peek(add.prompt), add.restored[0] if add.restored else 0)
+        need = cached + MIN_SHARED_PREFIX
+        if need >= len(add.prompt):
+            return None
+        head = add.prompt[:need]
+        return next((uid for uid, p in self._prefilling.items() if p[:need] == head), None)
 
     def _insert(self, add: AddRequest) -> int:
         prompt = add.prompt
@@ -351,14 +358,6 @@ class Runner:
         self.counters.busy = False
         if rids or waiting:
             self._outbox.put(RequestsRemoved(rids + waiting, error=message))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _to_mx(a: Any, dtype: str) -> mx.array:

@@ -82,11 +82,11 @@ class EngineService:
         self.outq: "queue.Queue[Any]" = queue.Queue()
         self.ssd: Any = None  # SsdTier when the SSD tier is on
         self.outputs: dict[str, RequestOutput] = {}
-        self.pending: list[Any] = []  # runner commands that arrive while the model loads
         self.identity = engine_identity(settings.engine_id, settings.epoch)
         self._parent = os.getppid()
         self._threads: list[threading.Thread] = []
         self._ctl_out: "queue.Queue[Any]" = queue.Queue()  # control messages for the I/O thread
+        self._storage_epoch: int | None = None  # the storage worker's, from ChildStates
 
     # ------------------------------------------------------------------ MLX thread
 
@@ -136,10 +136,9 @@ class EngineService:
                  time.monotonic() - t0, self.context_length)
         self._set_state("ready")
         self._send_control(Ready(self.s.engine_id, self.s.epoch))
-        if self.stop_event.is_set():
-            return exit_codes.OK
         try:
-            self.runner.run()
+            if not self.stop_event.is_set():  # a stop during the load: nothing to run
+                self.runner.run()
         finally:
             if self.ssd is not None:
                 self.ssd.close()
@@ -273,8 +272,7 @@ class EngineService:
         storage = next((c for c in msg.children if c.role == "storage"), None)
         if storage is None:
             return
-        seen = getattr(self, "_storage_epoch", None)
-        self._storage_epoch = storage.epoch
+        seen, self._storage_epoch = self._storage_epoch, storage.epoch
         if seen is not None and storage.epoch != seen and self.ssd is not None:
             log.warning("the storage worker restarted; its unanswered writes are requeued")
             self.ssd.worker_restarted()
@@ -330,7 +328,7 @@ class EngineService:
             prompt = list(tok.encode(msg.prompt or ""))
         if not prompt:
             raise ClientError("the prompt is empty", "empty_prompt")
-        if "MLXD_POISON" in str(msg.messages or msg.prompt or ""):
+        if faults.armed("engine.poison") and "MLXD_POISON" in str(msg.messages or msg.prompt):
             faults.hit("engine.poison")  # tests: a request that kills whatever engine runs it
         vocab = len(tok)
         if any(t < 0 or t >= vocab for t in prompt):

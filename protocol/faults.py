@@ -39,6 +39,11 @@ def configure(epoch: int | None, spec: str | None = None) -> None:
                           below)
 
 
+def armed(point: str) -> bool:
+    """Whether a fault is configured at `point` (lets callers skip work to decide on it)."""
+    return point in _faults
+
+
 def hit(point: str) -> None:
     f = _faults.get(point)
     if f is None:

@@ -14,7 +14,8 @@ from mlxd.proxy.generation import Generation, new_request_id
 from mlxd.proxy.model_pool import parse_keep_alive
 from mlxd.proxy.router import Router
 from mlxd.proxy.openai_schema import (ChatRequest, CompletionRequest, chat_messages,
-                                      completion_prompt, decode_body, sampling_params)
+                                      check_max_tokens, completion_prompt, decode_body,
+                                      sampling_params)
 
 
 def _sse(obj: Any) -> bytes:
@@ -29,11 +30,11 @@ async def _run(request: web.Request, req: Any, max_tokens: int | None, prefix: s
         keep_alive = parse_keep_alive(req.keep_alive)
     except ValueError as e:
         raise bad_request(str(e), param="keep_alive") from e
+    params = sampling_params(req, app["defaults"], max_tokens)  # before any model is loaded
     engine = await router.acquire(req.model)
     gen = None
     try:
-        context = engine.status.context_length if engine.status else 0
-        params = sampling_params(req, app["defaults"], max_tokens, context)
+        check_max_tokens(max_tokens, engine.status.context_length if engine.status else 0)
         rid = new_request_id(prefix)
         gen = Generation(app["client"], engine, Generate(request_id=rid, sampling=params, **fields),
                          resume=app["resume"], load_wait=router.load_wait,

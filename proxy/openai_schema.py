@@ -103,8 +103,16 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     return out
 
 
-def sampling_params(req: _Sampling, defaults: Defaults, max_tokens: int | None,
-                    context_length: int) -> SamplingParams:
+def check_max_tokens(max_tokens: int | None, context_length: int) -> None:
+    """An explicit max_tokens beyond the model's context is the client's error (a default one is
+    clamped by the engine). Needs the model's context, so it runs once the engine is known."""
+    if max_tokens is not None and context_length and max_tokens > context_length:
+        raise bad_request(f"`max_tokens` is {max_tokens}, more than this model's context of "
+                          f"{context_length} tokens", param="max_tokens")
+
+
+def sampling_params(req: _Sampling, defaults: Defaults, max_tokens: int | None) -> SamplingParams:
+    """Every check that needs no engine: bad input is refused before a model is touched."""
     if req.n != 1:
         raise bad_request("only n=1 is supported", param="n")
     temperature = defaults.temperature if req.temperature is None else req.temperature
@@ -126,9 +134,6 @@ def sampling_params(req: _Sampling, defaults: Defaults, max_tokens: int | None,
         max_tokens = defaults.max_tokens
     elif max_tokens < 1:
         raise bad_request(f"`max_tokens` must be at least 1, got {max_tokens}", param="max_tokens")
-    elif context_length and max_tokens > context_length:
-        raise bad_request(f"`max_tokens` is {max_tokens}, more than this model's context of "
-                          f"{context_length} tokens", param="max_tokens")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise bad_request(f"`stop` takes at most {MAX_STOP_STRINGS} non-empty strings",
@@ -168,4 +173,4 @@ def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | N
 
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "Defaults", "chat_messages",
-           "completion_prompt", "decode_body", "sampling_params"]
+           "check_max_tokens", "completion_prompt", "decode_body", "sampling_params"]

@@ -56,6 +56,14 @@ def test_unknown_model_is_a_404_envelope(pool):
     assert r.json()["error"]["code"] == "model_not_found"
 
 
+def test_bad_input_for_an_unloaded_model_loads_nothing(pool, tiny_model_c):
+    for bad in ({"max_tokens": -1}, {"temperature": 9}, {"n": 2}, {"keep_alive": "soon"}):
+        r = ask(pool, tiny_model_c, **bad)
+        assert r.status_code == 400, (bad, r.text)
+    assert resident(pool) == {"tiny-llama"}
+    assert not any(c["model"].endswith("tiny-llama-c") for c in pool.stats()["children"])
+
+
 def test_keep_alive_zero_unloads_after_the_request(pool, tiny_model_c):
     assert ask(pool, tiny_model_c, keep_alive=0).status_code == 200
     assert resident(pool) == {"tiny-llama"}

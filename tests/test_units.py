@@ -12,8 +12,8 @@ from mlxd.engine.output import RequestOutput, stop_hold_length
 from mlxd.protocol import codec, exit_codes
 from mlxd.protocol.messages import Delta, EngineStatus, Generate, SamplingParams, StepOutput
 from mlxd.proxy.errors import APIError
-from mlxd.proxy.openai_schema import (ChatRequest, Defaults, chat_messages, decode_body,
-                                      sampling_params)
+from mlxd.proxy.openai_schema import (ChatRequest, Defaults, chat_messages, check_max_tokens,
+                                      decode_body, sampling_params)
 
 
 class CharDetokenizer:
@@ -103,10 +103,15 @@ def test_codecs_round_trip_and_reject_garbage():
 
 def test_sampling_params_defaults_and_limits():
     req = decode_body(b'{"messages": [{"role": "user", "content": "x"}]}', ChatRequest)
-    p = sampling_params(req, Defaults(temperature=0.7, max_tokens=33), None, 100)
+    p = sampling_params(req, Defaults(temperature=0.7, max_tokens=33), None)
     assert p.temperature == 0.7 and p.max_tokens == 33 and 0 <= p.seed < 2**63
     with pytest.raises(APIError) as e:
-        sampling_params(req, Defaults(), 101, 100)
+        sampling_params(req, Defaults(), 0)
+    assert e.value.status == 400 and "at least 1" in e.value.message
+    check_max_tokens(None, 100)  # the default is clamped by the engine, not refused
+    check_max_tokens(100, 100)
+    with pytest.raises(APIError) as e:
+        check_max_tokens(101, 100)
     assert e.value.status == 400 and "context" in e.value.message
 
 
