@@ -84,8 +84,10 @@ async def tier_latency(model: str, lengths: list[int], work: Path) -> list[dict]
             hit = await ttft(base, model, texts[n])
             rows.append({"target": "mlxd", "words": n, "prompt_tokens": miss[1],
                          "miss_s": miss[0], "ram_hit_s": hit[0], "ram_cached": hit[2]})
-        async with aiohttp.ClientSession() as s:
-            async with s.post(base + "/admin/cache/flush") as r:
+        run_dir = srv.proc.args[srv.proc.args.index("--run-dir") + 1]  # /admin/*: Unix socket
+        async with aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=f"{run_dir}/mlxd.sock")) as s:
+            async with s.post("http://localhost/admin/cache/flush") as r:
                 flushed = await r.json()
         print("flushed", flushed, flush=True)
     finally:

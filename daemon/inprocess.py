@@ -4,6 +4,7 @@ same engine code runs on a thread, behind the same protocol over inproc:// endpo
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -12,14 +13,16 @@ import zmq
 import zmq.asyncio
 
 from mlxd.daemon.config import ServeConfig
-from mlxd.daemon.paths import RunDirLock
+from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.daemon.sd_notify import Notifier
 from mlxd.protocol import shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
 from mlxd.proxy.app import ListenSettings
 from mlxd.proxy.openai_schema import Defaults
+from mlxd.proxy.security import AccessSettings
 from mlxd.proxy.server import PoolSettings, run_proxy
 
 
@@ -28,6 +31,7 @@ def run_inprocess(cfg: ServeConfig) -> int:
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     shm.remove_leftovers(cfg.run_dir)
+    private_dirs(cfg)
     try:
         return asyncio.run(_serve(cfg))
     finally:
@@ -45,13 +49,15 @@ async def _serve(cfg: ServeConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
+    notifier = Notifier()
+    watchdog = asyncio.create_task(notifier.watchdog_loop())
 
     def on_signal() -> None:
         signals["n"] += 1
         if signals["n"] > 1:
             print("mlxd: second signal: exiting now", file=sys.stderr, flush=True)
-            import os
             os._exit(1)
+        notifier.notify(STOPPING=1, STATUS="draining")
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,16 +68,18 @@ async def _serve(cfg: ServeConfig) -> int:
     def announce(spec: str, state: str, error: str | None) -> None:
         if state == "ready":
             print(f"mlxd: model {model_id(spec)} ready (in-process)", file=sys.stderr, flush=True)
+            notifier.notify(STATUS=f"serving {model_id(spec)}")
         elif state == "failed":
             print(f"mlxd: model {model_id(spec)} failed: {error}", file=sys.stderr, flush=True)
 
     def start_engines(where: str) -> None:
         print(f"mlxd: listening on {where}", file=sys.stderr, flush=True)
+        notifier.notify(READY=1, STATUS=f"listening on {where}")
         for eid, spec in cfg.engines().items():
             service = EngineService(
                 EngineSettings(eid, 0, spec, cfg.cache_dir, cfg.batch, cfg.prefill_step,
-                               cfg.dtype, cfg.prompt_cache_gb, cfg.run_dir, cfg.ssd_cache,
-                               cfg.block_tokens, cfg.kv_slots, cfg.ssd_verify,
+                               cfg.dtype, cfg.prompt_cache, cfg.run_dir, cfg.ssd_cache,
+                               cfg.block_tokens, cfg.kv_slots, cfg.ssd_cache_verify,
                                cfg.generation_checkpoint),
                 eps, sync_ctx, supervised=False,
                 on_state=lambda state, error, spec=spec: loop.call_soon_threadsafe(
@@ -96,12 +104,15 @@ async def _serve(cfg: ServeConfig) -> int:
 
     proxy = asyncio.create_task(run_proxy(
         actx, eps, cfg.engines(), Defaults(cfg.temp, cfg.top_p, cfg.top_k, cfg.max_tokens),
-        ListenSettings(cfg.host, cfg.port, cfg.socket, cfg.max_body), cfg.run_dir,
-        cfg.load_wait, stop, on_listening=start_engines,
-        pool=PoolSettings(batch=cfg.batch, aliases=cfg.aliases), before_close=stop_engines))
+        ListenSettings(cfg.host, cfg.port, cfg.socket, cfg.max_body, cfg.max_header,
+                       AccessSettings(cfg.host, cfg.api_key, cfg.allowed_host, cfg.cors_origin)),
+        cfg.run_dir, cfg.load_wait, stop, on_listening=start_engines,
+        pool=PoolSettings(batch=cfg.batch, aliases=cfg.model_alias), before_close=stop_engines,
+        shutdown_timeout=cfg.shutdown_timeout))
     try:
         await proxy
     finally:
+        watchdog.cancel()
         await stop_engines()
         actx.destroy(linger=0)
     return 0

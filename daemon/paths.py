@@ -26,6 +26,13 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("mlxd"))
 
 
+def private_dirs(cfg: "ServeConfig") -> None:  # noqa: F821
+    """The cache (converted models, KV blocks: users' conversations) is the user's alone."""
+    ensure_private_dir(cfg.cache_dir)
+    if cfg.ssd_cache is not None:
+        ensure_private_dir(cfg.ssd_cache)
+
+
 class RunDirLock:
     """One daemon per run dir. Holding the lock makes it safe to remove what a dead one left."""
 

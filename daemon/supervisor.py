@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -19,14 +20,15 @@ import zmq.asyncio
 
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
-from mlxd.daemon.paths import RunDirLock
+from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.daemon.sd_notify import Notifier
 from mlxd.daemon.watchdog import HangWatchdog
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, ResetChild,
-                                    Shutdown, StartEngine, StopEngine)
+                                    Shutdown, StartEngine, StopDaemon, StopEngine)
 from mlxd.protocol.models import model_id
 
 log = logging.getLogger("mlxd.supervisor")
@@ -45,6 +47,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._enc = codec.to_child()
         self._last_epoch: dict[str, int] = {}  # of engines that were unloaded
+        self.notifier = Notifier()
 
     # ------------------------------------------------------------------ argv
 
@@ -59,12 +62,18 @@ class Supervisor:
                 "--load-wait", str(c.load_wait), "--max-body", str(c.max_body),
                 "--model-pool", str(c.model_pool), "--idle-unload", str(c.idle_unload),
                 "--pool-wait", str(c.pool_wait), "--pool-queue", str(c.pool_queue),
-                "--batch", str(c.batch), "--resume", "on" if c.resume else "off"]
+                "--batch", str(c.batch), "--resume", "on" if c.resume else "off",
+                "--max-header", str(c.max_header),
+                "--shutdown-timeout", str(c.shutdown_timeout)]
+        for host in c.allowed_host:
+            argv += ["--allowed-host", host]
+        for origin in c.cors_origin:
+            argv += ["--cors-origin", origin]
         if c.socket is not None:
             argv += ["--socket", str(c.socket)]
         for eid, spec in c.engines().items():
             argv += ["--engine", f"{eid}={spec}"]
-        for name, spec in c.aliases.items():
+        for name, spec in c.model_alias.items():
             argv += ["--model-alias", f"{name}={spec}"]
         return argv
 
@@ -88,6 +97,7 @@ class Supervisor:
         self._ctl.bind(self.eps.control)
         self._spawn_task(self._read_control())
         self._spawn_task(self._watch_hangs())
+        self._spawn_task(self.notifier.watchdog_loop())
         shm.remove_leftovers(self.cfg.run_dir)
         if self.cfg.ssd_cache is not None:
             self.children["storage"] = self._child("storage", "storage", "",
@@ -118,6 +128,14 @@ class Supervisor:
                 if child.alive:
                     child.proc.kill()
             return
+        self._stop("signal")
+
+    def _stop(self, why: str) -> None:
+        if self.stopping:
+            return
+        log.info("stopping (%s): draining requests for up to %.0f s", why,
+                 self.cfg.shutdown_timeout)
+        self.notifier.notify(STOPPING=1, STATUS=f"draining ({why})")
         self.stopping = True
         self.stop_event.set()
 
@@ -127,7 +145,7 @@ class Supervisor:
         child.state = "starting"
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv, "--epoch", str(child.epoch), stdin=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE)
+            stderr=asyncio.subprocess.PIPE, env=self._child_env(child))
         child.started_at = time.monotonic()
         self.watchdog.forget(child.child_id)
         log.info("started %s %s (pid %d, epoch %d)", child.role, child.child_id,
@@ -135,6 +153,15 @@ class Supervisor:
         self._spawn_task(self._pump_stderr(child, child.proc))
         self._spawn_task(self._watch(child, child.proc))
         self._broadcast()
+
+    def _child_env(self, child: Child) -> dict[str, str]:
+        """The API key reaches the proxy in its environment, never on a command line; the
+        systemd notify variables stay with the supervisor."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MLXD_API_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        if child.role == "proxy" and self.cfg.api_key:
+            env["MLXD_API_KEY"] = self.cfg.api_key
+        return env
 
     async def _pump_stderr(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         """Children's log lines go to our stderr; the last error line is kept for /stats."""
@@ -235,6 +262,9 @@ class Supervisor:
             if isinstance(msg, StopEngine):
                 await self._stop_engine(msg.engine_id)
                 continue
+            if isinstance(msg, StopDaemon):
+                self._stop(msg.reason)
+                continue
             if isinstance(msg, ResetChild):
                 child = self.children.get(msg.child_id)
                 if child is not None and child.state == "failed":
@@ -261,11 +291,15 @@ class Supervisor:
         if child.role == "proxy":
             self._pin_port(child)
             print(f"mlxd: listening on {detail}", file=sys.stderr, flush=True)
+            self.notifier.notify(READY=1, STATUS=f"listening on {detail}")
         elif child.role == "storage":
             print(f"mlxd: SSD KV cache at {detail}", file=sys.stderr, flush=True)
         else:
             print(f"mlxd: model {model_id(child.model)} ready (engine {child.child_id}, pid "
                   f"{child.proc.pid if child.proc else '?'})", file=sys.stderr, flush=True)
+            ready = [model_id(c.model) for c in self.children.values()
+                     if c.role == "engine" and c.state == "ready"]
+            self.notifier.notify(STATUS="serving " + ", ".join(ready))
 
     def _pin_port(self, proxy: Child) -> None:
         """With --port 0, a respawned proxy must come back on the port clients already use."""
@@ -323,20 +357,23 @@ class Supervisor:
                 self._spawn_task(self._send(child, snapshot))
 
     async def _stop_all(self) -> None:
-        # Engines flush their caches through the storage worker: it stops last.
-        await self._stop_group([c for c in self.children.values() if c.role != "storage"])
-        await self._stop_group([c for c in self.children.values() if c.role == "storage"])
+        """The proxy first: it drains (in-flight requests finish or are aborted at the
+        shutdown timeout) while the engines still serve them. Then the engines, which flush
+        their caches through the storage worker; the storage worker last."""
+        grace = self.cfg.shutdown_timeout + 10
+        await self._stop_group([c for c in self.children.values() if c.role == "proxy"], grace)
+        await self._stop_group([c for c in self.children.values() if c.role == "engine"], grace)
+        await self._stop_group([c for c in self.children.values() if c.role == "storage"], 15)
         shm.remove_leftovers(self.cfg.run_dir)
 
-    async def _stop_group(self, children: list[Child]) -> None:
+    async def _stop_group(self, children: list[Child], timeout: float) -> None:
         live = [c for c in children if c.alive]
         for child in live:
             child.state = "stopping"
             if not await self._send(child, Shutdown("daemon stopping")):
                 child.proc.terminate()
         try:
-            await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in live)),
-                                   self.cfg.shutdown_timeout)
+            await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in live)), timeout)
         except asyncio.TimeoutError:
             for child in live:
                 if child.proc.returncode is None:
@@ -350,6 +387,7 @@ def run_supervisor(cfg: ServeConfig) -> int:
     setup_logging(cfg.log_level, "supervisor")
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
+    private_dirs(cfg)
     try:
         code = asyncio.run(Supervisor(cfg).run())
     finally:

@@ -80,6 +80,8 @@ class RunnerCounters:
     ssd_restored_tokens: int = 0
     generated_tokens: int = 0
     checkpoints: int = 0
+    checkpoint_s: float = 0.0  # MLX-thread time spent taking checkpoints
+    step_s: float = 0.0  # MLX-thread time in generation steps, checkpoints included
     active: int = 0
     busy: bool = False
     last_step_at: float = field(default_factory=time.monotonic)
@@ -256,6 +258,13 @@ class Runner:
     # ------------------------------------------------------------------ steps
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._step_inner()
+        finally:
+            self.counters.step_s += time.perf_counter() - t0
+
+    def _step_inner(self) -> None:
         faults.hit("engine.step")
         try:
             prompt_responses, responses = self._gen.next()
@@ -296,7 +305,9 @@ class Runner:
                 if r.prompt_cache is not None and self.cache.max_bytes:
                     self._publish(r.all_tokens, r.prompt_cache, prompt_len)
         if due:
+            t0 = time.perf_counter()
             self._checkpoint(due)
+            c.checkpoint_s += time.perf_counter() - t0
         c.generated_tokens += len(rows)
         c.peak_batch = max(c.peak_batch, len(responses))
         c.active = len(self._uid_to_rid)

@@ -413,6 +413,7 @@ class EngineService:
                 "ram_misses": st.misses, "ram_evictions": st.evictions,
                 "prompt_tokens": c.prompt_tokens, "prefilled_tokens": c.prefilled_tokens,
                 "cached_tokens": c.cached_tokens, "checkpoints": c.checkpoints,
+                "checkpoint_s": round(c.checkpoint_s, 4), "step_s": round(c.step_s, 4),
                 **self._ssd_stats()}
 
     def _ssd_stats(self) -> dict[str, Any]:

@@ -179,7 +179,13 @@ class ResetChild(_Msg, tag="reset"):
     child_id: str
 
 
-ToSupervisor = Hello | Ready | Heartbeat | ChildFailed | StartEngine | StopEngine | ResetChild
+class StopDaemon(_Msg, tag="stop_daemon"):
+    """Proxy -> supervisor: `POST /admin/shutdown` asks for what SIGTERM does."""
+    reason: str
+
+
+ToSupervisor = (Hello | Ready | Heartbeat | ChildFailed | StartEngine | StopEngine | ResetChild
+                | StopDaemon)
 ToChild = Shutdown | ChildStates
 
 

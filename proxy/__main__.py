@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import child_process_setup
 from mlxd.proxy.app import ListenSettings
 from mlxd.proxy.openai_schema import Defaults
+from mlxd.proxy.security import AccessSettings
 from mlxd.proxy.server import PoolSettings, run_proxy
 
 
@@ -39,11 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-queue", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--resume", default="on")
-    args = ap.parse_args(argv)
+    ap.add_argument("--max-header", type=int, default=8190)
+    ap.add_argument("--shutdown-timeout", type=float, default=15.0)
+    ap.add_argument("--allowed-host", action="append", default=[])
+    ap.add_argument("--cors-origin", action="append", default=[])
+    args = ap.parse_args(argv)  # the API key comes in the environment, never on a command line
     child_process_setup(args.log_level, f"proxy#{args.epoch}")
     models = dict(e.split("=", 1) for e in args.engine)
+    access = AccessSettings(args.host, os.environ.get("MLXD_API_KEY") or None,
+                            args.allowed_host, args.cors_origin)
     listen = ListenSettings(args.host, args.port, Path(args.socket) if args.socket else None,
-                            args.max_body)
+                            args.max_body, args.max_header, access)
     defaults = Defaults(args.temp, args.top_p, args.top_k, args.max_tokens)
     pool = PoolSettings(args.model_pool, args.idle_unload, args.pool_wait, args.pool_queue,
                         args.batch, dict(a.split("=", 1) for a in args.model_alias),
@@ -57,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return await run_proxy(ctx, Endpoints.ipc(args.run_dir), models, defaults, listen,
                                    args.run_dir, args.load_wait, stop, supervised=True,
-                                   epoch=args.epoch, pool=pool)
+                                   epoch=args.epoch, pool=pool,
+                                   shutdown_timeout=args.shutdown_timeout)
         finally:
             ctx.destroy(linger=0)
 

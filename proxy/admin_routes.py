@@ -1,11 +1,14 @@
-"""/admin/*: explicit model load, unload and crash-loop reset."""
+"""/admin/*: model load, unload and crash-loop reset; cache flush; drain and shutdown.
+Served on the Unix socket, or on TCP with the API key (see security.py)."""
 
 from __future__ import annotations
 
 import msgspec
 from aiohttp import web
 
+from mlxd.proxy import lifecycle
 from mlxd.proxy.errors import bad_request
+from mlxd.proxy.lifecycle import flush_all
 from mlxd.proxy.router import Router
 
 
@@ -40,15 +43,37 @@ async def reset(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     """Returns once every queued KV write of every ready engine is durable."""
-    import asyncio
-    client = request.app["client"]
-    ready = [r for r in client.engines.values() if r.state == "ready"]
-    results = await asyncio.gather(*(client.flush(r, 120.0) for r in ready))
-    engines = [{"model": r.model_id, "written": f.written, "failed": f.failed,
-                "pending": f.pending, "error": f.error} for r, f in zip(ready, results)]
-    return web.json_response({
-        "written": sum(f.written for f in results), "failed": sum(f.failed for f in results),
-        "pending": sum(f.pending for f in results), "engines": engines})
+    return web.json_response(await flush_all(request.app["client"]))
+
+
+class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
+    timeout: float | None = None
+
+
+async def drain(request: web.Request) -> web.Response:
+    """Stop taking requests, wait for the running ones (then abort them), flush; answers when
+    drained. The daemon keeps running, refusing new work with 503 until /admin/undrain."""
+    raw = await request.read()
+    try:
+        body = msgspec.json.decode(raw, type=DrainBody) if raw.strip() else DrainBody()
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise bad_request(f'expected {{"timeout": seconds}} or no body: {e}') from e
+    if body.timeout is not None and body.timeout < 0:
+        raise bad_request("timeout must be >= 0", param="timeout")
+    timeout = request.app["shutdown_timeout"] if body.timeout is None else body.timeout
+    return web.json_response(await lifecycle.drain(request.app, timeout, flush=True))
+
+
+async def undrain(request: web.Request) -> web.Response:
+    router: Router = request.app["router"]
+    router.draining = False
+    return web.json_response({"draining": False})
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    """Stop the daemon as SIGTERM would (drain, flush, exit 0)."""
+    request.app["request_stop"]()
+    return web.json_response({"stopping": True}, status=202)
 
 
 def add_routes(app: web.Application) -> None:
@@ -56,3 +81,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/models/load", load)
     app.router.add_post("/admin/models/unload", unload)
     app.router.add_post("/admin/models/reset", reset)
+    app.router.add_post("/admin/drain", drain)
+    app.router.add_post("/admin/undrain", undrain)
+    app.router.add_post("/admin/shutdown", shutdown)

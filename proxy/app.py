@@ -6,13 +6,14 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 from aiohttp import web
 
-from mlxd.proxy import admin_routes, openai_routes
+from mlxd.proxy import admin_routes, metrics, openai_routes, security
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.router import Router
 from mlxd.proxy.errors import error_middleware
@@ -26,18 +27,27 @@ class ListenSettings:
     port: int = 8080
     socket_path: Path | None = None
     max_body: int = 16 * 1024 * 1024
+    max_header: int = 8190
+    access: security.AccessSettings = field(default_factory=security.AccessSettings)
 
 
-def make_app(client: EngineClient, router: Router, defaults: Defaults,
-             max_body: int) -> web.Application:
-    app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
+def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: ListenSettings,
+             shutdown_timeout: float = 15.0,
+             request_stop: Callable[[], None] = lambda: None) -> web.Application:
+    app = web.Application(client_max_size=listen.max_body, middlewares=[
+        error_middleware, metrics.middleware, security.middleware(listen.access)])
+    app.on_response_prepare.append(security.cors_signal(listen.access))
     app["client"] = client
     app["router"] = router
     app["defaults"] = defaults
-    app["max_body"] = max_body
+    app["max_body"] = listen.max_body
+    app["max_header"] = listen.max_header
     app["started"] = int(time.time())
     app["resume"] = False
     app["resume_stats"] = ResumeStats()
+    app["shutdown_timeout"] = shutdown_timeout
+    app["request_stop"] = request_stop
+    metrics.install(app)
     openai_routes.add_routes(app)
     admin_routes.add_routes(app)
     app.router.add_get("/health", health)
@@ -49,8 +59,9 @@ async def health(request: web.Request) -> web.Response:
     client: EngineClient = request.app["client"]
     states = {rec.model_id: rec.state for rec in client.engines.values()}
     ok = client.all_ready()
-    return web.json_response({"status": "ok" if ok else "loading", "models": states},
-                             status=200 if ok else 503)
+    status = "draining" if request.app["router"].draining else "ok" if ok else "loading"
+    return web.json_response({"status": status, "models": states},
+                             status=200 if status == "ok" else 503)
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -78,6 +89,7 @@ async def stats(request: web.Request) -> web.Response:
     children = [msgspec.structs.asdict(c) for c in client.children]
     rs = request.app["resume_stats"]
     return web.json_response({"proxy": {"pid": os.getpid(), "in_flight": len(client.streams),
+                                        "draining": router.draining,
                                         "uptime_s": int(time.time()) - request.app["started"],
                                         "resume": {"enabled": request.app["resume"],
                                                    **dataclasses.asdict(rs)}},
@@ -86,7 +98,8 @@ async def stats(request: web.Request) -> web.Response:
 
 async def start_listeners(app: web.Application, listen: ListenSettings) -> tuple[web.AppRunner, str]:
     """Start TCP (and the Unix socket, mode 0600); return the runner and a description."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           max_line_size=listen.max_header, max_field_size=listen.max_header)
     await runner.setup()
     tcp = web.TCPSite(runner, listen.host, listen.port)
     await tcp.start()

@@ -189,6 +189,18 @@ class EngineClient:
                 stream.queue.put_nowait(Delta(rid, finish_reason="error", error=message,
                                               error_code="engine_crashed"))
 
+    async def abort_everything(self, message: str) -> int:
+        """End every running request with `message` (code `shutdown`); returns how many."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            self.streams.pop(stream.request_id, None)
+            stream.finished = True
+            stream.queue.put_nowait(Delta(stream.request_id, finish_reason="error",
+                                          error=message, error_code="shutdown"))
+        for rec in {s.engine.engine_id: s.engine for s in streams}.values():
+            await self._abort_all(rec)
+        return len(streams)
+
     @staticmethod
     def _update_ready(rec: EngineRecord) -> None:
         if rec.state in ("ready", "failed"):

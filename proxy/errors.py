@@ -1,4 +1,5 @@
-"""OpenAI's error envelope, and the exceptions handlers raise to produce it."""
+"""Error envelopes (each API's own: OpenAI, Anthropic, Ollama) and the exception handlers
+raise to produce them. Which envelope a request gets follows from its path."""
 
 from __future__ import annotations
 
@@ -19,14 +20,35 @@ class APIError(Exception):
         self.param = param
         self.retry_after = retry_after
 
-    def body(self) -> dict:
+    def body(self, dialect: str = "openai") -> dict:
+        if dialect == "anthropic":
+            return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(
+                self.status, "api_error" if self.status >= 500 else "invalid_request_error"),
+                "message": self.message}}
+        if dialect == "ollama":
+            return {"error": self.message}
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> web.Response:
+    def response(self, dialect: str = "openai") -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return web.Response(status=self.status, text=json.dumps(self.body()),
+        return web.Response(status=self.status, text=json.dumps(self.body(dialect)),
                             content_type="application/json", headers=headers)
+
+
+# Anthropic's documented error types by status.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
+
+
+def dialect_of(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "openai"
 
 
 def bad_request(message: str, code: str | None = None, param: str | None = None) -> APIError:
@@ -47,7 +69,7 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return e.response(dialect_of(request.path))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -56,4 +78,4 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
                    405: f"method {request.method} is not allowed on {request.path}"}.get(
             e.status, e.reason)
         return APIError(e.status, message, type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
-                        code=None).response()
+                        code=None).response(dialect_of(request.path))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 
@@ -27,6 +28,8 @@ def _delta_error(d: Delta) -> APIError:
         return bad_request(d.error or "invalid request", code=d.error_code)
     if d.error_code == "engine_loading":
         return unavailable(d.error or "loading", "engine_loading", retry_after=5)
+    if d.error_code == "shutdown":
+        return unavailable(d.error or "mlxd is shutting down", "shutdown", retry_after=10)
     if d.error_code == "engine_crashed":
         return unavailable(d.error or "the engine crashed", "engine_crashed", retry_after=2)
     return APIError(500, d.error or "the engine failed this request", type="server_error",
@@ -52,8 +55,11 @@ class Generation:
 
     def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
                  resume: bool = False, load_wait: float = 120.0,
-                 stats: ResumeStats | None = None) -> None:
+                 stats: ResumeStats | None = None, metrics: Any = None) -> None:
         self.client = client
+        self.metrics = metrics  # metrics.RequestMetrics, or None
+        self._t_last = time.monotonic()
+        self._seen_token = False
         self.engine = engine
         self.msg = msg
         self.resume = resume
@@ -153,6 +159,8 @@ class Generation:
                 del self._resumed_prompt
             elif not self.crashes:
                 self.cached_tokens = d.cached_tokens or self.cached_tokens
+            if self.metrics is not None:
+                self._observe(d)
             self.delivered_ids.extend(d.token_ids)
             self.delivered_chars += len(d.text)
             self.stream.delivered_token_ids.extend(d.token_ids)
@@ -161,6 +169,20 @@ class Generation:
             if d.finish_reason is not None:
                 return
             d = None
+
+    def _observe(self, d: Delta) -> None:
+        now = time.monotonic()
+        model = self.engine.model_id
+        if d.token_ids:
+            if not self._seen_token:
+                self.metrics.first_token(model, now - self._t_last)
+                self._seen_token = True
+            else:
+                self.metrics.tokens(model, len(d.token_ids), now - self._t_last)
+            self._t_last = now
+        if d.finish_reason is not None:
+            self.metrics.finished(model, self.prompt_tokens, self.completion_tokens,
+                                  self.cached_tokens)
 
     async def close(self) -> None:
         if self.stream is not None and not self.stream.finished:

@@ -38,7 +38,7 @@ async def _run(request: web.Request, req: Any, max_tokens: int | None, prefix: s
         rid = new_request_id(prefix)
         gen = Generation(app["client"], engine, Generate(request_id=rid, sampling=params, **fields),
                          resume=app["resume"], load_wait=router.load_wait,
-                         stats=app["resume_stats"])
+                         stats=app["resume_stats"], metrics=app["metrics"])
         await gen.start()
         return await _respond(request, gen, rid, obj, req.stream,
                               bool(req.stream_options and req.stream_options.include_usage),

@@ -38,6 +38,10 @@ class Router:
         self.configured = set(client.engines)  # started with the daemon
         self._idle = asyncio.Condition()
         self._waiting = 0
+        self.active = 0  # requests between acquire and release
+        self.draining = False
+        self._none_active = asyncio.Event()
+        self._none_active.set()
         if pool is not None:
             now = time.monotonic()
             for eid, rec in client.engines.items():
@@ -68,10 +72,19 @@ class Router:
 
     async def acquire(self, name: str | None) -> EngineRecord:
         """A ready engine for `name`, counted as busy until `release`."""
+        if self.draining:
+            raise unavailable("mlxd is draining (shutting down or paused by /admin/drain) and "
+                              "takes no new requests", "draining", retry_after=5)
         spec = self.lookup(name)
         eid = engine_id_for(spec)
+        self.active += 1
+        self._none_active.clear()
         if self.pool is not None and eid not in self.pool.resident:
-            await self._load(eid, spec)
+            try:
+                await self._load(eid, spec)
+            except BaseException:
+                self._leave()
+                raise
         rec = self.client.record(eid, spec)
         if name and name not in rec.names:
             rec.names.append(name)  # an alias or another spelling of the path
@@ -84,7 +97,24 @@ class Router:
             raise
         return rec
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def _leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._none_active.set()
+
+    async def wait_none_active(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._none_active.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def release(self, rec: EngineRecord, keep_alive: float | None) -> None:
+        self._leave()
         if self.pool is None:
             return
         self.pool.end(rec.engine_id, time.monotonic(), keep_alive)

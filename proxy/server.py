@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from mlxd.protocol import codec, exit_codes
 from mlxd.protocol.addresses import Endpoints
-from mlxd.protocol.messages import ChildStates, Heartbeat, Hello, Ready, Shutdown
+from mlxd.protocol.messages import ChildStates, Heartbeat, Hello, Ready, Shutdown, StopDaemon
+from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.model_pool import ModelPool
@@ -54,13 +55,12 @@ class SupervisorLink:
         parent = os.getppid()
         await self.send(Hello("proxy", "proxy", self.epoch, os.getpid()))
         await self.send(Ready("proxy", self.epoch, where))
-        while not stop.is_set():
+        while True:  # cancelled when the proxy closes; runs on while it drains
             while await self.sock.poll(500, zmq.POLLIN):
                 msg = dec.decode(await self.sock.recv())
                 if isinstance(msg, Shutdown):
                     log.info("shutdown requested: %s", msg.reason)
                     stop.set()
-                    return
                 if isinstance(msg, ChildStates):
                     client.apply_children(msg)
             await self.send(Heartbeat("proxy", self.epoch))
@@ -74,7 +74,10 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict
                     stop: asyncio.Event, on_listening: Callable[[str], None] | None = None,
                     supervised: bool = False, epoch: int = 0,
                     pool: PoolSettings | None = None,
-                    before_close: Callable[[], Awaitable[None]] | None = None) -> int:
+                    before_close: Callable[[], Awaitable[None]] | None = None,
+                    shutdown_timeout: float = 15.0) -> int:
+    """Serve until `stop` is set; then drain (in-flight requests get up to `shutdown_timeout`
+    to finish) and close."""
     pool = pool or PoolSettings()
     client = EngineClient(ctx, endpoints, models)
     await client.start()
@@ -83,7 +86,12 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict
                     pool=ModelPool(pool.size, pool.idle_unload) if supervised else None,
                     send=link.send if link else None, batch=pool.batch, pool_wait=pool.wait,
                     pool_queue=pool.queue)
-    app = make_app(client, router, defaults, listen.max_body)
+    if link is not None:
+        def request_stop() -> None:
+            asyncio.ensure_future(link.send(StopDaemon("POST /admin/shutdown")))
+    else:
+        request_stop = stop.set
+    app = make_app(client, router, defaults, listen, shutdown_timeout, request_stop)
     app["resume"] = pool.resume and supervised  # without --isolate no engine comes back
     runner, where = await start_listeners(app, listen)
     write_listen_file(run_dir, app)
@@ -95,6 +103,10 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict
         tasks.append(asyncio.create_task(link.run(client, where, stop)))
     try:
         await stop.wait()
+        log.info("draining: up to %.0f s for %d request(s) in flight", shutdown_timeout,
+                 router.active)
+        result = await lifecycle.drain(app, shutdown_timeout, flush=False)
+        log.info("drained in %.2f s (%d aborted)", result["waited_s"], result["aborted"])
         if before_close is not None:
             await before_close()
     finally:

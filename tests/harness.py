@@ -34,7 +34,9 @@ class Daemon:
             self.argv.insert(4, model)
         if isolate:
             self.argv.append("--isolate")
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Hermetic: no MLXD_* setting or config file of the developer's leaks in.
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
+        self.env = {**clean, "PYTHONUNBUFFERED": "1", "MLXD_CONFIG": os.devnull, **(env or {})}
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.proc: subprocess.Popen | None = None

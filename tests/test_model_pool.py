@@ -71,7 +71,7 @@ def test_keep_alive_zero_unloads_after_the_request(pool, tiny_model_c):
 
 
 def test_admin_load_and_unload(pool, tiny_model_c):
-    with pool.http() as c:
+    with pool.unix_http() as c:  # /admin/* is served on the Unix socket
         r = c.post("/admin/models/load", json={"model": str(tiny_model_c)})
         assert r.status_code == 200 and r.json()["state"] == "ready"
         assert resident(pool) == {"tiny-llama", "tiny-llama-c"}

@@ -33,7 +33,7 @@ def cache(d) -> dict:
 
 
 def flush(d) -> dict:
-    with d.http() as c:
+    with d.unix_http() as c:
         r = c.post("/admin/cache/flush")
     assert r.status_code == 200
     return r.json()

@@ -138,7 +138,9 @@ def test_crash_loop_trips_the_breaker_and_admin_reset_clears_it(tiny_model):
         with d.http() as c:
             r = c.post("/v1/chat/completions", json={"messages": CHAT})
             assert r.status_code == 503 and "crashed 5 times" in r.json()["error"]["message"]
-            assert c.post("/admin/models/reset", json={"model": "tiny-llama"}).status_code == 200
+            with d.unix_http() as u:
+                assert u.post("/admin/models/reset", json={"model": "tiny-llama"}
+                              ).status_code == 200
         wait_engine_ready(d, 5)
         with d.http() as c:
             assert c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}

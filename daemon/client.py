@@ -1,0 +1,125 @@
+"""`mlxd status | models | flush | stop`: talk to the running daemon over its Unix socket
+(no API key needed there: the socket's 0600 mode is the credential)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+class DaemonUnreachable(Exception):
+    pass
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(str(self.path))
+        self.sock = sock
+
+
+def call(sock_path: Path, method: str, path: str, body: dict | None = None,
+         timeout: float = 30.0) -> tuple[int, Any]:
+    conn = _UnixConnection(sock_path, timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        raise DaemonUnreachable(f"no mlxd answers on {sock_path} ({e.strerror})") from None
+    except OSError as e:
+        raise DaemonUnreachable(f"mlxd on {sock_path}: {e}") from None
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(raw)
+    except ValueError:
+        return resp.status, raw.decode(errors="replace")
+
+
+def _size(n: float | int | str | None) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _duration(s: float | int) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+             for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def format_status(stats: dict) -> str:
+    p = stats["proxy"]
+    out = [f"mlxd: up {_duration(p['uptime_s'])}, proxy pid {p['pid']}, "
+           f"{p['in_flight']} request(s) in flight"
+           + (", DRAINING" if p.get("draining") else "")]
+    if stats.get("children"):
+        rows = [[c["role"], c["child_id"], c["state"], str(c["pid"] or "-"), str(c["epoch"]),
+                 str(c["restarts"]), c.get("last_exit") or "-"] for c in stats["children"]]
+        out += ["", table(rows, ["ROLE", "ID", "STATE", "PID", "EPOCH", "RESTARTS",
+                                 "LAST EXIT"])]
+    rows = []
+    for e in stats["engines"]:
+        c = e.get("cache") or {}
+        rows.append([e["model"], e["state"], str(e["active_requests"]),
+                     str(e["generated_tokens_total"]),
+                     f"{_size(c.get('ram_bytes'))} ({c.get('ram_hits', 0)} hits)",
+                     f"{_size(c.get('ssd_bytes'))} ({c.get('ssd_hits', 0)} hits)"
+                     if c.get("ssd_state", "off") != "off" else "off",
+                     (e.get("error") or "")[:60]])
+    out += ["", table(rows, ["MODEL", "STATE", "ACTIVE", "GENERATED", "RAM CACHE",
+                             "SSD CACHE", "ERROR"])]
+    r = p.get("resume") or {}
+    if r.get("resumes"):
+        out += ["", f"resumed after crashes: {r['resumes']} request(s), "
+                    f"{r['resumed_tokens']} token(s) kept"]
+    return "\n".join(out)
+
+
+def format_models(models: dict) -> str:
+    rows = [[m["id"], m.get("state", "-"), ", ".join(a for a in m.get("aliases", [])
+                                                     if a != m["id"])] for m in models["data"]]
+    return table(rows, ["MODEL", "STATE", "ALSO KNOWN AS"])
+
+
+def wait_for_exit(pid: int | None, sock_path: Path, timeout: float) -> bool:
+    """True once the daemon process is gone (or, without its pid, its socket)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pid is not None:
+            if not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie":
+                return True
+        elif not sock_path.exists():
+            return True
+        time.sleep(0.1)  # polling another process's exit: there is no event to await
+    return False
+
+
+def daemon_pid(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / "lock").read_text().strip())
+    except (OSError, ValueError):
+        return None

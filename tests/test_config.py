@@ -1,0 +1,214 @@
+"""Configuration (flags > MLXD_* > TOML file > defaults), `mlxd config show`, service files
+(`mlxd service install --dry-run` parsed), and the sd_notify client. No daemon is started."""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import json
+import re
+import os
+import plistlib
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxd.daemon.config import add_serve_arguments, resolve
+from mlxd.daemon.sd_notify import Notifier
+from mlxd.daemon.settings import SETTINGS, ConfigError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "mlxd.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
+    cfg_file = _toml(tmp_path, 'batch = 3\nport = 9100\ntemp = 0.7\nresume = false\n'
+                               '[model_alias]\nsmall = "/models/small"\n')
+    env = {"MLXD_PORT": "9200", "MLXD_TEMP": "0.5", "MLXD_CORS_ORIGIN": "https://a.example,"
+           "https://b.example"}
+    r = resolve(_args("--config", str(cfg_file), "--temp", "0.2"), env)
+    c, src = r.config, r.sources
+    assert (c.batch, src["batch"]) == (3, f"file {cfg_file}")
+    assert (c.port, src["port"]) == (9200, "env MLXD_PORT")
+    assert (c.temp, src["temp"]) == (0.2, "flag --temp")
+    assert (c.resume, src["resume"]) == (False, f"file {cfg_file}")
+    assert c.model_alias == {"small": "/models/small"}
+    assert c.cors_origin == ["https://a.example", "https://b.example"]
+    assert (c.top_k, src["top_k"]) == (0, "default")
+    assert r.config_file == cfg_file
+    # derived paths follow the directories they live in
+    r2 = resolve(_args("--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c")), {})
+    assert r2.config.socket == tmp_path / "run" / "mlxd.sock"
+    assert r2.config.ssd_cache == tmp_path / "c" / "kv"
+    assert resolve(_args("--socket", "off", "--ssd-cache", "off"), {}).config.socket is None
+
+
+def test_every_setting_has_a_flag_and_an_env_name():
+    flags = {s.flag for s in SETTINGS}
+    assert len(flags) == len(SETTINGS)
+    for s in SETTINGS:
+        assert s.env == "MLXD_" + s.key.upper()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bacth = 3\n", "bacth (file"),  # a typo is an unknown key, not silently ignored
+    ("batch = 'three'\n", "batch (file"),
+    ("batch = 0\n", "batch (file"),
+    ("top_p = 1.5\n", "top_p (file"),
+    ("isolate = 'yes'\n", "isolate (file"),
+    ("dtype = 'float8'\n", "dtype (file"),
+    ("cors_origin = 'x'\n", "cors_origin (file"),
+    ("batch = true\n", "batch (file"),
+    ("batch = [\n", "config file"),  # not TOML
+])
+def test_bad_file_values_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(_args("--config", str(_toml(tmp_path, text))), {})
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MLXD_BACH": "3"}, "MLXD_BACH"),
+    ({"MLXD_BATCH": "many"}, "batch (env MLXD_BATCH)"),
+    ({"MLXD_ISOLATE": "maybe"}, "isolate (env MLXD_ISOLATE)"),
+    ({"MLXD_MODEL_ALIAS": "noequals"}, "model_alias (env"),
+])
+def test_bad_env_values_name_the_variable(env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(_args(), env)
+
+
+def test_missing_explicit_config_file_fails(tmp_path):
+    with pytest.raises(ConfigError, match="config file"):
+        resolve(_args("--config", str(tmp_path / "nope.toml")), {})
+    with pytest.raises(ConfigError, match="config file"):
+        resolve(_args(), {"MLXD_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_non_loopback_host_needs_an_api_key():
+    with pytest.raises(ConfigError, match="host .*api-key"):
+        resolve(_args("--host", "0.0.0.0"), {})
+    c = resolve(_args("--host", "0.0.0.0"), {"MLXD_API_KEY": "k" * 16}).config
+    assert c.host == "0.0.0.0" and c.api_key == "k" * 16
+    with pytest.raises(ConfigError, match="api_key"):
+        resolve(_args("--api-key", "short"), {})
+    assert resolve(_args("--host", "::1"), {}).config.host == "::1"
+
+
+def _mlxd(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
+    return subprocess.run([sys.executable, "-m", "mlxd", *argv], capture_output=True, text=True,
+                          env={**clean, "MLXD_CONFIG": os.devnull, **(env or {})}, timeout=60)
+
+
+def test_config_show_prints_values_and_sources(tmp_path):
+    cfg_file = _toml(tmp_path, 'batch = 5\napi_key = "sekret-key-123"\n')
+    out = _mlxd("config", "show", "--json", "--config", str(cfg_file), "--port", "9300",
+                env={"MLXD_PREFILL_STEP": "64"})
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["batch"] == {"value": 5, "source": f"file {cfg_file}"}
+    assert shown["port"] == {"value": 9300, "source": "flag --port"}
+    assert shown["prefill_step"] == {"value": 64, "source": "env MLXD_PREFILL_STEP"}
+    assert shown["api_key"]["value"] == "(set)"  # never printed
+    assert "sekret" not in out.stdout
+    table = _mlxd("config", "show", "--config", str(cfg_file))
+    assert table.returncode == 0
+    assert any(line.split()[:3] == ["batch", "5", "file"] for line in table.stdout.splitlines())
+    bad = _mlxd("serve", "--config", str(_toml(tmp_path, "nonsense = 1\n")))
+    assert bad.returncode != 0 and "nonsense" in bad.stderr
+
+
+def _sections(dry_run: str) -> tuple[str, list[str]]:
+    """(file content, commands) from `--dry-run` output."""
+    lines = dry_run.splitlines()
+    assert lines[0].startswith("# mlxd service install: write ")
+    body = [ln for ln in lines[1:] if not ln.startswith("# run: ") and
+            not ln.startswith("# note: ")]
+    commands = [ln[len("# run: "):] for ln in lines if ln.startswith("# run: ")]
+    return "\n".join(body), commands
+
+
+def test_service_install_dry_run_launchd():
+    out = _mlxd("service", "install", "--dry-run", "--platform", "macos", "--port", "9400",
+                "--model-pool", "2", "--shutdown-timeout", "30")
+    assert out.returncode == 0, out.stderr
+    content, commands = _sections(out.stdout)
+    plist = plistlib.loads(content.encode())
+    home = Path.home()
+    assert plist["Label"] == "dev.mlxd"
+    args = plist["ProgramArguments"]
+    assert args[0] == sys.executable and Path(args[0]).is_absolute()
+    assert args[1:4] == ["-m", "mlxd", "serve"]
+    assert "--isolate" in args and args[args.index("--port") + 1] == "9400"
+    assert args[args.index("--model-pool") + 1] == "2"
+    assert plist["RunAtLoad"] is True
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert plist["ThrottleInterval"] >= 5
+    assert plist["ExitTimeOut"] > 30
+    assert plist["StandardErrorPath"] == str(home / "Library/Logs/mlxd/mlxd.log")
+    assert out.stdout.splitlines()[0].endswith(str(home / "Library/LaunchAgents/dev.mlxd.plist"))
+    assert any(c.startswith(f"launchctl bootstrap gui/{os.getuid()} ") for c in commands)
+
+
+def test_service_install_dry_run_systemd(tmp_path):
+    out = _mlxd("service", "install", "--dry-run", "--platform", "linux", "--port", "9400")
+    assert out.returncode == 0, out.stderr
+    content, commands = _sections(out.stdout)
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.optionxform = str  # systemd keys are case-sensitive
+    unit.read_string(content)
+    svc = unit["Service"]
+    assert svc["Type"] == "notify" and svc["Restart"] == "on-failure"
+    assert svc["KillMode"] == "mixed"  # SIGTERM to the supervisor only: it drains in order
+    assert int(svc["TimeoutStopSec"]) > 15 and int(svc["RestartSec"]) >= 5
+    assert svc["ExecStart"].startswith(f'"{sys.executable}" "-m" "mlxd" "serve" "--isolate"')
+    assert '"--port" "9400"' in svc["ExecStart"]
+    assert unit["Install"]["WantedBy"] == "default.target"
+    assert int(unit["Unit"]["StartLimitBurst"]) >= 1
+    assert commands == ["systemctl --user daemon-reload",
+                        "systemctl --user enable --now mlxd.service"]
+    if shutil.which("systemd-analyze"):  # systemd's own parser, where the machine has it
+        unit_file = tmp_path / "mlxd.service"
+        unit_file.write_text(content)
+        check = subprocess.run(["systemd-analyze", "verify", str(unit_file)],
+                               capture_output=True, text=True)
+        assert check.returncode == 0 and "Unknown" not in check.stderr \
+            and "Invalid" not in check.stderr, check.stderr
+
+
+def test_service_install_rejects_bad_flags_and_uninstall_dry_run():
+    bad = _mlxd("service", "install", "--dry-run", "--platform", "linux", "--batch", "0")
+    assert bad.returncode != 0 and "batch" in bad.stderr
+    out = _mlxd("service", "uninstall", "--dry-run", "--platform", "linux")
+    assert out.returncode == 0
+    assert "systemctl --user disable --now mlxd.service" in out.stdout
+    assert "remove" in out.stdout
+
+
+def test_sd_notify_sends_datagrams(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(path)
+        server.settimeout(5)
+        n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000",
+                      "WATCHDOG_PID": str(os.getpid())})
+        assert n.enabled and n.watchdog_interval == 2.0
+        assert n.notify(READY=1, STATUS="listening")
+        assert server.recv(1024) == b"READY=1\nSTATUS=listening"
+    off = Notifier({})
+    assert not off.enabled and not off.notify(READY=1) and off.watchdog_interval is None
+    other = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
+    assert other.watchdog_interval is None  # the watchdog is some other process's
