@@ -57,6 +57,13 @@ class SsdStats:
 
 
 @dataclass
+class _Block:
+    slot: int
+    data: Any  # mx.array being evaluated; None once copied
+    write: BlockWrite
+
+
+@dataclass
 class _Pending:
     sent_at: float
     keys: list[bytes] = field(default_factory=list)
@@ -140,55 +147,59 @@ class SsdTier:
                 if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
 
     def persist(self, entry: Entry) -> int:
-        """Queue `entry`'s missing blocks for the storage worker; return how many were queued."""
+        """Queue `entry`'s missing blocks for the storage worker; return how many were queued.
+        On the MLX thread this only builds one contiguous array per block (just the block's
+        span) and starts its evaluation (`async_eval`); the storage thread waits for it and
+        copies it into the shared-memory slot, so decoding never waits for the copy."""
         import mlx.core as mx
         todo = self._missing(entry)
         if not todo:
             entry.persisted = True
             return 0
-        mx.eval([a for kv in entry.layers for a in kv])  # no-op for RAM entries
-        writes = []
+        blocks = []
         for start, end, parent, key in todo:
             try:
                 slot = self._free.get_nowait()
             except queue.Empty:
                 self.stats.skipped_no_slot += 1
                 continue
-            self._copy(entry, start, end, slot)
-            writes.append(BlockWrite(slot, parent, key, list(entry.tokens[start:end]),
-                                     tail=end - start < self.block_tokens))
+            blocks.append(_Block(slot, self._flatten(entry, start, end), BlockWrite(
+                slot, parent, key, list(entry.tokens[start:end]),
+                tail=end - start < self.block_tokens)))
             self._queued_keys.add(key)
-        if writes:
-            self.stats.blocks_queued += len(writes)
+        if blocks:
+            mx.async_eval([b.data for b in blocks])
+            self.stats.blocks_queued += len(blocks)
             with self._idle:
-                for w in writes:
-                    self._pending[w.slot] = _Pending(time.monotonic(), [w.key])
-            self._out.put(StoreBlocks(self.engine_id, self.epoch, self.segment, self.slot_bytes,
-                                      self.namespace, self._layout_list(), writes))
-        entry.persisted = len(writes) == len(todo)
-        return len(writes)
+                for b in blocks:
+                    self._pending[b.slot] = _Pending(time.monotonic(), [b.write.key])
+            self._out.put(blocks)
+        entry.persisted = len(blocks) == len(todo)
+        return len(blocks)
 
     def _layout_list(self) -> list:
         lay = self.layout
         return [lay.n_layers, lay.kv_heads, lay.k_head_dim, lay.v_head_dim, lay.dtype]
 
-    def _copy(self, entry: Entry, start: int, end: int, slot: int) -> None:
-        """One copy per layer into the slot; only this block's span is evaluated."""
+    def _flatten(self, entry: Entry, start: int, end: int) -> Any:
+        """The block as the slot holds it: per layer, keys then values, each
+        (kv_heads, tokens, head_dim), as one lazy 1-D array."""
         import mlx.core as mx
-        n = end - start
+        flat = mx.concatenate([arr[0, :, start:end, :].reshape(-1)
+                               for k, v in entry.layers for arr in (k, v)])
+        return flat.view(mx.uint16) if self.layout.dtype == "bfloat16" else flat
+
+    def _copy(self, blocks: list[_Block]) -> StoreBlocks:
+        """Storage thread: wait for each block's evaluation, copy it into its slot."""
         raw = _RAW[self.layout.dtype]
-        base = slot * self.slot_bytes
-        lay = self.layout
-        off = base
-        for k, v in entry.layers:
-            for arr, hd in ((k, lay.k_head_dim), (v, lay.v_head_dim)):
-                part = arr[0, :, start:end, :]
-                if lay.dtype == "bfloat16":
-                    part = part.view(mx.uint16)
-                dst = np.ndarray((lay.kv_heads, n, hd), dtype=raw, buffer=self._shm.buf,
-                                 offset=off)
-                dst[...] = np.asarray(part)
-                off += dst.nbytes
+        for b in blocks:
+            data = np.asarray(b.data)
+            dst = np.ndarray(data.shape, dtype=raw, buffer=self._shm.buf,
+                             offset=b.slot * self.slot_bytes)
+            dst[...] = data
+            b.data = None  # the MLX array (and the cache it views) is released here
+        return StoreBlocks(self.engine_id, self.epoch, self.segment, self.slot_bytes,
+                           self.namespace, self._layout_list(), [b.write for b in blocks])
 
     def flush(self, run_on_mlx: Callable[[Callable[[], int]], int | None],
               entries: Callable[[], list[Entry]], timeout: float) -> tuple[int, int]:
@@ -240,6 +251,14 @@ class SsdTier:
                         msg = self._out.get_nowait()
                     except queue.Empty:
                         break
+                    if isinstance(msg, list):
+                        try:
+                            msg = self._copy(msg)
+                        except Exception as e:  # noqa: BLE001 - a failed copy fails its blocks
+                            log.exception("copying KV blocks to shared memory failed")
+                            self._done(StoreDone([b.slot for b in msg], failed=len(msg),
+                                                 error=f"copy failed: {e}"))
+                            continue
                     if isinstance(msg, _ReclaimAll):
                         if self._pending:
                             self._done(StoreDone(list(self._pending), failed=len(self._pending),
