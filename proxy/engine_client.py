@@ -93,6 +93,7 @@ class EngineClient:
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self._enc = codec.to_engine()
         self._dec = codec.from_engine()
 
@@ -105,8 +106,11 @@ class EngineClient:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._eps.outputs)
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
+        self._watcher = asyncio.create_task(self._watch_streams(), name="stream-watcher")
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -156,6 +160,20 @@ class EngineClient:
         if rec.child is not None and rec.child.epoch != stream.epoch:
             return False
         return rec.epoch == stream.epoch and rec.state in ("ready", "loading")
+
+    async def _watch_streams(self) -> None:
+        """Once a second: end the requests of engines that died without a snapshot saying so
+        (a new epoch, or no status for 5 s), so no stream waits forever."""
+        while True:
+            await asyncio.sleep(1.0)
+            for rid, stream in list(self.streams.items()):
+                if not self.alive(stream):
+                    del self.streams[rid]
+                    stream.finished = True
+                    stream.queue.put_nowait(Delta(
+                        rid, finish_reason="error", error_code="engine_crashed",
+                        error=f"the engine serving {stream.engine.model_id} crashed while "
+                              "running this request"))
 
     def record(self, engine_id: str, spec: str) -> EngineRecord:
         rec = self.engines.get(engine_id)

@@ -126,17 +126,15 @@ class Generation:
         return True
 
     async def _next(self) -> Delta:
+        """The next delta. An engine death arrives here as an error delta, pushed by the
+        supervisor's snapshot or by the client's stream watcher (no timer per token)."""
         assert self.stream is not None
-        while True:
-            try:
-                return await asyncio.wait_for(self.stream.queue.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if not self.client.alive(self.stream):
-                    self.stream.finished = True
-                    self.client.streams.pop(self.stream.request_id, None)
-                    return Delta(self.stream.request_id, finish_reason="error",
-                                 error=f"the engine serving {self.engine.model_id} crashed "
-                                       "while running this request", error_code="engine_crashed")
+        return await self.stream.queue.get()
+
+    def pending(self) -> bool:
+        """Whether a delta is already queued (a writer may batch it with this one)."""
+        return self._pending is not None or (self.stream is not None
+                                             and not self.stream.queue.empty())
 
     async def deltas(self) -> AsyncIterator[Delta]:
         assert self.stream is not None

@@ -22,6 +22,22 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+_MARK = "\x00text\x00"
+
+
+class _ChunkTemplate:
+    """A stream's content chunk serialized once, with a hole for the text: per token only the
+    text is JSON-encoded (the same bytes `_sse` would produce for the whole chunk)."""
+
+    def __init__(self, obj: Any) -> None:
+        whole = _sse(obj)
+        hole = json.dumps(_MARK).encode()
+        self.head, self.tail = whole.split(hole)
+
+    def render(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
+
+
 async def _run(request: web.Request, req: Any, max_tokens: int | None, prefix: str,
                obj: str, make_choice: Any, **fields: Any) -> web.StreamResponse:
     app = request.app
@@ -73,18 +89,25 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         first = make_choice(None, None, final=False, first=True)
         if first is not None:
             await resp.write(_sse({**base, "choices": [first]}))
+        chunk = _ChunkTemplate({**base, "choices": [make_choice(_MARK, None, final=False)]})
+        out: list[bytes] = []
         try:
             async for d in gen.deltas():
                 if d.text:
-                    await resp.write(_sse({**base, "choices": [make_choice(d.text, None, final=False)]}))
+                    out.append(chunk.render(d.text))
                 if d.finish_reason is not None:
-                    await resp.write(_sse({**base, "choices": [make_choice("", d.finish_reason,
-                                                                           final=False, last=True)]}))
+                    out.append(_sse({**base, "choices": [make_choice("", d.finish_reason,
+                                                                     final=False, last=True)]}))
+                if not gen.pending():  # one write for whatever has queued up meanwhile
+                    await resp.write(b"".join(out))
+                    out.clear()
+            if out:
+                await resp.write(b"".join(out))
             if include_usage:
                 await resp.write(_sse({**base, "choices": [], "usage": gen.usage()}))
             await resp.write(b"data: [DONE]\n\n")
         except APIError as e:  # after streaming started: one in-band error event, then close
-            await resp.write(_sse(e.body()))
+            await resp.write(b"".join(out) + _sse(e.body()))
         await resp.write_eof()
         return resp
     finally:

@@ -1,0 +1,135 @@
+"""Proxy relay capacity: how many streamed tokens per second one proxy process relays to many
+SSE clients, when the engine is never the bottleneck.
+
+A real proxy process (`python -m mlxd.proxy`) is fed by `fake_engine.py`, which speaks the real
+protocol over the real sockets and emits one token per request per step as fast as the proxy
+takes them. Clients run in separate processes (so that parsing SSE does not compete with the
+proxy for one interpreter), each holding several streaming chat completions; the figure is
+content chunks received per second across all clients, after a warm-up round.
+
+    python benchmarks/proxy_relay.py --streams 64 --tokens 2000 --client-procs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, tokens: int) -> int:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": tokens, "stream": True}
+    n = 0
+    async with session.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b'data: {"id"') and b'"content": " tok"' in line:
+                n += 1
+    return n
+
+
+def _client(url: str, streams: int, tokens: int, start_at: float, q: "mp.Queue") -> None:
+    async def run() -> tuple[int, float, float]:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as s:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            t0 = time.time()
+            counts = await asyncio.gather(*(_stream(s, url, tokens) for _ in range(streams)))
+            return sum(counts), t0, time.time()
+    q.put(asyncio.run(run()))
+
+
+def measure(url: str, streams: int, tokens: int, procs: int) -> dict:
+    q: mp.Queue = mp.Queue()
+    start_at = time.time() + 1.0
+    per = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
+    ps = [mp.Process(target=_client, args=(url, n, tokens, start_at, q)) for n in per if n]
+    for p in ps:
+        p.start()
+    results = [q.get() for _ in ps]
+    for p in ps:
+        p.join()
+    total = sum(r[0] for r in results)
+    seconds = max(r[2] for r in results) - min(r[1] for r in results)
+    return {"streams": streams, "tokens_per_stream": tokens, "relayed_tokens": total,
+            "seconds": round(seconds, 3), "tok_s": round(total / seconds, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="1,8,64")
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    run_dir = Path(tempfile.mkdtemp(prefix="mlxd-relay-", dir="/tmp"))
+    os.chmod(run_dir, 0o700)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    from mlxd.protocol.models import engine_id_for
+    eid = engine_id_for("fake")  # the id the router derives from the model spec
+    proxy = subprocess.Popen([sys.executable, "-m", "mlxd.proxy", "--run-dir", str(run_dir),
+                              "--port", str(port), "--engine", f"{eid}=fake", "--batch", "256",
+                              "--log-level", "warning", "--max-tokens", "100000"],
+                             env=env, start_new_session=True)
+    engine = subprocess.Popen([sys.executable, str(HERE / "fake_engine.py"), "--run-dir",
+                               str(run_dir), "--engine-id", eid], env=env,
+                              start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    rows = []
+    try:
+        deadline = time.monotonic() + 60
+        import urllib.request
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the proxy did not become ready")
+            time.sleep(0.2)
+        measure(url, 8, 200, 1)  # warm-up
+        for n in (int(x) for x in args.streams.split(",")):
+            row = measure(url, n, args.tokens, min(args.client_procs, n))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for p in (engine, proxy):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    import platform
+    lines = [f"# Proxy relay capacity ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
+             f"{os.cpu_count()} CPUs, {args.client_procs} client processes)", "",
+             "| SSE streams | tokens per stream | relayed tok/s |", "|---|---|---|"]
+    lines += [f"| {r['streams']} | {r['tokens_per_stream']} | {r['tok_s']:,.0f} |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
