@@ -50,6 +50,8 @@ class Round:
     seconds: float
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    engine_ttft: float | None = None  # mlxd: mean engine receipt -> first token (engine clock)
+    engine_admit: float | None = None  # mlxd: mean engine receipt -> inserted into the batch
 
     @property
     def tok_s(self) -> float:
@@ -245,12 +247,29 @@ async def main_async(args: argparse.Namespace) -> list[Round]:
             await server.wait()
             for c in levels:
                 await run_http(target, base, name, c, min(args.max_tokens, 16))  # warm-up
+                before = await engine_figures(base) if target.startswith("mlxd") else None
                 r = await run_http(target, base, name, c, args.max_tokens)
+                if before is not None:
+                    after = await engine_figures(base)
+                    n = after.get("first_tokens", 0) - before.get("first_tokens", 0)
+                    if n:
+                        r.engine_ttft = (after["to_first_token_s"]
+                                         - before["to_first_token_s"]) / n
+                        r.engine_admit = (after["to_admit_s"] - before["to_admit_s"]) / n
                 rounds.append(r)
                 print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
         finally:
             server.stop()
     return rounds
+
+
+async def engine_figures(base: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(base + "/stats") as r:
+        return (await r.json())["engines"][0]["cache"]
+
+
+def _secs(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
 
 
 def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
@@ -261,12 +280,14 @@ def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
              f"mlx {mx.__version__}; {platform.machine()} {os.cpu_count()} cores; "
              f"{time.strftime('%Y-%m-%d')}.", "",
              "| target | concurrency | tok/s | ratio to in-process | TTFT p50 (s) | TTFT p90 (s) "
-             "| ITL p50 (ms) | ITL p90 (ms) |", "|---|---|---|---|---|---|---|---|"]
+             "| ITL p50 (ms) | ITL p90 (ms) | engine: to batch, mean (s) | engine: to first "
+             "token, mean (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rounds:
         ratio = r.tok_s / ref[r.concurrency] if ref.get(r.concurrency) else float("nan")
         lines.append(f"| {r.target} | {r.concurrency} | {r.tok_s:.1f} | {ratio:.2f} | "
                      f"{pct(r.ttft, .5):.3f} | {pct(r.ttft, .9):.3f} | {pct(r.itl, .5) * 1e3:.1f} "
-                     f"| {pct(r.itl, .9) * 1e3:.1f} |")
+                     f"| {pct(r.itl, .9) * 1e3:.1f} | {_secs(r.engine_admit)} | "
+                     f"{_secs(r.engine_ttft)} |")
     table = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table)

@@ -33,6 +33,7 @@ class AddRequest:
     sampler: Callable[[mx.array], mx.array]
     processors: list
     restored: tuple[int, list, str] | None = None  # (tokens, per-layer (k, v) numpy, dtype)
+    received_at: float = 0.0  # monotonic time the engine received the request
 
 
 @dataclass
@@ -81,6 +82,9 @@ class RunnerCounters:
     generated_tokens: int = 0
     checkpoints: int = 0
     checkpoint_s: float = 0.0  # MLX-thread time spent taking checkpoints
+    first_tokens: int = 0  # requests that produced their first token (for the means below)
+    to_admit_s: float = 0.0  # sum over them: engine receipt -> inserted into the batch
+    to_first_token_s: float = 0.0  # sum over them: engine receipt -> first token sampled
     step_s: float = 0.0  # MLX-thread time in generation steps, checkpoints included
     active: int = 0
     busy: bool = False
@@ -113,6 +117,7 @@ class Runner:
         self._on_checkpoint = on_checkpoint
         self._generated: dict[int, int] = {}  # uid -> tokens generated, for checkpoints
         self._prompt_len: dict[int, int] = {}  # uid -> prompt tokens, for the prompt boundary
+        self._awaiting_first: dict[int, tuple[float, float]] = {}  # uid -> (received, admitted)
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -214,6 +219,7 @@ class Runner:
         self._uid_to_rid[uid] = add.request_id
         self._rid_to_uid[add.request_id] = uid
         self._prompt_len[uid] = len(prompt)
+        self._awaiting_first[uid] = (add.received_at, time.monotonic())
         c = self.counters
         c.prompt_tokens += len(prompt)
         c.cached_tokens += cached
@@ -239,6 +245,7 @@ class Runner:
         for uid in uids:
             del self._uid_to_rid[uid]
             self._generated.pop(uid, None)
+            self._awaiting_first.pop(uid, None)
         if uids:
             caches = self._gen.remove(uids, return_prompt_caches=bool(self.cache.max_bytes))
             for uid in uids:
@@ -286,6 +293,14 @@ class Runner:
             return
         rows = []
         due = []
+        if self._awaiting_first:
+            now = time.monotonic()
+            for r in responses:
+                times = self._awaiting_first.pop(r.uid, None)
+                if times is not None and times[0]:
+                    c.first_tokens += 1
+                    c.to_admit_s += times[1] - times[0]
+                    c.to_first_token_s += now - times[0]
         for r in responses:
             rid = self._uid_to_rid.get(r.uid)
             if rid is None:
@@ -361,6 +376,7 @@ class Runner:
         self._followers.clear()
         self._prefilling.clear()
         self._prompt_len.clear()
+        self._awaiting_first.clear()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))
         self._uid_to_rid.clear()

@@ -312,6 +312,7 @@ class EngineService:
 
     def _admit(self, msg: Generate) -> None:
         from mlxd.engine.sampling import make_request_processors, make_request_sampler
+        received_at = time.monotonic()
         if self.tokenizer is None:
             raise ClientError("the model is still loading", "engine_loading")
         tok = self.tokenizer
@@ -360,7 +361,8 @@ class EngineService:
         self._to_runner(AddRequest(msg.request_id, prompt, max_tokens,
                                    make_request_sampler(p, start_position=len(resumed)),
                                    make_request_processors(p),
-                                   restored=(*restored, self.ssd.layout.dtype) if restored else None))
+                                   restored=(*restored, self.ssd.layout.dtype) if restored else None,
+                                   received_at=received_at))
 
     def _restore(self, prompt: list[int]) -> tuple[int, list] | None:
         """KV for the prompt's longest prefix on SSD, if it beats the RAM tier. Whatever goes
@@ -414,6 +416,8 @@ class EngineService:
                 "prompt_tokens": c.prompt_tokens, "prefilled_tokens": c.prefilled_tokens,
                 "cached_tokens": c.cached_tokens, "checkpoints": c.checkpoints,
                 "checkpoint_s": round(c.checkpoint_s, 4), "step_s": round(c.step_s, 4),
+                "first_tokens": c.first_tokens, "to_admit_s": round(c.to_admit_s, 4),
+                "to_first_token_s": round(c.to_first_token_s, 4),
                 **self._ssd_stats()}
 
     def _ssd_stats(self) -> dict[str, Any]:
