@@ -55,8 +55,34 @@ async def main_async(args: argparse.Namespace) -> None:
         server.stop()
 
 
+def summarize(raw: Path, top: int = 25) -> str:
+    """Self time by thread and by leaf frame from py-spy's raw output (active samples only:
+    py-spy leaves out threads waiting outside Python without holding the GIL)."""
+    from collections import Counter
+    threads: Counter = Counter()
+    leaves: Counter = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        total += n
+        threads[thread] += n
+        leaves[(thread, frames[-1])] += n
+    out = [f"{total} active samples", "", "by thread:"]
+    out += [f"{n / total:7.2%} {t}" for t, n in threads.most_common()]
+    out += ["", "by leaf frame (self time):"]
+    out += [f"{n / total:7.2%} [{t}] {f}" for (t, f), n in leaves.most_common(top)]
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--summarize", type=Path, default=None, metavar="DIR",
+                    help="only write DIR/*-self-time.txt from the raw profiles in DIR")
     ap.add_argument("--model", default=None)
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--model-dtype", default="bfloat16")
@@ -65,7 +91,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--mlxd-args", default="")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
-    asyncio.run(main_async(ap.parse_args()))
+    args = ap.parse_args()
+    if args.summarize is None:
+        asyncio.run(main_async(args))
+    out = args.summarize or args.out
+    for raw in sorted(out.glob("*.txt")):
+        if not raw.name.endswith("-self-time.txt"):
+            (out / f"{raw.stem}-self-time.txt").write_text(summarize(raw))
 
 
 if __name__ == "__main__":
