@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,16 @@ def test_throughput_harness_smoke(tmp_path):
         tok_s = float(row.split("|")[3])
         assert tok_s > 0
     assert out.with_suffix(".png").exists()
+
+
+def test_proxy_relay_smoke(tmp_path):
+    """A real proxy process fed by the fake engine (the real protocol) relays every token."""
+    out = tmp_path / "relay.md"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "proxy_relay.py"), "--streams", "1,3",
+         "--tokens", "40", "--client-procs", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(x["streams"], x["relayed_tokens"]) for x in rows] == [(1, 40), (3, 120)]
+    assert "| 3 | 40 |" in out.read_text()
