@@ -67,11 +67,12 @@ class RequestOutput:
 
         text = self._pending
         if self.stops:
-            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
+            hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+            if hits:
+                cut, stop = min(hits)
                 self.finished = True
                 self._pending = ""
-                return self._delta(text[:cut], new_ids, "stop")
+                return self._delta(text[:cut], new_ids, "stop", stop)
         if finish_reason is not None:
             self.finished = True
             self._pending = ""
@@ -83,7 +84,8 @@ class RequestOutput:
             return None
         return self._delta(emit, new_ids, None)
 
-    def _delta(self, text: str, ids: list[int], finish: str | None) -> Delta:
+    def _delta(self, text: str, ids: list[int], finish: str | None,
+               stop: str | None = None) -> Delta:
         return Delta(request_id=self.request_id, text=text, token_ids=ids, finish_reason=finish,
                      prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     cached_tokens=self.cached_tokens)
+                     cached_tokens=self.cached_tokens, stop_sequence=stop)

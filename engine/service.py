@@ -334,6 +334,10 @@ class EngineService:
         vocab = len(tok)
         if any(t < 0 or t >= vocab for t in prompt):
             raise ClientError("a prompt token id is outside the vocabulary", "invalid_token")
+        if msg.count_only:
+            self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
+            self.outq.put(Delta(msg.request_id, finish_reason="length", prompt_tokens=len(prompt)))
+            return
         room = self.context_length - len(prompt)
         if room < 1:
             raise ClientError(

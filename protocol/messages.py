@@ -41,6 +41,9 @@ class Generate(_Msg, tag="gen"):
     # engine that died. They are appended to the prompt; sampling continues at their count.
     resume_token_ids: list[int] = []
     resume_text_len: int = 0
+    # Only tokenize: the engine answers with the prompt's token count and finishes at once
+    # (Anthropic's count_tokens); nothing is generated.
+    count_only: bool = False
 
 
 class Abort(_Msg, tag="abort"):
@@ -69,6 +72,7 @@ class Delta(msgspec.Struct, array_like=True):
     error: str | None = None
     error_code: str | None = None  # e.g. "context_length_exceeded" (a client error)
     cached_tokens: int = 0  # prompt tokens served from the KV cache (RAM or SSD)
+    stop_sequence: str | None = None  # the stop string that ended the request, if one did
 
 
 class StepOutput(_Msg, tag="step"):

@@ -13,7 +13,8 @@ from typing import Callable
 import msgspec
 from aiohttp import web
 
-from mlxd.proxy import admin_routes, metrics, openai_routes, security
+from mlxd.proxy import (admin_routes, anthropic_routes, metrics, ollama_routes, openai_routes,
+                        security)
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.router import Router
 from mlxd.proxy.errors import error_middleware
@@ -49,6 +50,8 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     app["request_stop"] = request_stop
     metrics.install(app)
     openai_routes.add_routes(app)
+    anthropic_routes.add_routes(app)
+    ollama_routes.add_routes(app)
     admin_routes.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)

@@ -8,14 +8,12 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxd.protocol.messages import Generate
-from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation, new_request_id
-from mlxd.proxy.model_pool import parse_keep_alive
-from mlxd.proxy.router import Router
+from mlxd.proxy.errors import APIError
+from mlxd.proxy.generation import Generation
 from mlxd.proxy.openai_schema import (ChatRequest, CompletionRequest, chat_messages,
-                                      check_max_tokens, completion_prompt, decode_body,
-                                      sampling_params)
+                                      completion_prompt, decode_body, sampling_params)
+from mlxd.proxy.router import Router
+from mlxd.proxy.run import generation, keep_alive_seconds
 
 
 def _sse(obj: Any) -> bytes:
@@ -40,29 +38,13 @@ class _ChunkTemplate:
 
 async def _run(request: web.Request, req: Any, max_tokens: int | None, prefix: str,
                obj: str, make_choice: Any, **fields: Any) -> web.StreamResponse:
-    app = request.app
-    router: Router = app["router"]
-    try:
-        keep_alive = parse_keep_alive(req.keep_alive)
-    except ValueError as e:
-        raise bad_request(str(e), param="keep_alive") from e
-    params = sampling_params(req, app["defaults"], max_tokens)  # before any model is loaded
-    engine = await router.acquire(req.model)
-    gen = None
-    try:
-        check_max_tokens(max_tokens, engine.status.context_length if engine.status else 0)
-        rid = new_request_id(prefix)
-        gen = Generation(app["client"], engine, Generate(request_id=rid, sampling=params, **fields),
-                         resume=app["resume"], load_wait=router.load_wait,
-                         stats=app["resume_stats"], metrics=app["metrics"])
-        await gen.start()
-        return await _respond(request, gen, rid, obj, req.stream,
+    keep_alive = keep_alive_seconds(req.keep_alive)
+    params = sampling_params(req, request.app["defaults"], max_tokens)  # before any model loads
+    async with generation(request, req.model, params, keep_alive, max_tokens, prefix,
+                          **fields) as gen:
+        return await _respond(request, gen, gen.msg.request_id, obj, req.stream,
                               bool(req.stream_options and req.stream_options.include_usage),
                               make_choice)
-    finally:
-        if gen is not None:
-            await gen.close()
-        await router.release(engine, keep_alive)
 
 
 async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, stream: bool,

@@ -1,0 +1,107 @@
+"""Anthropic Messages API: `POST /v1/messages` (streaming with Anthropic's event sequence, or
+not) and `POST /v1/messages/count_tokens`. Errors use Anthropic's envelope (errors.py picks
+it from the path)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from aiohttp import web
+
+from mlxd.protocol.messages import SamplingParams
+from mlxd.proxy import anthropic_schema as schema
+from mlxd.proxy.errors import APIError
+from mlxd.proxy.generation import Generation
+from mlxd.proxy.openai_schema import decode_body
+from mlxd.proxy.run import generation
+
+PING_EVERY = 10  # content deltas between `ping` events
+
+
+def _event(name: str, data: dict) -> bytes:
+    return (f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode()
+            + b"\n\n")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    req: schema.MessagesRequest = decode_body(await request.read(),  # type: ignore[assignment]
+                                              schema.MessagesRequest)
+    msgs = schema.chat_messages(req)
+    params = schema.sampling(req, request.app["defaults"])
+    async with generation(request, req.model, params, None, req.max_tokens, "msg",
+                          messages=msgs) as gen:
+        msg_id = "msg_" + uuid.uuid4().hex[:24]
+        if req.stream:
+            return await _stream(request, gen, msg_id)
+        parts: list[str] = []
+        last = None
+        async for d in gen.deltas():
+            parts.append(d.text)
+            last = d
+        return web.json_response({
+            "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
+            "content": [{"type": "text", "text": "".join(parts)}],
+            "stop_reason": schema.stop_reason(last.finish_reason, last.stop_sequence),
+            "stop_sequence": last.stop_sequence,
+            "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)})
+
+
+async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(_event("message_start", {"type": "message_start", "message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, 0)}}))
+    await resp.write(_event("content_block_start", {
+        "type": "content_block_start", "index": 0,
+        "content_block": {"type": "text", "text": ""}}) + _event("ping", {"type": "ping"}))
+    out: list[bytes] = []
+    sent = 0
+    try:
+        async for d in gen.deltas():
+            if d.text:
+                out.append(_event("content_block_delta", {
+                    "type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": d.text}}))
+                sent += 1
+                if sent % PING_EVERY == 0:
+                    out.append(_event("ping", {"type": "ping"}))
+            if d.finish_reason is not None:
+                out.append(_event("content_block_stop", {"type": "content_block_stop",
+                                                         "index": 0}))
+                out.append(_event("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": schema.stop_reason(d.finish_reason,
+                                                                d.stop_sequence),
+                              "stop_sequence": d.stop_sequence},
+                    "usage": {"output_tokens": gen.completion_tokens}}))
+                out.append(_event("message_stop", {"type": "message_stop"}))
+            if not gen.pending():
+                await resp.write(b"".join(out))
+                out.clear()
+        if out:
+            await resp.write(b"".join(out))
+    except APIError as e:  # after the stream started: Anthropic's `error` event
+        await resp.write(b"".join(out) + _event("error", e.body("anthropic")))
+    await resp.write_eof()
+    return resp
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    req: schema.CountTokensRequest = decode_body(  # type: ignore[assignment]
+        await request.read(), schema.CountTokensRequest)
+    msgs = schema.chat_messages(req)
+    async with generation(request, req.model, SamplingParams(max_tokens=1), None, None,
+                          "count", messages=msgs, count_only=True) as gen:
+        async for _ in gen.deltas():
+            pass
+        return web.json_response({"input_tokens": gen.prompt_tokens})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+

@@ -1,0 +1,306 @@
+"""Ollama's API: `/api/chat` and `/api/generate` (NDJSON streaming by default), `/api/tags`,
+`/api/show`, `/api/ps`, `/api/version`. Errors are Ollama's `{"error": "..."}`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from mlxd.proxy.engine_client import EngineRecord
+from mlxd.proxy.errors import APIError, bad_request
+from mlxd.proxy.generation import Generation
+from mlxd.proxy.model_pool import model_weight_bytes
+from mlxd.proxy.openai_schema import _Sampling, decode_body, sampling_params
+from mlxd.proxy.router import Router
+from mlxd.proxy.run import generation, keep_alive_seconds
+
+API_VERSION = "0.12.0"  # the Ollama API level these routes follow
+
+
+class Options(msgspec.Struct, kw_only=True):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[dict] | None = None
+    thinking: str | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool = True
+    format: Any = None
+    options: Options | None = None
+    keep_alive: float | str | None = None
+    think: Any = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+
+
+class GenerateRequest(_Common, kw_only=True):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    images: list[str] | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+
+class ModelRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None  # older clients
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _model_name(name: str, router: Router) -> str:
+    """Ollama clients say `name:latest`; mlxd's names have no tags."""
+    if ":" in name and not Path(name).expanduser().exists():
+        base, tag = name.rsplit(":", 1)
+        if tag == "latest" or "/" not in tag:
+            try:
+                router.lookup(name)
+                return name
+            except APIError:
+                return base
+    return name
+
+
+def _sampling(req: _Common, defaults: Any) -> tuple[Any, int | None]:
+    if req.format is not None and req.format != "":
+        raise bad_request("`format` (structured output) is not supported yet")
+    o = req.options or Options()
+    n = o.num_predict
+    max_tokens = None if n is None or n < 0 else n  # -1: until done, -2: fill the context
+    if n == 0:
+        raise bad_request("options.num_predict must not be 0")
+    params = sampling_params(_Sampling(
+        temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+        repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
+        frequency_penalty=o.frequency_penalty, seed=o.seed, stop=o.stop,
+        max_tokens=max_tokens), defaults, max_tokens)
+    return params, max_tokens
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
+    router: Router = request.app["router"]
+    keep_alive = keep_alive_seconds(req.keep_alive)
+    if req.tools:
+        raise bad_request("`tools` are not supported yet (mlxd has no tool calling yet)")
+    msgs = []
+    for i, m in enumerate(req.messages or []):
+        if m.role not in ("system", "user", "assistant"):
+            raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, user, "
+                              "assistant")
+        if m.images:
+            raise bad_request(f"messages[{i}]: images are not supported")
+        msgs.append({"role": m.role, "content": m.content})
+    name = _model_name(req.model, router)
+    if not msgs:  # Ollama: a chat without messages loads (or with keep_alive 0, unloads)
+        return await _load_only(request, name, keep_alive, "message",
+                                {"role": "assistant", "content": ""})
+    params, max_tokens = _sampling(req, request.app["defaults"])
+    async with generation(request, name, params, keep_alive, max_tokens, "ollama",
+                          messages=msgs) as gen:
+        return await _respond(request, gen, req.stream, req.model, lambda text: {
+            "message": {"role": "assistant", "content": text}})
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    req: GenerateRequest = decode_body(  # type: ignore[assignment]
+        await request.read(), GenerateRequest)
+    router: Router = request.app["router"]
+    keep_alive = keep_alive_seconds(req.keep_alive)
+    if req.images:
+        raise bad_request("images are not supported")
+    if req.suffix:
+        raise bad_request("`suffix` is not supported")
+    name = _model_name(req.model, router)
+    if not req.prompt:
+        return await _load_only(request, name, keep_alive, "response", "")
+    params, max_tokens = _sampling(req, request.app["defaults"])
+    if req.raw:
+        fields: dict[str, Any] = {"prompt": req.prompt}
+    else:
+        msgs = [{"role": "system", "content": req.system}] if req.system else []
+        fields = {"messages": msgs + [{"role": "user", "content": req.prompt}]}
+    async with generation(request, name, params, keep_alive, max_tokens, "ollama",
+                          **fields) as gen:
+        return await _respond(request, gen, req.stream, req.model,
+                              lambda text: {"response": text})
+
+
+async def _load_only(request: web.Request, name: str, keep_alive: float | None, key: str,
+                     empty: Any) -> web.Response:
+    router: Router = request.app["router"]
+    if keep_alive == 0:
+        rec = await router.unload(name)
+        reason = "unload"
+    else:
+        rec = await router.load(name)
+        reason = "load"
+    return web.json_response({"model": rec.model_id, "created_at": _now(), key: empty,
+                              "done": True, "done_reason": reason})
+
+
+async def _respond(request: web.Request, gen: Generation, stream: bool, model: str,
+                   body: Any) -> web.StreamResponse:
+    started = time.perf_counter_ns()
+    if not stream:
+        parts = []
+        last = None
+        async for d in gen.deltas():
+            parts.append(d.text)
+            last = d
+        return web.json_response({"model": model, "created_at": _now(), **body("".join(parts)),
+                                  **_final(gen, last.finish_reason, started)})
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    out: list[bytes] = []
+    try:
+        async for d in gen.deltas():
+            if d.text:
+                out.append(_line({"model": model, "created_at": _now(), **body(d.text),
+                                  "done": False}))
+            if d.finish_reason is not None:
+                out.append(_line({"model": model, "created_at": _now(), **body(""),
+                                  **_final(gen, d.finish_reason, started)}))
+            if not gen.pending():
+                await resp.write(b"".join(out))
+                out.clear()
+        if out:
+            await resp.write(b"".join(out))
+    except APIError as e:  # mid-stream: Ollama sends one {"error": ...} line
+        await resp.write(b"".join(out) + _line(e.body("ollama")))
+    await resp.write_eof()
+    return resp
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+def _final(gen: Generation, finish: str | None, started_ns: int) -> dict:
+    total = time.perf_counter_ns() - started_ns
+    return {"done": True, "done_reason": "length" if finish == "length" else "stop",
+            "total_duration": total, "load_duration": 0,
+            "prompt_eval_count": gen.prompt_tokens, "prompt_eval_duration": 0,
+            "eval_count": gen.completion_tokens, "eval_duration": total}
+
+
+# ---------------------------------------------------------------- models
+
+def _details(spec: str) -> dict:
+    try:
+        cfg = json.loads((Path(spec).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    quant = cfg.get("quantization") or {}
+    return {"parent_model": "", "format": "mlx", "family": cfg.get("model_type", ""),
+            "families": [cfg.get("model_type", "")] if cfg.get("model_type") else None,
+            "parameter_size": "", "quantization_level":
+                f"Q{quant['bits']}" if isinstance(quant, dict) and quant.get("bits") else ""}
+
+
+def _entry(name: str, spec: str, started: int) -> dict:
+    return {"name": name, "model": name,
+            "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+            "size": model_weight_bytes(spec),
+            "digest": hashlib.sha256(spec.encode()).hexdigest(), "details": _details(spec)}
+
+
+async def tags(request: web.Request) -> web.Response:
+    client, router = request.app["client"], request.app["router"]
+    seen: dict[str, str] = {rec.model_id: rec.spec for rec in client.engines.values()}
+    for alias, spec in router.aliases.items():
+        seen.setdefault(alias, spec)
+    return web.json_response({"models": [_entry(n, s, request.app["started"])
+                                         for n, s in seen.items()]})
+
+
+async def ps(request: web.Request) -> web.Response:
+    client, router = request.app["client"], request.app["router"]
+    resident = router.pool.resident if router.pool is not None else client.engines
+    models = []
+    for rec in client.engines.values():
+        if rec.engine_id in resident and rec.state == "ready":
+            size = model_weight_bytes(rec.spec)
+            models.append({**_entry(rec.model_id, rec.spec, request.app["started"]),
+                           "expires_at": "0001-01-01T00:00:00Z", "size_vram": size})
+    return web.json_response({"models": models})
+
+
+async def show(request: web.Request) -> web.Response:
+    req: ModelRequest = decode_body(await request.read(), ModelRequest)  # type: ignore[assignment]
+    router: Router = request.app["router"]
+    name = req.model or req.name
+    if not name:
+        raise bad_request("`model` is required")
+    spec = router.lookup(_model_name(name, router))
+    rec: EngineRecord | None = request.app["client"].find(name)
+    path = Path(spec).expanduser()
+    try:
+        template = json.loads((path / "tokenizer_config.json").read_text()).get(
+            "chat_template", "")
+    except (OSError, ValueError):
+        template = ""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    if rec is not None and rec.status is not None:
+        info["general.context_length"] = rec.status.context_length
+    return web.json_response({"modelfile": "", "parameters": "",
+                              "template": template if isinstance(template, str) else "",
+                              "details": _details(spec), "model_info": info,
+                              "capabilities": ["completion"],
+                              "modified_at": datetime.fromtimestamp(
+                                  request.app["started"], timezone.utc).isoformat()})
+
+
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="mlxd is running (OpenAI at /v1, Anthropic at /v1/messages, "
+                             "Ollama at /api)")
+
+
+async def version(request: web.Request) -> web.Response:
+    from mlxd import __version__
+    return web.json_response({"version": API_VERSION, "mlxd": __version__})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/generate", generate)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_post("/api/show", show)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_get("/api/version", version)
+    app.router.add_get("/", root)

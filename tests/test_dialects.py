@@ -1,0 +1,203 @@
+"""The Anthropic Messages API and Ollama's API through a real daemon (in-process and
+--isolate), with the official `anthropic` and `ollama` clients, and each dialect's own error
+envelope for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import ollama
+import pytest
+
+MODEL = "tiny-llama"
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def claude(d) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=d.url, api_key="unused", max_retries=0)
+
+
+def olla(d) -> ollama.Client:
+    return ollama.Client(host=d.url)
+
+
+# ---------------------------------------------------------------- Anthropic
+
+def test_messages_non_streaming(daemon):
+    m = claude(daemon).messages.create(model=MODEL, max_tokens=12, messages=HI,
+                                       system="Answer briefly.")
+    assert m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text
+    assert m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert m.usage.output_tokens == 12
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 5
+
+
+def _sse_events(d, body: dict) -> list[tuple[str, dict]]:
+    with d.http() as c, c.stream("POST", "/v1/messages", json=body) as r:
+        assert r.status_code == 200
+        events, name = [], None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    return events
+
+
+def test_messages_streaming_event_sequence_and_text(daemon):
+    body = {"model": MODEL, "max_tokens": 16, "messages": HI}
+    events = _sse_events(daemon, {**body, "stream": True})
+    names = [n for n, _ in events if n != "ping"]
+    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[2:-3]) == {"content_block_delta"}
+    assert all(n == e["type"] for n, e in events)  # event name and type agree
+    assert "ping" in [n for n, _ in events]
+    start = events[0][1]["message"]
+    assert start["role"] == "assistant" and start["content"] == [] and start["usage"]
+    deltas = [e["delta"] for n, e in events if n == "content_block_delta"]
+    assert all(d["type"] == "text_delta" for d in deltas)
+    final = next(e for n, e in events if n == "message_delta")
+    assert final["delta"]["stop_reason"] == "max_tokens"
+    assert final["usage"]["output_tokens"] == 16
+    whole = claude(daemon).messages.create(**body)  # greedy: the same text either way
+    assert "".join(d["text"] for d in deltas) == whole.content[0].text
+    # and through the official client's stream helper
+    with claude(daemon).messages.stream(**body) as s:
+        text = "".join(s.text_stream)
+        assert s.get_final_message().usage.output_tokens == 16
+    assert text == whole.content[0].text
+
+
+def test_messages_system_blocks_and_cache_read(daemon):
+    c = claude(daemon)
+    as_blocks = c.messages.count_tokens(
+        model=MODEL, system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "kind."}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                               {"type": "text", "text": "there"}]}])
+    as_strings = c.messages.count_tokens(model=MODEL, system="Be kind.",
+                                         messages=[{"role": "user", "content": "Hello there"}])
+    no_system = c.messages.count_tokens(model=MODEL,
+                                        messages=[{"role": "user", "content": "Hello there"}])
+    assert as_blocks.input_tokens == as_strings.input_tokens > no_system.input_tokens
+    long = [{"role": "user", "content": "Tell me about lighthouses and the sea. " * 3}]
+    first = c.messages.create(model=MODEL, max_tokens=4, messages=long)
+    again = c.messages.create(model=MODEL, max_tokens=4, messages=long)
+    total = c.messages.count_tokens(model=MODEL, messages=long).input_tokens
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == total
+    assert again.usage.cache_read_input_tokens > 0  # the prefix came from the KV cache
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
+
+
+def test_messages_stop_sequences(daemon):
+    c = claude(daemon)
+    text = c.messages.create(model=MODEL, max_tokens=24, messages=HI).content[0].text
+    stop = next(ch for ch in text[1:] if ch.isalnum())
+    m = c.messages.create(model=MODEL, max_tokens=24, messages=HI, stop_sequences=[stop, "@@@@"])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"messages": HI, "max_tokens": 5}, 400, "model"),
+    ({"model": MODEL, "messages": HI}, 400, "max_tokens"),
+    ({"model": MODEL, "max_tokens": 5}, 400, "messages"),
+    ({"model": MODEL, "max_tokens": "five", "messages": HI}, 400, "max_tokens"),
+    ({"model": MODEL, "max_tokens": 0, "messages": HI}, 400, "max_tokens"),
+    ({"model": MODEL, "max_tokens": 5, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "max_tokens": 5, "temperature": 1.5, "messages": HI}, 400, "temperature"),
+    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
+     "role"),
+    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "data": "AA=="}}]}]}, 400, "image"),
+    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "42"}]}]}, 400,
+     "tool_result"),
+    ({"model": MODEL, "max_tokens": 5, "messages": HI,
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "tools"),
+    ({"model": "no-such-model", "max_tokens": 5, "messages": HI}, 404, "no-such-model"),
+])
+def test_messages_bad_input_gets_anthropic_errors(daemon, body, status, fragment):
+    with daemon.http() as c:
+        r = c.post("/v1/messages", json=body)
+        assert r.status_code == status, r.text
+        err = r.json()
+        assert err["type"] == "error" and fragment in err["error"]["message"]
+        assert err["error"]["type"] == {400: "invalid_request_error",
+                                        404: "not_found_error"}[status]
+        bad_json = c.post("/v1/messages", content=b"{not json",
+                          headers={"Content-Type": "application/json"})
+        assert bad_json.status_code == 400 and bad_json.json()["type"] == "error"
+    assert claude(daemon).messages.create(model=MODEL, max_tokens=2, messages=HI).content
+
+
+# ---------------------------------------------------------------- Ollama
+
+def test_ollama_chat_streaming_equals_non_streaming(daemon):
+    c = olla(daemon)
+    whole = c.chat(model=MODEL, messages=HI, options={"num_predict": 10}, stream=False)
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == 10
+    assert whole.prompt_eval_count > 5 and whole.message.role == "assistant"
+    parts = list(c.chat(model=MODEL + ":latest", messages=HI, options={"num_predict": 10},
+                        stream=True))
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].eval_count == 10 and parts[-1].done_reason == "length"
+    assert "".join(p.message.content for p in parts) == whole.message.content
+
+
+def test_ollama_generate_options_and_raw(daemon):
+    c = olla(daemon)
+    a = c.generate(model=MODEL, prompt="Once upon a time", options={
+        "num_predict": 12, "temperature": 0.8, "seed": 7})
+    b = c.generate(model=MODEL, prompt="Once upon a time", options={
+        "num_predict": 12, "temperature": 0.8, "seed": 7})
+    assert a.response == b.response and a.eval_count == 12  # seeded sampling repeats
+    text = c.generate(model=MODEL, prompt="Once upon a time", options={"num_predict": 24}).response
+    stop = next(ch for ch in text[1:] if ch.isalnum())
+    cut = c.generate(model=MODEL, prompt="Once upon a time",
+                     options={"num_predict": 24, "stop": [stop]})
+    assert cut.response == text[:text.index(stop)] and cut.done_reason == "stop"
+    raw = c.generate(model=MODEL, prompt="Once upon a time", raw=True, options={"num_predict": 3})
+    assert raw.done and raw.eval_count == 3
+    assert raw.prompt_eval_count < a.prompt_eval_count  # no chat template around it
+    loaded = c.generate(model=MODEL, prompt="")
+    assert loaded.done and loaded.done_reason == "load"
+
+
+def test_ollama_tags_show_ps_version(daemon, tiny_model):
+    c = olla(daemon)
+    names = [m.model for m in c.list().models]
+    assert names == [MODEL]
+    assert c.list().models[0].size > 0 and c.list().models[0].details.family == "llama"
+    shown = c.show(MODEL)
+    assert "im_start" in shown.template and shown.details.format == "mlx"
+    assert shown.modelinfo["general.context_length"] == 256
+    assert [m.model for m in c.ps().models] == [MODEL]
+    with daemon.http() as h:
+        assert h.get("/api/version").json()["version"]
+        assert h.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/api/chat", {"messages": HI}, 400, "model"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "options": {"temperature": "hot"}}, 400,
+     "temperature"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "options": {"num_predict": 0}}, 400,
+     "num_predict"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "format": "json"}, 400, "format"),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "role"),
+    ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "images": ["AA=="]}, 400, "images"),
+    ("/api/generate", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/api/show", {}, 400, "model"),
+])
+def test_ollama_bad_input_gets_ollama_errors(daemon, path, body, status, fragment):
+    with daemon.http() as c:
+        r = c.post(path, json=body)
+        assert r.status_code == status, r.text
+        assert set(r.json()) == {"error"} and fragment in r.json()["error"]
+    assert olla(daemon).generate(model=MODEL, prompt="hi", options={"num_predict": 2}).done
