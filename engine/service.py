@@ -121,6 +121,10 @@ class EngineService:
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.context_length = context_length(config, tokenizer)
+        from mlxd.engine.constraints import TokenizerCache
+        self.grammar_tokenizer = TokenizerCache(
+            tokenizer._tokenizer, int(config.get("vocab_size") or len(tokenizer)),
+            sorted(self.eos_ids))
         stream = mx.new_stream(mx.default_device())
         self.ssd = self._open_ssd(model, config)
         persist = self.ssd.persist if self.ssd is not None else None
@@ -320,8 +324,10 @@ class EngineService:
             prompt = list(msg.prompt_token_ids)
         elif msg.messages is not None:
             try:
+                extra = {"tools": msg.tools} if msg.tools else {}
                 prompt = list(tok.apply_chat_template(
-                    msg.messages, add_generation_prompt=msg.add_generation_prompt, tokenize=True))
+                    msg.messages, add_generation_prompt=msg.add_generation_prompt,
+                    tokenize=True, **extra))
             except Exception as e:  # noqa: BLE001 - template errors are the client's messages
                 raise ClientError(f"the chat template rejected the messages: {e}",
                                   "invalid_messages") from e
@@ -358,13 +364,22 @@ class EngineService:
                                     prompt_tokens=out.prompt_tokens,
                                     completion_tokens=out.completion_tokens))
                 return
+        processors = make_request_processors(p)
+        if msg.grammar is not None:
+            from mlxd.engine.constraints import ConstraintError, GrammarProcessor
+            try:
+                processors.append(GrammarProcessor(self.grammar_tokenizer, msg.grammar,
+                                                   replay=resumed))
+            except (ConstraintError, ValueError) as e:
+                raise ClientError(f"the output constraint cannot be used: {e}",
+                                  "invalid_request") from e
         self.outputs[msg.request_id] = out
         restored = self._restore(prompt)
         # Admission notice first: the proxy may now start its response (errors came before).
         self.outq.put(Delta(msg.request_id, prompt_tokens=out.prompt_tokens))
         self._to_runner(AddRequest(msg.request_id, prompt, max_tokens,
                                    make_request_sampler(p, start_position=len(resumed)),
-                                   make_request_processors(p),
+                                   processors,
                                    restored=(*restored, self.ssd.layout.dtype) if restored else None,
                                    received_at=received_at))
 

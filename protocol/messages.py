@@ -44,6 +44,9 @@ class Generate(_Msg, tag="gen"):
     # Only tokenize: the engine answers with the prompt's token count and finishes at once
     # (Anthropic's count_tokens); nothing is generated.
     count_only: bool = False
+    # llguidance grammar (JSON) the output must follow: structured output, forced tool calls.
+    grammar: str | None = None
+    tools: list[dict] | None = None  # function tools, given to the chat template
 
 
 class Abort(_Msg, tag="abort"):

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from mlxd.protocol.messages import SamplingParams
 from mlxd.proxy import anthropic_schema as schema
+from mlxd.proxy import constraints
 from mlxd.proxy.errors import APIError
 from mlxd.proxy.generation import Generation
 from mlxd.proxy.openai_schema import decode_body
@@ -28,10 +29,15 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req: schema.MessagesRequest = decode_body(await request.read(),  # type: ignore[assignment]
                                               schema.MessagesRequest)
     msgs = schema.chat_messages(req)
+    tools, forced, offered = schema.tools_and_choice(req)
     params = schema.sampling(req, request.app["defaults"])
+    fields = {"messages": msgs, "tools": [t.as_template_tool() for t in tools] if offered
+              else None, "grammar": constraints.call_grammar(forced) if forced else None}
     async with generation(request, req.model, params, None, req.max_tokens, "msg",
-                          messages=msgs) as gen:
+                          **fields) as gen:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
+        if forced:
+            return await _tool_use(request, gen, msg_id, req.stream)
         if req.stream:
             return await _stream(request, gen, msg_id)
         parts: list[str] = []
@@ -90,12 +96,75 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
     return resp
 
 
+async def _tool_use(request: web.Request, gen: Generation, msg_id: str,
+                    stream: bool) -> web.StreamResponse:
+    """A forced call (tool_choice any or tool): the whole output is one tool_use block."""
+    resp = None
+    if stream:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(_event("message_start", {"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant",
+            "model": gen.engine.model_id, "content": [], "stop_reason": None,
+            "stop_sequence": None,
+            "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, 0)}})
+            + _event("ping", {"type": "ping"}))
+    parts, finish = [], None
+    try:
+        async for d in gen.deltas():
+            parts.append(d.text)
+            finish = d.finish_reason
+    except APIError as e:
+        if resp is None:
+            raise
+        await resp.write(_event("error", e.body("anthropic")))
+        await resp.write_eof()
+        return resp
+    text = "".join(parts)
+    block: dict
+    try:
+        name, args = constraints.parse_call(text)
+        block = {"type": "tool_use", "id": constraints.new_call_id("toolu_"), "name": name,
+                 "input": args}
+        stop = "tool_use"
+    except (ValueError, KeyError, TypeError):  # cut off by max_tokens
+        block = {"type": "text", "text": text}
+        stop = schema.stop_reason(finish, None)
+    usage = schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)
+    if resp is None:
+        return web.json_response({
+            "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
+            "content": [block], "stop_reason": stop, "stop_sequence": None, "usage": usage})
+    if block["type"] == "tool_use":
+        start = {**block, "input": {}}
+        delta = {"type": "input_json_delta",
+                 "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+    else:
+        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": text}
+    await resp.write(
+        _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                       "content_block": start})
+        + _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                         "delta": delta})
+        + _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        + _event("message_delta", {"type": "message_delta",
+                                   "delta": {"stop_reason": stop, "stop_sequence": None},
+                                   "usage": {"output_tokens": gen.completion_tokens}})
+        + _event("message_stop", {"type": "message_stop"}))
+    await resp.write_eof()
+    return resp
+
+
 async def count_tokens(request: web.Request) -> web.Response:
     req: schema.CountTokensRequest = decode_body(  # type: ignore[assignment]
         await request.read(), schema.CountTokensRequest)
     msgs = schema.chat_messages(req)
+    tools, _, offered = schema.tools_and_choice(req)
     async with generation(request, req.model, SamplingParams(max_tokens=1), None, None,
-                          "count", messages=msgs, count_only=True) as gen:
+                          "count", messages=msgs, count_only=True,
+                          tools=[t.as_template_tool() for t in tools] if offered else None
+                          ) as gen:
         async for _ in gen.deltas():
             pass
         return web.json_response({"input_tokens": gen.prompt_tokens})

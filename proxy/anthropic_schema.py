@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from mlxd.protocol.messages import SamplingParams
+from mlxd.proxy.constraints import Tool, forced_tools, parse_tools
 from mlxd.proxy.errors import bad_request
 from mlxd.proxy.openai_schema import Defaults, _Sampling, sampling_params
 
@@ -52,46 +53,105 @@ class CountTokensRequest(_Common, kw_only=True):
     thinking: dict | None = None
 
 
-def _text_of(blocks: str | list[Block], where: str, role: str) -> str:
-    if isinstance(blocks, str):
-        return blocks
-    texts = []
-    for i, b in enumerate(blocks):
-        if b.type == "text":
-            if b.text is None:
-                raise bad_request(f"{where}.content[{i}]: a text block needs `text`")
-            texts.append(b.text)
-        elif b.type in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # earlier reasoning is not fed back to the model
-        elif b.type in ("tool_use", "tool_result"):
-            raise bad_request(f"{where}.content[{i}]: `{b.type}` blocks are not supported yet "
-                              "(mlxd has no tool calling yet)")
-        else:
-            raise bad_request(f"{where}.content[{i}]: `{b.type}` blocks are not supported; "
-                              "only text")
-    return "".join(texts)
+def _result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                         for b in content):
+        return "".join(b.get("text") or "" for b in content)
+    raise bad_request(f"{where}: tool_result content must be a string or text blocks")
 
 
 def chat_messages(req: _Common) -> list[dict]:
-    if req.tools:
-        raise bad_request("`tools` are not supported yet (mlxd has no tool calling yet)")
+    """Anthropic turns as chat-template messages: tool_use blocks become the assistant's
+    tool_calls, tool_result blocks become `tool` messages answering them."""
     if not req.messages:
         raise bad_request("messages: at least one message is required")
     out: list[dict] = []
     if req.system:
-        out.append({"role": "system", "content": _text_of(req.system, "system", "system")})
+        out.append({"role": "system", "content": _plain(req.system, "system")})
+    called: set[str] = set()
     for i, m in enumerate(req.messages):
+        where = f"messages.{i}"
         if m.role not in ("user", "assistant"):
-            raise bad_request(f"messages.{i}.role: {m.role!r} is not one of user, assistant "
+            raise bad_request(f"{where}.role: {m.role!r} is not one of user, assistant "
                               "(the system prompt goes in `system`)")
-        text = _text_of(m.content, f"messages.{i}", m.role)
-        if out and out[-1]["role"] == m.role:  # consecutive turns of one role are one turn
-            out[-1]["content"] += "\n\n" + text
+        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) \
+            else m.content
+        texts, calls, results = [], [], []
+        for j, b in enumerate(blocks):
+            at = f"{where}.content.{j}"
+            if b.type == "text":
+                if b.text is None:
+                    raise bad_request(f"{at}: a text block needs `text`")
+                texts.append(b.text)
+            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier reasoning is not fed back to the model
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.id or not b.name or not isinstance(b.input, dict):
+                    raise bad_request(f"{at}: tool_use needs `id`, `name` and an `input` "
+                                      "object")
+                called.add(b.id)
+                calls.append({"id": b.id, "type": "function",
+                              "function": {"name": b.name, "arguments": b.input}})
+            elif b.type == "tool_result" and m.role == "user":
+                if b.tool_use_id not in called:
+                    raise bad_request(f"{at}: tool_result for {b.tool_use_id!r}, which no "
+                                      "earlier tool_use block has")
+                results.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                "content": _result_text(b.content, at)})
+            else:
+                raise bad_request(f"{at}: `{b.type}` blocks are not supported in a "
+                                  f"{m.role} message")
+        text = "".join(texts)
+        if results:
+            out.extend(results)
+            if text:
+                out.append({"role": "user", "content": text})
+        elif calls:
+            out.append({"role": "assistant", "content": text, "tool_calls": calls})
+        elif out and out[-1]["role"] == m.role and "tool_calls" not in out[-1]:
+            out[-1]["content"] += "\n\n" + text  # consecutive turns of one role are one turn
         else:
             out.append({"role": m.role, "content": text})
-    if all(not m["content"] for m in out):
+    if all(not m["content"] and not m.get("tool_calls") for m in out):
         raise bad_request("messages: every message is empty")
     return out
+
+
+def _plain(blocks: str | list[Block], where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if any(b.type != "text" or b.text is None for b in blocks):
+        raise bad_request(f"{where}: only text blocks are allowed")
+    return "".join(b.text or "" for b in blocks)
+
+
+def tools_and_choice(req: _Common) -> tuple[list[Tool], list[Tool] | None, bool]:
+    """(tools, the tools a call is forced among or None, whether tools are offered at all)."""
+    tools = []
+    for i, t in enumerate(req.tools or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or \
+                t.get("type") not in (None, "custom"):
+            raise bad_request(f"tools.{i}: only custom tools ({{\"name\", \"input_schema\"}}) "
+                              "are supported")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"tools.{i}.input_schema: a JSON schema object is required")
+        tools.append({"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""), "parameters": schema}})
+    parsed = parse_tools(tools, "tools")
+    choice = req.tool_choice or {"type": "auto"}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "none":
+        return parsed, None, False
+    if kind == "auto":
+        return parsed, None, bool(parsed)
+    if kind == "any":
+        return parsed, forced_tools(parsed, "required"), True
+    if kind == "tool":
+        return parsed, forced_tools(parsed, {"type": "tool", "name": choice.get("name")}), True
+    raise bad_request("tool_choice: type must be auto, any, tool or none")
 
 
 def sampling(req: MessagesRequest, defaults: Defaults) -> SamplingParams:

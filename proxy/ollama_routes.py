@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from mlxd.proxy import constraints
 from mlxd.proxy.engine_client import EngineRecord
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation
@@ -91,9 +92,18 @@ def _model_name(name: str, router: Router) -> str:
     return name
 
 
+def format_grammar(fmt: Any) -> str | None:
+    """Ollama's `format`: "json" (any JSON object) or a JSON schema."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return constraints.schema_grammar(constraints.ANY_OBJECT, "format")
+    if isinstance(fmt, dict):
+        return constraints.schema_grammar(fmt, "format")
+    raise bad_request('`format` must be "json" or a JSON schema object')
+
+
 def _sampling(req: _Common, defaults: Any) -> tuple[Any, int | None]:
-    if req.format is not None and req.format != "":
-        raise bad_request("`format` (structured output) is not supported yet")
     o = req.options or Options()
     n = o.num_predict
     max_tokens = None if n is None or n < 0 else n  # -1: until done, -2: fill the context
@@ -126,8 +136,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return await _load_only(request, name, keep_alive, "message",
                                 {"role": "assistant", "content": ""})
     params, max_tokens = _sampling(req, request.app["defaults"])
+    grammar = format_grammar(req.format)
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
-                          messages=msgs) as gen:
+                          messages=msgs, grammar=grammar) as gen:
         return await _respond(request, gen, req.stream, req.model, lambda text: {
             "message": {"role": "assistant", "content": text}})
 
@@ -145,13 +156,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not req.prompt:
         return await _load_only(request, name, keep_alive, "response", "")
     params, max_tokens = _sampling(req, request.app["defaults"])
+    grammar = format_grammar(req.format)
     if req.raw:
         fields: dict[str, Any] = {"prompt": req.prompt}
     else:
         msgs = [{"role": "system", "content": req.system}] if req.system else []
         fields = {"messages": msgs + [{"role": "user", "content": req.prompt}]}
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
-                          **fields) as gen:
+                          grammar=grammar, **fields) as gen:
         return await _respond(request, gen, req.stream, req.model,
                               lambda text: {"response": text})
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxd.proxy.errors import APIError
+from mlxd.proxy import constraints
+from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation
 from mlxd.proxy.openai_schema import (ChatRequest, CompletionRequest, chat_messages,
                                       completion_prompt, decode_body, sampling_params)
@@ -100,9 +101,81 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
     messages = chat_messages(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await _run(request, req, max_tokens, "chatcmpl", "chat.completion", _chat_choice,
-                      messages=messages)
+    tools = constraints.parse_tools(req.tools)
+    forced = constraints.forced_tools(tools, req.tool_choice)
+    grammar = constraints.response_format_grammar(req.response_format)
+    if forced is not None:
+        if grammar is not None:
+            raise bad_request("`response_format` and a forced `tool_choice` exclude each other",
+                              param="response_format")
+        grammar = constraints.call_grammar(forced)
+    fields = {"messages": messages, "grammar": grammar,
+              "tools": [t.as_template_tool() for t in tools]
+              if tools and req.tool_choice != "none" else None}
+    if forced is None:
+        return await _run(request, req, max_tokens, "chatcmpl", "chat.completion", _chat_choice,
+                          **fields)
+    keep_alive = keep_alive_seconds(req.keep_alive)
+    params = sampling_params(req, request.app["defaults"], max_tokens)
+    async with generation(request, req.model, params, keep_alive, max_tokens, "chatcmpl",
+                          **fields) as gen:
+        return await _respond_tool_call(request, gen, req.stream, bool(
+            req.stream_options and req.stream_options.include_usage))
 
+
+async def _respond_tool_call(request: web.Request, gen: Generation, stream: bool,
+                             include_usage: bool) -> web.StreamResponse:
+    """A forced call: the grammar makes the whole output one call, sent as `tool_calls`
+    (in one delta when streaming: its arguments are complete only at the end)."""
+    rid, created, model = gen.msg.request_id, int(time.time()), gen.engine.model_id
+    base = {"id": rid, "created": created, "model": model, "system_fingerprint": None}
+    resp = None
+    if stream:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(_sse({**base, "object": "chat.completion.chunk", "choices": [
+            _chat_choice(None, None, final=False, first=True)]}))
+    parts: list[str] = []
+    finish = None
+    try:
+        async for d in gen.deltas():
+            parts.append(d.text)
+            finish = d.finish_reason
+    except APIError as e:
+        if resp is None:
+            raise
+        await resp.write(_sse(e.body()))
+        await resp.write_eof()
+        return resp
+    text = "".join(parts)
+    call = None
+    if finish != "length":
+        try:
+            name, args = constraints.parse_call(text)
+            call = {"id": constraints.new_call_id(), "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+        except (ValueError, KeyError, TypeError):
+            call = None
+    finish_reason = "tool_calls" if call else (finish or "stop")
+    if resp is None:
+        message = {"role": "assistant", "content": None if call else text}
+        if call:
+            message["tool_calls"] = [call]
+        return web.json_response({**base, "object": "chat.completion", "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": gen.usage()})
+    delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": text}
+    chunk = {**base, "object": "chat.completion.chunk"}
+    out = _sse({**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": None}]})
+    out += _sse({**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                       "finish_reason": finish_reason}]})
+    if include_usage:
+        out += _sse({**chunk, "choices": [], "usage": gen.usage()})
+    await resp.write(out + b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _chat_choice(text: str | None, finish: str | None, final: bool, first: bool = False,

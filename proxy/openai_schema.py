@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -22,6 +24,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -50,6 +54,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -97,10 +105,44 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content})
-    if all(not m["content"] for m in out):
+        msg: dict = {"role": role, "content": content}
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"messages[{i}]: a tool message needs `tool_call_id`",
+                                  param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
+                                  param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
+        out.append(msg)
+    known = {c["id"] for m in out for c in m.get("tool_calls", [])}
+    for i, m in enumerate(out):
+        if m["role"] == "tool" and m["tool_call_id"] not in known:
+            raise bad_request(f"messages[{i}].tool_call_id {m['tool_call_id']!r} answers no "
+                              "tool call of an earlier assistant message",
+                              param=f"messages[{i}].tool_call_id")
+    if all(not m["content"] and not m.get("tool_calls") for m in out):
         raise bad_request("every message is empty: the prompt is empty", param="messages")
     return out
+
+
+def _template_call(call: Any, i: int) -> dict:
+    """An assistant tool call, with its arguments as an object (what chat templates expect)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or not isinstance(call.get("id"), str):
+        raise bad_request(f"messages[{i}].tool_calls: each needs `id` and `function.name`",
+                          param=f"messages[{i}].tool_calls")
+    args = fn.get("arguments") or "{}"
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError as e:
+        raise bad_request(f"messages[{i}].tool_calls: `arguments` is not JSON: {e}",
+                          param=f"messages[{i}].tool_calls") from e
+    return {"id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": parsed}}
 
 
 def check_max_tokens(max_tokens: int | None, context_length: int) -> None:

@@ -117,7 +117,10 @@ def test_messages_stop_sequences(daemon):
         {"type": "tool_result", "tool_use_id": "toolu_x", "content": "42"}]}]}, 400,
      "tool_result"),
     ({"model": MODEL, "max_tokens": 5, "messages": HI,
-      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "tools"),
+      "tools": [{"name": "f", "input_schema": {"type": "objectx"}}]}, 400, "tools"),
+    ({"model": MODEL, "max_tokens": 5, "messages": HI, "tool_choice": {"type": "tool",
+                                                                       "name": "nope"},
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "tool_choice"),
     ({"model": "no-such-model", "max_tokens": 5, "messages": HI}, 404, "no-such-model"),
 ])
 def test_messages_bad_input_gets_anthropic_errors(daemon, body, status, fragment):
@@ -187,7 +190,9 @@ def test_ollama_tags_show_ps_version(daemon, tiny_model):
      "temperature"),
     ("/api/chat", {"model": MODEL, "messages": HI, "options": {"num_predict": 0}}, 400,
      "num_predict"),
-    ("/api/chat", {"model": MODEL, "messages": HI, "format": "json"}, 400, "format"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "format": 5}, 400, "format"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "format": {"type": "objectx"}}, 400,
+     "format"),
     ("/api/chat", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      "role"),
     ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
