@@ -34,6 +34,7 @@ class AddRequest:
     processors: list
     restored: tuple[int, list, str] | None = None  # (tokens, per-layer (k, v) numpy, dtype)
     received_at: float = 0.0  # monotonic time the engine received the request
+    logprobs: int = -1  # top alternatives to report per token (-1: no log-probabilities)
 
 
 @dataclass
@@ -56,6 +57,9 @@ class Call:
 class StepTokens:
     """One step: (request_id, token, finish_reason) for every row that produced a token."""
     rows: list[tuple[str, int, str | None]]
+    # request_id -> (the token's logprob, [(token id, logprob)] most likely first), for the
+    # rows that asked for log-probabilities
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -118,6 +122,7 @@ class Runner:
         self._generated: dict[int, int] = {}  # uid -> tokens generated, for checkpoints
         self._prompt_len: dict[int, int] = {}  # uid -> prompt tokens, for the prompt boundary
         self._awaiting_first: dict[int, tuple[float, float]] = {}  # uid -> (received, admitted)
+        self._logprobs: dict[int, int] = {}  # uid -> top alternatives wanted
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -219,6 +224,8 @@ class Runner:
         self._uid_to_rid[uid] = add.request_id
         self._rid_to_uid[add.request_id] = uid
         self._prompt_len[uid] = len(prompt)
+        if add.logprobs >= 0:
+            self._logprobs[uid] = add.logprobs
         self._awaiting_first[uid] = (add.received_at, time.monotonic())
         c = self.counters
         c.prompt_tokens += len(prompt)
@@ -246,6 +253,7 @@ class Runner:
             del self._uid_to_rid[uid]
             self._generated.pop(uid, None)
             self._awaiting_first.pop(uid, None)
+            self._logprobs.pop(uid, None)
         if uids:
             caches = self._gen.remove(uids, return_prompt_caches=bool(self.cache.max_bytes))
             for uid in uids:
@@ -293,6 +301,7 @@ class Runner:
             return
         rows = []
         due = []
+        logprobs = self._logprobs_of(responses) if self._logprobs else None
         if self._awaiting_first:
             now = time.monotonic()
             for r in responses:
@@ -313,6 +322,7 @@ class Runner:
                     due.append(r.uid)
             if r.finish_reason is not None:
                 self._generated.pop(r.uid, None)
+                self._logprobs.pop(r.uid, None)
                 del self._uid_to_rid[r.uid]
                 del self._rid_to_uid[rid]
                 self._release_followers(r.uid)
@@ -327,7 +337,27 @@ class Runner:
         c.peak_batch = max(c.peak_batch, len(responses))
         c.active = len(self._uid_to_rid)
         c.busy = bool(self._uid_to_rid)
-        self._outbox.put(StepTokens(rows))
+        self._outbox.put(StepTokens(rows, logprobs))
+
+    def _logprobs_of(self, responses: list[Any]) -> dict[str, tuple[float, list]]:
+        """Chosen-token and top-k log-probabilities for the rows that asked, in one evaluation
+        (the vectors are already computed; this reads a few numbers of each)."""
+        wanted = [(r, self._logprobs[r.uid]) for r in responses
+                  if r.uid in self._logprobs and r.uid in self._uid_to_rid]
+        if not wanted:
+            return {}
+        k = max(1, max(n for _, n in wanted))
+        lp = mx.stack([r.logprobs.reshape(-1) for r, _ in wanted])
+        chosen = mx.take_along_axis(lp, mx.array([[r.token] for r, _ in wanted]), axis=-1)
+        part = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        part_lp = mx.take_along_axis(lp, part, axis=-1)
+        order = mx.argsort(-part_lp, axis=-1)
+        top_ids = mx.take_along_axis(part, order, axis=-1)
+        top_lp = mx.take_along_axis(part_lp, order, axis=-1)
+        mx.eval(chosen, top_ids, top_lp)
+        chosen_l, ids_l, lps_l = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+        return {self._uid_to_rid[r.uid]: (chosen_l[i][0], list(zip(ids_l[i][:n], lps_l[i][:n])))
+                for i, (r, n) in enumerate(wanted)}
 
     def _checkpoint(self, uids: list[int]) -> None:
         """--generation-checkpoint: a running request's boundary (prompt and generated so far)
@@ -377,6 +407,7 @@ class Runner:
         self._prefilling.clear()
         self._prompt_len.clear()
         self._awaiting_first.clear()
+        self._logprobs.clear()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))
         self._uid_to_rid.clear()

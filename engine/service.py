@@ -27,7 +27,7 @@ from mlxd.protocol.addresses import Endpoints, engine_identity
 from mlxd.protocol.messages import (Abort, CacheFlushed, ChildFailed, ChildStates, Delta,
                                     EngineStatus,
                                     FlushCache, Generate, Heartbeat, Hello, Ready, Shutdown,
-                                    StepOutput)
+                                    StepOutput, TokenLogprob)
 from mlxd.protocol.models import model_id, model_names
 
 log = logging.getLogger("mlxd.engine")
@@ -78,6 +78,7 @@ class EngineService:
         self.runner: Runner | None = None
         self.tokenizer: Any = None
         self.context_length = 0
+        self._token_texts: dict[int, str] = {}
         self.eos_ids: frozenset[int] = frozenset()
         self.outq: "queue.Queue[Any]" = queue.Queue()
         self.ssd: Any = None  # SsdTier when the SSD tier is on
@@ -381,7 +382,7 @@ class EngineService:
                                    make_request_sampler(p, start_position=len(resumed)),
                                    processors,
                                    restored=(*restored, self.ssd.layout.dtype) if restored else None,
-                                   received_at=received_at))
+                                   received_at=received_at, logprobs=p.logprobs))
 
     def _restore(self, prompt: list[int]) -> tuple[int, list] | None:
         """KV for the prompt's longest prefix on SSD, if it beats the RAM tier. Whatever goes
@@ -494,6 +495,12 @@ class EngineService:
         finally:
             push.close()
 
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
     def _collect(self, item: Any, deltas: list[Delta]) -> None:
         if isinstance(item, StepTokens):
             for rid, token, finish in item.rows:
@@ -503,6 +510,10 @@ class EngineService:
                 delta = out.add(token, finish)
                 if delta is None:
                     continue
+                if item.logprobs and rid in item.logprobs and delta.token_ids:
+                    lp, top = item.logprobs[rid]
+                    delta.logprobs = [TokenLogprob(self._token_text(token), lp,
+                                                   [(self._token_text(i), v) for i, v in top])]
                 deltas.append(delta)
                 if delta.finish_reason is not None:
                     del self.outputs[rid]

@@ -27,6 +27,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
     stop: list[str] = []
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
 
 
 class Generate(_Msg, tag="gen"):
@@ -64,6 +65,13 @@ ToEngine = Generate | Abort | FlushCache
 
 # ---------------------------------------------------------------- engine -> proxy (outputs)
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's log-probability and the most likely alternatives."""
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+
+
 class Delta(msgspec.Struct, array_like=True):
     """One request's progress in one engine step."""
     request_id: str
@@ -76,6 +84,7 @@ class Delta(msgspec.Struct, array_like=True):
     error_code: str | None = None  # e.g. "context_length_exceeded" (a client error)
     cached_tokens: int = 0  # prompt tokens served from the KV cache (RAM or SSD)
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked
 
 
 class StepOutput(_Msg, tag="step"):

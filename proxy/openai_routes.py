@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mlxd.protocol.messages import TokenLogprob
 from mlxd.proxy import constraints
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation
@@ -52,18 +53,22 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
                    include_usage: bool, make_choice: Any) -> web.StreamResponse:
     created = int(time.time())
     model = gen.engine.model_id
+    want_logprobs = gen.msg.sampling.logprobs >= 0
     try:
         if not stream:
             parts: list[str] = []
             finish = None
+            entries: list[TokenLogprob] = []
             async for d in gen.deltas():
                 parts.append(d.text)
                 finish = d.finish_reason
+                entries.extend(d.logprobs or ())
+            choice = make_choice("".join(parts), finish, final=True)
+            if want_logprobs:
+                choice["logprobs"] = _logprobs(obj, entries, 0)
             return web.json_response({
                 "id": rid, "object": obj, "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [make_choice("".join(parts), finish, final=True)],
-                "usage": gen.usage()})
+                "system_fingerprint": None, "choices": [choice], "usage": gen.usage()})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -75,9 +80,15 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         chunk = _ChunkTemplate({**base, "choices": [make_choice(_MARK, None, final=False)]})
         out: list[bytes] = []
         try:
+            offset = 0
             async for d in gen.deltas():
-                if d.text:
+                if want_logprobs and d.logprobs:
+                    c = make_choice(d.text, None, final=False)
+                    c["logprobs"] = _logprobs(obj, d.logprobs, offset)
+                    out.append(_sse({**base, "choices": [c]}))
+                elif d.text:
                     out.append(chunk.render(d.text))
+                offset += len(d.text)
                 if d.finish_reason is not None:
                     out.append(_sse({**base, "choices": [make_choice("", d.finish_reason,
                                                                      final=False, last=True)]}))
@@ -95,6 +106,24 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         return resp
     finally:
         await gen.close()  # a disconnected client cancels us here: abort the engine's row
+
+
+def _logprobs(obj: str, entries: Any, offset: int) -> dict:
+    """OpenAI's logprobs object: chat's `content` list, or the legacy completions shape."""
+    if obj == "chat.completion":
+        return {"content": [{"token": e.token, "logprob": e.logprob,
+                             "bytes": list(e.token.encode()),
+                             "top_logprobs": [{"token": t, "logprob": v,
+                                               "bytes": list(t.encode())} for t, v in e.top]}
+                            for e in entries], "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: v for t, v in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

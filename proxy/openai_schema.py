@@ -58,6 +58,8 @@ class ChatRequest(_Sampling, kw_only=True):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -65,6 +67,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -188,7 +191,25 @@ def sampling_params(req: _Sampling, defaults: Defaults, max_tokens: int | None) 
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           repetition_penalty=rep, seed=seed & ((1 << 63) - 1),
                           max_tokens=max_tokens, stop=stops, presence_penalty=presence,
-                          frequency_penalty=frequency)
+                          frequency_penalty=frequency, logprobs=_logprobs_wanted(req))
+
+
+def _logprobs_wanted(req: _Sampling) -> int:
+    """-1, or how many alternatives to report per token (chat: logprobs + top_logprobs in
+    0..20; completions: logprobs in 0..5)."""
+    logprobs = getattr(req, "logprobs", None)
+    top = getattr(req, "top_logprobs", None)
+    if isinstance(req, ChatRequest):
+        if top is not None and not 0 <= top <= 20:
+            raise bad_request("`top_logprobs` must be in 0..20", param="top_logprobs")
+        if top is not None and not logprobs:
+            raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        return (top or 0) if logprobs else -1
+    if logprobs is None:
+        return -1
+    if not 0 <= logprobs <= 5:
+        raise bad_request("`logprobs` must be in 0..5", param="logprobs")
+    return logprobs
 
 
 def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:

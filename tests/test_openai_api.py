@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx2 as httpx
 import openai
@@ -147,3 +148,41 @@ def test_cancelled_stream_frees_its_row(daemon):
     r = client(daemon).chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4)
     assert r.usage.completion_tokens == 4
     assert daemon.stats()["engines"][0]["generated_tokens_total"] < gen + 100
+
+
+def test_logprobs_chat_and_completions(daemon):
+    c = client(daemon)
+    r = c.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=8,
+                                  logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 8
+    for e in entries:
+        tops = e.top_logprobs
+        assert len(tops) == 3 and [t.logprob for t in tops] == sorted(
+            (t.logprob for t in tops), reverse=True)
+        assert e.logprob <= 0 and sum(math.exp(t.logprob) for t in tops) <= 1.0 + 1e-5
+        assert (e.token, e.logprob) == (tops[0].token, pytest.approx(tops[0].logprob))  # greedy
+        assert e.bytes == list(e.token.encode())
+    streamed = [e for ch in c.chat.completions.create(
+        model="tiny-llama", messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=3,
+        stream=True) if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries])
+    plain = c.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    comp = c.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=5, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}),
+])
+def test_bad_logprobs_are_400(daemon, path, body):
+    with daemon.http() as c:
+        r = c.post(path, json={**body, "max_tokens": 2})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
