@@ -23,6 +23,47 @@ def stop_hold_length(text: str, stops: list[str]) -> int:
     return hold
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ThinkSplitter:
+    """Separates a reasoning model's thinking (`<think>...</think>`) from its answer in a text
+    stream, holding back what may be the start of a tag. `prefilled`: the chat template
+    already opened the `<think>` block in the prompt."""
+
+    def __init__(self, prefilled: bool) -> None:
+        self.state = "think" if prefilled else "start"
+        self.buf = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) text that can be sent now."""
+        self.buf += text
+        reasoning = answer = ""
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.buf, self.state = head[len(THINK_OPEN):], "think"
+                    continue
+                if not final and (not head or THINK_OPEN.startswith(head)):
+                    return reasoning, answer  # may still become <think>
+                self.state = "answer"
+                continue
+            if self.state == "think":
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    reasoning += self.buf[:i]
+                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):].lstrip(), "answer"
+                    continue
+                hold = 0 if final else stop_hold_length(self.buf, [THINK_CLOSE])
+                reasoning += self.buf[:len(self.buf) - hold]
+                self.buf = self.buf[len(self.buf) - hold:]
+                return reasoning, answer
+            answer += self.buf
+            self.buf = ""
+            return reasoning, answer
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -36,6 +77,8 @@ class RequestOutput:
     _pending: str = ""  # text held back because it may begin a stop string
     _seen: int = 0  # characters of detokenizer.text already consumed
     token_ids: list[int] = field(default_factory=list)
+    splitter: ThinkSplitter | None = None  # reasoning models: thinking apart from the answer
+    _reasoning: str = ""  # thinking text not yet sent
 
     def prime(self, tokens: list[int], delivered_chars: int) -> None:
         """Resume: replay what was delivered before a crash, so the text continues exactly
@@ -62,8 +105,12 @@ class RequestOutput:
         if finish_reason is not None:
             self.detokenizer.finalize()
         full = self.detokenizer.text
-        self._pending += full[self._seen:]
+        fresh = full[self._seen:]
         self._seen = len(full)
+        if self.splitter is not None:
+            thought, fresh = self.splitter.feed(fresh, final=finish_reason is not None)
+            self._reasoning += thought
+        self._pending += fresh
 
         text = self._pending
         if self.stops:
@@ -80,12 +127,13 @@ class RequestOutput:
         hold = stop_hold_length(text, self.stops) if self.stops else 0
         emit = text[: len(text) - hold]
         self._pending = text[len(text) - hold:]
-        if not emit and not new_ids:
+        if not emit and not new_ids and not self._reasoning:
             return None
         return self._delta(emit, new_ids, None)
 
     def _delta(self, text: str, ids: list[int], finish: str | None,
                stop: str | None = None) -> Delta:
+        reasoning, self._reasoning = self._reasoning, ""
         return Delta(request_id=self.request_id, text=text, token_ids=ids, finish_reason=finish,
                      prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     cached_tokens=self.cached_tokens, stop_sequence=stop)
+                     cached_tokens=self.cached_tokens, stop_sequence=stop, reasoning=reasoning)

@@ -26,7 +26,7 @@ _CORPUS = [
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tokenizer(out: Path, vocab_size: int) -> int:
+def write_tokenizer(out: Path, vocab_size: int, chat_template: str = CHATML) -> int:
     """Train a small byte-level BPE on a fixed corpus; return the real vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
@@ -41,19 +41,20 @@ def write_tokenizer(out: Path, vocab_size: int) -> int:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
         "add_bos_token": False, "clean_up_tokenization_spaces": False,
-        "chat_template": CHATML}))
+        "chat_template": chat_template}))
     return tok.get_vocab_size()
 
 
 def write_random_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 128, vocab: int = 512,
-                       context: int = 512, dtype: str = "float32", seed: int = 0) -> Path:
+                       context: int = 512, dtype: str = "float32", seed: int = 0,
+                       chat_template: str = CHATML) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     out.mkdir(parents=True, exist_ok=True)
-    real_vocab = write_tokenizer(out, vocab)
+    real_vocab = write_tokenizer(out, vocab, chat_template)
     from tokenizers import Tokenizer
     eos = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("<|im_end|>")
     config = {

@@ -354,7 +354,7 @@ class EngineService:
         max_tokens = max(1, min(p.max_tokens, room))
         resumed = list(msg.resume_token_ids)
         out = RequestOutput(msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids,
-                            len(prompt))
+                            len(prompt), splitter=self._think_splitter(msg, prompt))
         if resumed:
             out.prime(resumed, msg.resume_text_len)
             max_tokens -= len(resumed)
@@ -494,6 +494,17 @@ class EngineService:
                     return
         finally:
             push.close()
+
+    def _think_splitter(self, msg: Generate, prompt: list[int]) -> Any:
+        """Chat requests to a model whose template knows `<think>` get their thinking split
+        from the answer; a prompt ending inside an opened `<think>` starts in thinking."""
+        from mlxd.engine.output import THINK_CLOSE, THINK_OPEN, ThinkSplitter
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if msg.messages is None or THINK_CLOSE not in str(template):
+            return None
+        tail = self.tokenizer.decode(prompt[-8:])
+        opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+        return ThinkSplitter(prefilled=opened)
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)

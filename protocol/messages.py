@@ -85,6 +85,7 @@ class Delta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # prompt tokens served from the KV cache (RAM or SSD)
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked
+    reasoning: str = ""  # a reasoning model's thinking text (not part of `text`)
 
 
 class StepOutput(_Msg, tag="step"):

@@ -41,13 +41,17 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, gen, msg_id)
         parts: list[str] = []
+        thoughts: list[str] = []
         last = None
         async for d in gen.deltas():
             parts.append(d.text)
+            thoughts.append(d.reasoning)
             last = d
+        content = [{"type": "thinking", "thinking": "".join(thoughts), "signature": ""}] \
+            if any(thoughts) else []
         return web.json_response({
             "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
-            "content": [{"type": "text", "text": "".join(parts)}],
+            "content": content + [{"type": "text", "text": "".join(parts)}],
             "stop_reason": schema.stop_reason(last.finish_reason, last.stop_sequence),
             "stop_sequence": last.stop_sequence,
             "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)})
@@ -61,23 +65,28 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
         "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, 0)}}))
-    await resp.write(_event("content_block_start", {
-        "type": "content_block_start", "index": 0,
-        "content_block": {"type": "text", "text": ""}}) + _event("ping", {"type": "ping"}))
+    await resp.write(_event("ping", {"type": "ping"}))
     out: list[bytes] = []
+    blocks = _Blocks(out)
     sent = 0
     try:
         async for d in gen.deltas():
-            if d.text:
+            if d.reasoning:
+                blocks.open("thinking")
                 out.append(_event("content_block_delta", {
-                    "type": "content_block_delta", "index": 0,
+                    "type": "content_block_delta", "index": blocks.index,
+                    "delta": {"type": "thinking_delta", "thinking": d.reasoning}}))
+            if d.text:
+                blocks.open("text")
+                out.append(_event("content_block_delta", {
+                    "type": "content_block_delta", "index": blocks.index,
                     "delta": {"type": "text_delta", "text": d.text}}))
                 sent += 1
                 if sent % PING_EVERY == 0:
                     out.append(_event("ping", {"type": "ping"}))
             if d.finish_reason is not None:
-                out.append(_event("content_block_stop", {"type": "content_block_stop",
-                                                         "index": 0}))
+                blocks.open("text")  # a message always ends with its (maybe empty) text
+                blocks.close()
                 out.append(_event("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": schema.stop_reason(d.finish_reason,
@@ -94,6 +103,33 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
         await resp.write(b"".join(out) + _event("error", e.body("anthropic")))
     await resp.write_eof()
     return resp
+
+
+class _Blocks:
+    """Content blocks opened as their first delta arrives: thinking (if any), then text."""
+
+    def __init__(self, out: list[bytes]) -> None:
+        self.out, self.kind, self.index = out, None, -1
+
+    def open(self, kind: str) -> None:
+        if self.kind == kind:
+            return
+        self.close()
+        self.kind, self.index = kind, self.index + 1
+        block = {"type": "text", "text": ""} if kind == "text" else \
+            {"type": "thinking", "thinking": "", "signature": ""}
+        self.out.append(_event("content_block_start", {
+            "type": "content_block_start", "index": self.index, "content_block": block}))
+
+    def close(self) -> None:
+        if self.kind is not None:
+            if self.kind == "thinking":
+                self.out.append(_event("content_block_delta", {
+                    "type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "signature_delta", "signature": ""}}))
+            self.out.append(_event("content_block_stop", {"type": "content_block_stop",
+                                                          "index": self.index}))
+            self.kind = None
 
 
 async def _tool_use(request: web.Request, gen: Generation, msg_id: str,

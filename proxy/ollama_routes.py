@@ -139,8 +139,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
     grammar = format_grammar(req.format)
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
                           messages=msgs, grammar=grammar) as gen:
-        return await _respond(request, gen, req.stream, req.model, lambda text: {
-            "message": {"role": "assistant", "content": text}})
+        return await _respond(request, gen, req.stream, req.model, lambda text, thought="": {
+            "message": {"role": "assistant", "content": text,
+                        **({"thinking": thought} if thought else {})}})
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -165,7 +166,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
                           grammar=grammar, **fields) as gen:
         return await _respond(request, gen, req.stream, req.model,
-                              lambda text: {"response": text})
+                              lambda text, thought="": {
+                                  "response": text, **({"thinking": thought} if thought else {})})
 
 
 async def _load_only(request: web.Request, name: str, keep_alive: float | None, key: str,
@@ -185,21 +187,23 @@ async def _respond(request: web.Request, gen: Generation, stream: bool, model: s
                    body: Any) -> web.StreamResponse:
     started = time.perf_counter_ns()
     if not stream:
-        parts = []
+        parts, thoughts = [], []
         last = None
         async for d in gen.deltas():
             parts.append(d.text)
+            thoughts.append(d.reasoning)
             last = d
-        return web.json_response({"model": model, "created_at": _now(), **body("".join(parts)),
+        return web.json_response({"model": model, "created_at": _now(),
+                                  **body("".join(parts), "".join(thoughts)),
                                   **_final(gen, last.finish_reason, started)})
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     out: list[bytes] = []
     try:
         async for d in gen.deltas():
-            if d.text:
-                out.append(_line({"model": model, "created_at": _now(), **body(d.text),
-                                  "done": False}))
+            if d.text or d.reasoning:
+                out.append(_line({"model": model, "created_at": _now(),
+                                  **body(d.text, d.reasoning), "done": False}))
             if d.finish_reason is not None:
                 out.append(_line({"model": model, "created_at": _now(), **body(""),
                                   **_final(gen, d.finish_reason, started)}))

@@ -59,11 +59,15 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
             parts: list[str] = []
             finish = None
             entries: list[TokenLogprob] = []
+            thoughts: list[str] = []
             async for d in gen.deltas():
                 parts.append(d.text)
+                thoughts.append(d.reasoning)
                 finish = d.finish_reason
                 entries.extend(d.logprobs or ())
             choice = make_choice("".join(parts), finish, final=True)
+            if any(thoughts) and "message" in choice:
+                choice["message"]["reasoning_content"] = "".join(thoughts)
             if want_logprobs:
                 choice["logprobs"] = _logprobs(obj, entries, 0)
             return web.json_response({
@@ -82,6 +86,10 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         try:
             offset = 0
             async for d in gen.deltas():
+                if d.reasoning and obj == "chat.completion":
+                    out.append(_sse({**base, "choices": [{
+                        "index": 0, "delta": {"reasoning_content": d.reasoning},
+                        "logprobs": None, "finish_reason": None}]}))
                 if want_logprobs and d.logprobs:
                     c = make_choice(d.text, None, final=False)
                     c["logprobs"] = _logprobs(obj, d.logprobs, offset)

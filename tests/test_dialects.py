@@ -206,3 +206,43 @@ def test_ollama_bad_input_gets_ollama_errors(daemon, path, body, status, fragmen
         assert r.status_code == status, r.text
         assert set(r.json()) == {"error"} and fragment in r.json()["error"]
     assert olla(daemon).generate(model=MODEL, prompt="hi", options={"num_predict": 2}).done
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'].split('</think>')[-1] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A model whose template opens a <think> block: its random output is all thinking."""
+    from conftest import start_daemon, stop_and_check
+    from mlxd.engine.random_model import write_random_model
+    model = write_random_model(tmp_path_factory.mktemp("models") / "thinker", context=256,
+                               chat_template=THINKING_TEMPLATE)
+    d = start_daemon(model)
+    yield d
+    stop_and_check(d)
+
+
+def test_reasoning_goes_apart_from_the_answer(thinker):
+    import openai
+    o = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0)
+    r = o.chat.completions.create(model="thinker", messages=HI, max_tokens=12)
+    msg = r.choices[0].message
+    assert msg.reasoning_content and msg.content == ""  # never closed </think>: all thinking
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                       for c in o.chat.completions.create(model="thinker", messages=HI,
+                                                          max_tokens=12, stream=True)
+                       if c.choices)
+    assert streamed == msg.reasoning_content
+    m = claude(thinker).messages.create(model="thinker", max_tokens=12, messages=HI)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == msg.reasoning_content
+    with claude(thinker).messages.stream(model="thinker", max_tokens=12, messages=HI) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == msg.reasoning_content
+    chat = olla(thinker).chat(model="thinker", messages=HI, options={"num_predict": 12})
+    assert chat.message.thinking == msg.reasoning_content and chat.message.content == ""

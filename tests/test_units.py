@@ -271,3 +271,17 @@ def test_block_store_rescan_drops_temporaries_and_evicts_leaves_first(tmp_path):
     assert len(store.blocks) == 2
     assert store.evict_to_cap() == 1
     assert path.exists() and not path2.exists()  # the child went first: the chain stays whole
+
+
+def test_think_splitter_separates_reasoning_from_answer():
+    from mlxd.engine.output import ThinkSplitter
+    s = ThinkSplitter(prefilled=False)
+    got = [s.feed(x, False) for x in ["<thi", "nk>abc", "def</th", "ink>\n\nAns", "wer"]]
+    got.append(s.feed("", True))
+    assert "".join(r for r, _ in got) == "abcdef" and "".join(a for _, a in got) == "Answer"
+    assert got[0] == ("", "")  # a partial tag is held back, not sent as answer
+    pre = ThinkSplitter(prefilled=True)  # the template opened <think> in the prompt
+    assert pre.feed("x</think>y", False) == ("x", "y")
+    plain = ThinkSplitter(prefilled=False)  # a model that does not think this time
+    assert plain.feed(" ", False) == ("", "")
+    assert plain.feed("Hello", False) == ("", " Hello")
