@@ -8,6 +8,7 @@ It loads no model: it exists to measure what the proxy can relay.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -27,7 +28,11 @@ def main() -> None:
     ap.add_argument("--model", default="fake")
     ap.add_argument("--epoch", type=int, default=0)
     ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--reply", default=None, metavar="JSON",
+                    help="instead of ' tok' tokens: a list of Delta fields (text, reasoning, "
+                         "tool_calls, finish_reason...) sent one per step to every request")
     args = ap.parse_args()
+    script = json.loads(args.reply) if args.reply else None
     eps = Endpoints.ipc(args.run_dir)
     ctx = zmq.Context()
     req = ctx.socket(zmq.DEALER)
@@ -69,10 +74,17 @@ def main() -> None:
         deltas = []
         for rid, state in list(active.items()):
             state[0] += 1
-            done = state[0] >= state[1]
-            deltas.append(Delta(rid, text=" tok", token_ids=[state[0] % 1000],
-                                finish_reason="length" if done else None, prompt_tokens=8,
-                                completion_tokens=state[0]))
+            if script is not None:
+                fields = script[state[0] - 1]
+                done = state[0] >= len(script)
+                deltas.append(Delta(rid, token_ids=[state[0]], prompt_tokens=8,
+                                    completion_tokens=state[0],
+                                    **{"finish_reason": "stop" if done else None, **fields}))
+            else:
+                done = state[0] >= state[1]
+                deltas.append(Delta(rid, text=" tok", token_ids=[state[0] % 1000],
+                                    finish_reason="length" if done else None, prompt_tokens=8,
+                                    completion_tokens=state[0]))
             if done:
                 del active[rid]
         steps += 1

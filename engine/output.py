@@ -64,6 +64,53 @@ class ThinkSplitter:
             return reasoning, answer
 
 
+class ToolCallSplitter:
+    """Cuts a model's tool calls out of its answer text: text between the family's start
+    and end markers (mlx-lm's tool parser for the model) is parsed into calls instead of being
+    sent as text. A start marker still partial is held back."""
+
+    def __init__(self, start: str, end: str | None, parser: Any, tools: list[dict]) -> None:
+        self.start, self.end, self.parser, self.tools = start, end or "", parser, tools
+        self.in_call = False
+        self.buf = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """(answer text that can be sent now, calls completed now)."""
+        self.buf += text
+        out, calls = "", []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(self.start)
+                if i < 0:
+                    hold = 0 if final else stop_hold_length(self.buf, [self.start])
+                    out += self.buf[:len(self.buf) - hold]
+                    self.buf = self.buf[len(self.buf) - hold:]
+                    return out, calls
+                out += self.buf[:i]
+                self.buf, self.in_call = self.buf[i + len(self.start):], True
+                continue
+            j = self.buf.find(self.end) if self.end else -1
+            if j < 0 and not final:
+                return out, calls
+            body = self.buf if j < 0 else self.buf[:j]
+            self.buf = "" if j < 0 else self.buf[j + len(self.end):]
+            self.in_call = False
+            calls.extend(self._parse(body))
+            if j < 0:
+                return out, calls
+
+    def _parse(self, body: str) -> list[dict]:
+        try:
+            parsed = self.parser(body, self.tools)
+        except Exception:  # noqa: BLE001 - a malformed call is dropped, like mlx_lm.server does
+            return []
+        import json
+        return [{"name": c["name"], "arguments": json.dumps(c.get("arguments", {}),
+                                                            ensure_ascii=False)}
+                for c in (parsed if isinstance(parsed, list) else [parsed])
+                if isinstance(c, dict) and "name" in c]
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -78,6 +125,8 @@ class RequestOutput:
     _seen: int = 0  # characters of detokenizer.text already consumed
     token_ids: list[int] = field(default_factory=list)
     splitter: ThinkSplitter | None = None  # reasoning models: thinking apart from the answer
+    tool_splitter: ToolCallSplitter | None = None  # requests with tools, on models that call
+    _calls: list = field(default_factory=list)  # parsed tool calls not yet sent
     _reasoning: str = ""  # thinking text not yet sent
 
     def prime(self, tokens: list[int], delivered_chars: int) -> None:
@@ -110,6 +159,9 @@ class RequestOutput:
         if self.splitter is not None:
             thought, fresh = self.splitter.feed(fresh, final=finish_reason is not None)
             self._reasoning += thought
+        if self.tool_splitter is not None:
+            fresh, calls = self.tool_splitter.feed(fresh, final=finish_reason is not None)
+            self._calls.extend(calls)
         self._pending += fresh
 
         text = self._pending
@@ -127,13 +179,15 @@ class RequestOutput:
         hold = stop_hold_length(text, self.stops) if self.stops else 0
         emit = text[: len(text) - hold]
         self._pending = text[len(text) - hold:]
-        if not emit and not new_ids and not self._reasoning:
+        if not emit and not new_ids and not self._reasoning and not self._calls:
             return None
         return self._delta(emit, new_ids, None)
 
     def _delta(self, text: str, ids: list[int], finish: str | None,
                stop: str | None = None) -> Delta:
         reasoning, self._reasoning = self._reasoning, ""
+        calls, self._calls = self._calls, []
         return Delta(request_id=self.request_id, text=text, token_ids=ids, finish_reason=finish,
                      prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     cached_tokens=self.cached_tokens, stop_sequence=stop, reasoning=reasoning)
+                     cached_tokens=self.cached_tokens, stop_sequence=stop, reasoning=reasoning,
+                     tool_calls=calls or None)

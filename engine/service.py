@@ -354,7 +354,8 @@ class EngineService:
         max_tokens = max(1, min(p.max_tokens, room))
         resumed = list(msg.resume_token_ids)
         out = RequestOutput(msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids,
-                            len(prompt), splitter=self._think_splitter(msg, prompt))
+                            len(prompt), splitter=self._think_splitter(msg, prompt),
+                            tool_splitter=self._tool_splitter(msg))
         if resumed:
             out.prime(resumed, msg.resume_text_len)
             max_tokens -= len(resumed)
@@ -505,6 +506,16 @@ class EngineService:
         tail = self.tokenizer.decode(prompt[-8:])
         opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
         return ThinkSplitter(prefilled=opened)
+
+    def _tool_splitter(self, msg: Generate) -> Any:
+        """Free generation with tools, on a model mlx-lm knows a tool-call format for (a forced
+        call is constrained JSON instead and needs no parsing)."""
+        from mlxd.engine.output import ToolCallSplitter
+        tok = self.tokenizer
+        if not msg.tools or msg.grammar is not None or not tok.has_tool_calling:
+            return None
+        return ToolCallSplitter(tok.tool_call_start, tok.tool_call_end, tok.tool_parser,
+                                msg.tools)
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)

@@ -86,6 +86,7 @@ class Delta(msgspec.Struct, array_like=True):
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked
     reasoning: str = ""  # a reasoning model's thinking text (not part of `text`)
+    tool_calls: list[dict] | None = None  # [{"name", "arguments" (JSON text)}] parsed from output
 
 
 class StepOutput(_Msg, tag="step"):

@@ -42,17 +42,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
             return await _stream(request, gen, msg_id)
         parts: list[str] = []
         thoughts: list[str] = []
+        calls: list[dict] = []
         last = None
         async for d in gen.deltas():
             parts.append(d.text)
             thoughts.append(d.reasoning)
+            calls.extend(d.tool_calls or ())
             last = d
         content = [{"type": "thinking", "thinking": "".join(thoughts), "signature": ""}] \
             if any(thoughts) else []
+        text = "".join(parts)
+        if text or not calls:
+            content.append({"type": "text", "text": text})
+        content += [_tool_use_block(c) for c in calls]
         return web.json_response({
             "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
-            "content": content + [{"type": "text", "text": "".join(parts)}],
-            "stop_reason": schema.stop_reason(last.finish_reason, last.stop_sequence),
+            "content": content,
+            "stop_reason": "tool_use" if calls and last.finish_reason == "stop" else
+            schema.stop_reason(last.finish_reason, last.stop_sequence),
             "stop_sequence": last.stop_sequence,
             "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)})
 
@@ -68,7 +75,7 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
     await resp.write(_event("ping", {"type": "ping"}))
     out: list[bytes] = []
     blocks = _Blocks(out)
-    sent = 0
+    sent = calls = 0
     try:
         async for d in gen.deltas():
             if d.reasoning:
@@ -84,13 +91,22 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
                 sent += 1
                 if sent % PING_EVERY == 0:
                     out.append(_event("ping", {"type": "ping"}))
+            for call in d.tool_calls or ():
+                block = _tool_use_block(call)
+                blocks.open("tool_use", {**block, "input": {}})
+                out.append(_event("content_block_delta", {
+                    "type": "content_block_delta", "index": blocks.index,
+                    "delta": {"type": "input_json_delta", "partial_json": call["arguments"]}}))
+                calls += 1
             if d.finish_reason is not None:
-                blocks.open("text")  # a message always ends with its (maybe empty) text
+                if blocks.index < 0:
+                    blocks.open("text")  # a message has at least its (empty) text block
                 blocks.close()
+                stop = "tool_use" if calls and d.finish_reason == "stop" else \
+                    schema.stop_reason(d.finish_reason, d.stop_sequence)
                 out.append(_event("message_delta", {
                     "type": "message_delta",
-                    "delta": {"stop_reason": schema.stop_reason(d.finish_reason,
-                                                                d.stop_sequence),
+                    "delta": {"stop_reason": stop,
                               "stop_sequence": d.stop_sequence},
                     "usage": {"output_tokens": gen.completion_tokens}}))
                 out.append(_event("message_stop", {"type": "message_stop"}))
@@ -105,19 +121,29 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
     return resp
 
 
+def _tool_use_block(call: dict) -> dict:
+    try:
+        args = json.loads(call["arguments"])
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": constraints.new_call_id("toolu_"), "name": call["name"],
+            "input": args if isinstance(args, dict) else {}}
+
+
 class _Blocks:
     """Content blocks opened as their first delta arrives: thinking (if any), then text."""
 
     def __init__(self, out: list[bytes]) -> None:
         self.out, self.kind, self.index = out, None, -1
 
-    def open(self, kind: str) -> None:
-        if self.kind == kind:
+    def open(self, kind: str, block: dict | None = None) -> None:
+        if self.kind == kind and kind != "tool_use":  # each call is a block of its own
             return
         self.close()
         self.kind, self.index = kind, self.index + 1
-        block = {"type": "text", "text": ""} if kind == "text" else \
-            {"type": "thinking", "thinking": "", "signature": ""}
+        if block is None:
+            block = {"type": "text", "text": ""} if kind == "text" else \
+                {"type": "thinking", "thinking": "", "signature": ""}
         self.out.append(_event("content_block_start", {
             "type": "content_block_start", "index": self.index, "content_block": block}))
 

@@ -121,16 +121,21 @@ async def chat(request: web.Request) -> web.StreamResponse:
     req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
     router: Router = request.app["router"]
     keep_alive = keep_alive_seconds(req.keep_alive)
-    if req.tools:
-        raise bad_request("`tools` are not supported yet (mlxd has no tool calling yet)")
+    tools = constraints.parse_tools(req.tools)
     msgs = []
     for i, m in enumerate(req.messages or []):
-        if m.role not in ("system", "user", "assistant"):
+        if m.role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, user, "
-                              "assistant")
+                              "assistant, tool")
         if m.images:
             raise bad_request(f"messages[{i}]: images are not supported")
-        msgs.append({"role": m.role, "content": m.content})
+        msg: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "function": {
+                "name": (c.get("function") or {}).get("name", ""),
+                "arguments": (c.get("function") or {}).get("arguments") or {}}}
+                for c in m.tool_calls if isinstance(c, dict)]
+        msgs.append(msg)
     name = _model_name(req.model, router)
     if not msgs:  # Ollama: a chat without messages loads (or with keep_alive 0, unloads)
         return await _load_only(request, name, keep_alive, "message",
@@ -138,10 +143,14 @@ async def chat(request: web.Request) -> web.StreamResponse:
     params, max_tokens = _sampling(req, request.app["defaults"])
     grammar = format_grammar(req.format)
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
-                          messages=msgs, grammar=grammar) as gen:
-        return await _respond(request, gen, req.stream, req.model, lambda text, thought="": {
-            "message": {"role": "assistant", "content": text,
-                        **({"thinking": thought} if thought else {})}})
+                          messages=msgs, grammar=grammar,
+                          tools=[t.as_template_tool() for t in tools] or None) as gen:
+        return await _respond(request, gen, req.stream, req.model,
+                              lambda text, thought="", calls=None: {"message": {
+                                  "role": "assistant", "content": text,
+                                  **({"thinking": thought} if thought else {}),
+                                  **({"tool_calls": [_ollama_call(c) for c in calls]}
+                                     if calls else {})}})
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -187,23 +196,25 @@ async def _respond(request: web.Request, gen: Generation, stream: bool, model: s
                    body: Any) -> web.StreamResponse:
     started = time.perf_counter_ns()
     if not stream:
-        parts, thoughts = [], []
+        parts, thoughts, calls = [], [], []
         last = None
         async for d in gen.deltas():
             parts.append(d.text)
             thoughts.append(d.reasoning)
+            calls.extend(d.tool_calls or ())
             last = d
         return web.json_response({"model": model, "created_at": _now(),
-                                  **body("".join(parts), "".join(thoughts)),
+                                  **_body(body, "".join(parts), "".join(thoughts), calls),
                                   **_final(gen, last.finish_reason, started)})
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     out: list[bytes] = []
     try:
         async for d in gen.deltas():
-            if d.text or d.reasoning:
+            if d.text or d.reasoning or d.tool_calls:
                 out.append(_line({"model": model, "created_at": _now(),
-                                  **body(d.text, d.reasoning), "done": False}))
+                                  **_body(body, d.text, d.reasoning, d.tool_calls),
+                                  "done": False}))
             if d.finish_reason is not None:
                 out.append(_line({"model": model, "created_at": _now(), **body(""),
                                   **_final(gen, d.finish_reason, started)}))
@@ -216,6 +227,18 @@ async def _respond(request: web.Request, gen: Generation, stream: bool, model: s
         await resp.write(b"".join(out) + _line(e.body("ollama")))
     await resp.write_eof()
     return resp
+
+
+def _body(body: Any, text: str, thought: str, calls: list | None) -> dict:
+    return body(text, thought, calls) if calls else body(text, thought)
+
+
+def _ollama_call(c: dict) -> dict:
+    try:
+        args = json.loads(c["arguments"])
+    except ValueError:
+        args = {}
+    return {"function": {"name": c["name"], "arguments": args}}
 
 
 def _line(obj: dict) -> bytes:

@@ -60,14 +60,21 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
             finish = None
             entries: list[TokenLogprob] = []
             thoughts: list[str] = []
+            calls: list[dict] = []
             async for d in gen.deltas():
                 parts.append(d.text)
                 thoughts.append(d.reasoning)
+                calls.extend(d.tool_calls or ())
                 finish = d.finish_reason
                 entries.extend(d.logprobs or ())
             choice = make_choice("".join(parts), finish, final=True)
             if any(thoughts) and "message" in choice:
                 choice["message"]["reasoning_content"] = "".join(thoughts)
+            if calls and "message" in choice:
+                choice["message"]["tool_calls"] = [_call(c) for c in calls]
+                choice["message"]["content"] = choice["message"]["content"] or None
+                if finish == "stop":
+                    choice["finish_reason"] = "tool_calls"
             if want_logprobs:
                 choice["logprobs"] = _logprobs(obj, entries, 0)
             return web.json_response({
@@ -85,11 +92,17 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         out: list[bytes] = []
         try:
             offset = 0
+            n_calls = 0
             async for d in gen.deltas():
                 if d.reasoning and obj == "chat.completion":
                     out.append(_sse({**base, "choices": [{
                         "index": 0, "delta": {"reasoning_content": d.reasoning},
                         "logprobs": None, "finish_reason": None}]}))
+                if d.tool_calls and obj == "chat.completion":
+                    out.append(_sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+                        {"index": n_calls + i, **_call(c)} for i, c in enumerate(d.tool_calls)]},
+                        "logprobs": None, "finish_reason": None}]}))
+                    n_calls += len(d.tool_calls)
                 if want_logprobs and d.logprobs:
                     c = make_choice(d.text, None, final=False)
                     c["logprobs"] = _logprobs(obj, d.logprobs, offset)
@@ -98,7 +111,9 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
                     out.append(chunk.render(d.text))
                 offset += len(d.text)
                 if d.finish_reason is not None:
-                    out.append(_sse({**base, "choices": [make_choice("", d.finish_reason,
+                    reason = "tool_calls" if n_calls and d.finish_reason == "stop" \
+                        else d.finish_reason
+                    out.append(_sse({**base, "choices": [make_choice("", reason,
                                                                      final=False, last=True)]}))
                 if not gen.pending():  # one write for whatever has queued up meanwhile
                     await resp.write(b"".join(out))
@@ -114,6 +129,12 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
         return resp
     finally:
         await gen.close()  # a disconnected client cancels us here: abort the engine's row
+
+
+def _call(c: dict) -> dict:
+    """A tool call the engine parsed from the model's own format, in OpenAI's shape."""
+    return {"id": constraints.new_call_id(), "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]}}
 
 
 def _logprobs(obj: str, entries: Any, offset: int) -> dict:

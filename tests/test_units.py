@@ -285,3 +285,35 @@ def test_think_splitter_separates_reasoning_from_answer():
     plain = ThinkSplitter(prefilled=False)  # a model that does not think this time
     assert plain.feed(" ", False) == ("", "")
     assert plain.feed("Hello", False) == ("", " Hello")
+
+
+TOOL_TEMPLATE = (  # a json_tools-style template: mlx-lm infers its tool parser from it
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% if message.tool_calls %}"
+    "{% for tool_call in message.tool_calls %}<tool_call>{{ tool_call.name }}</tool_call>"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_tool_calls_are_cut_out_of_the_answer(tmp_path):
+    """The engine's output path with mlx-lm's own parser for the model's format."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxd.engine.output import RequestOutput, ToolCallSplitter
+    from mlxd.engine.random_model import write_random_model
+    tok = load_tokenizer(write_random_model(tmp_path / "m", chat_template=TOOL_TEMPLATE))
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    out = RequestOutput("r", tok.detokenizer, [], frozenset(tok.eos_token_ids), 3,
+                        tool_splitter=ToolCallSplitter(tok.tool_call_start, tok.tool_call_end,
+                                                       tok.tool_parser, tools))
+    text = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>')
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas = [out.add(t, None) for t in ids[:-1]] + [out.add(ids[-1], "stop")]
+    deltas = [d for d in deltas if d is not None]
+    assert "".join(d.text for d in deltas) == "Checking."
+    calls = [c for d in deltas for c in (d.tool_calls or [])]
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert deltas[-1].finish_reason == "stop"
+    assert out.completion_tokens == len(ids)  # every token still counted

@@ -1,0 +1,122 @@
+"""How the proxy renders what an engine parsed (tool calls in the model's own format,
+reasoning text) in each dialect, with the official clients. A real proxy process is fed by
+`benchmarks/fake_engine.py`, which speaks the real protocol and replays a scripted answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anthropic
+import httpx2 as httpx
+import ollama
+import openai
+import pytest
+
+from mlxd.protocol.models import engine_id_for
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGS = json.dumps({"location": "Paris", "unit": "celsius"})
+SCRIPT = [{"reasoning": "The user wants weather. "}, {"reasoning": "Call the tool."},
+          {"text": "Let me check."},
+          {"tool_calls": [{"name": "get_weather", "arguments": ARGS}]}, {}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string"},
+                                     "unit": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    run_dir = Path(tempfile.mkdtemp(prefix="mlxd-pf-", dir="/tmp"))
+    os.chmod(run_dir, 0o700)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    eid = engine_id_for("fake")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "mlxd.proxy", "--run-dir", str(run_dir),
+                               "--port", str(port), "--engine", f"{eid}=fake"], env=env),
+             subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fake_engine.py"),
+                               "--run-dir", str(run_dir), "--engine-id", eid,
+                               "--reply", json.dumps(SCRIPT)], env=env)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # polling another process's readiness: no event to await across it
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the proxy did not become ready"
+            time.sleep(0.1)
+        yield url
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_openai_tool_calls_and_reasoning(proxy):
+    c = openai.OpenAI(base_url=proxy + "/v1", api_key="unused", max_retries=0)
+    r = c.chat.completions.create(model="fake", messages=ASK, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Let me check."
+    assert msg.reasoning_content == "The user wants weather. Call the tool."
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == \
+        json.loads(ARGS)
+    chunks = list(c.chat.completions.create(model="fake", messages=ASK, tools=TOOLS,
+                                            stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert calls[0].function.arguments == ARGS
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+                        for ch in chunks if ch.choices)
+    assert reasoning == msg.reasoning_content
+
+
+def test_anthropic_tool_use_and_thinking(proxy):
+    c = anthropic.Anthropic(base_url=proxy, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    m = c.messages.create(model="fake", max_tokens=50, messages=ASK, tools=tools)
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
+    assert m.stop_reason == "tool_use" and m.content[2].input == json.loads(ARGS)
+    with c.messages.stream(model="fake", max_tokens=50, messages=ASK, tools=tools) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[0].thinking == "The user wants weather. Call the tool."
+    assert final.content[1].text == "Let me check."
+    assert final.content[2].name == "get_weather" and final.content[2].input == json.loads(ARGS)
+    assert final.stop_reason == "tool_use"
+
+
+def test_ollama_tool_calls_and_thinking(proxy):
+    c = ollama.Client(host=proxy)
+    r = c.chat(model="fake", messages=ASK, tools=TOOLS)
+    assert r.message.thinking == "The user wants weather. Call the tool."
+    assert r.message.content == "Let me check."
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and dict(call.function.arguments) == \
+        json.loads(ARGS)
+    parts = list(c.chat(model="fake", messages=ASK, tools=TOOLS, stream=True))
+    streamed = [tc for p in parts for tc in (p.message.tool_calls or [])]
+    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
+    assert parts[-1].done
