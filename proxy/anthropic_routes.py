@@ -99,8 +99,8 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
                     "delta": {"type": "input_json_delta", "partial_json": call["arguments"]}}))
                 calls += 1
             if d.finish_reason is not None:
-                if blocks.index < 0:
-                    blocks.open("text")  # a message has at least its (empty) text block
+                if "text" not in blocks.seen and not calls:
+                    blocks.open("text")  # an answer has its text block, even if empty
                 blocks.close()
                 stop = "tool_use" if calls and d.finish_reason == "stop" else \
                     schema.stop_reason(d.finish_reason, d.stop_sequence)
@@ -135,12 +135,14 @@ class _Blocks:
 
     def __init__(self, out: list[bytes]) -> None:
         self.out, self.kind, self.index = out, None, -1
+        self.seen: set[str] = set()
 
     def open(self, kind: str, block: dict | None = None) -> None:
         if self.kind == kind and kind != "tool_use":  # each call is a block of its own
             return
         self.close()
         self.kind, self.index = kind, self.index + 1
+        self.seen.add(kind)
         if block is None:
             block = {"type": "text", "text": ""} if kind == "text" else \
                 {"type": "thinking", "thinking": "", "signature": ""}

@@ -18,6 +18,9 @@ def client(d) -> openai.OpenAI:
 
 
 def test_health_models_and_stats(daemon, tiny_model):
+    # The "ready" log line and the proxy's own view of the engine travel on two channels.
+    daemon.wait_until(lambda st: st["engines"] and st["engines"][0]["state"] == "ready",
+                      what="the proxy to see the engine ready")
     with daemon.http() as c:
         assert c.get("/health").json()["status"] == "ok"
     models = client(daemon).models.list()
