@@ -19,6 +19,8 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from mlxd.engine import admission
+from mlxd.engine.admission import ClientError
 from mlxd.engine.output import RequestOutput
 from mlxd.engine.runner import (AbortRequest, AddRequest, Call, RequestStarted, RequestsRemoved,
                                 Runner, StepTokens, StopRunner)
@@ -55,12 +57,6 @@ class EngineSettings:
 
 class _StatusTick:
     pass
-
-
-class ClientError(Exception):
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class EngineService:
@@ -316,46 +312,20 @@ class EngineService:
                                     error=f"invalid request: {e}", error_code="invalid_request"))
 
     def _admit(self, msg: Generate) -> None:
-        from mlxd.engine.sampling import make_request_processors, make_request_sampler
+        from mlxd.engine.sampling import make_request_sampler
         received_at = time.monotonic()
         if self.tokenizer is None:
             raise ClientError("the model is still loading", "engine_loading")
-        tok = self.tokenizer
-        if msg.prompt_token_ids is not None:
-            prompt = list(msg.prompt_token_ids)
-        elif msg.messages is not None:
-            try:
-                extra = {"tools": msg.tools} if msg.tools else {}
-                prompt = list(tok.apply_chat_template(
-                    msg.messages, add_generation_prompt=msg.add_generation_prompt,
-                    tokenize=True, **extra))
-            except Exception as e:  # noqa: BLE001 - template errors are the client's messages
-                raise ClientError(f"the chat template rejected the messages: {e}",
-                                  "invalid_messages") from e
-        else:
-            prompt = list(tok.encode(msg.prompt or ""))
-        if not prompt:
-            raise ClientError("the prompt is empty", "empty_prompt")
-        if faults.armed("engine.poison") and "MLXD_POISON" in str(msg.messages or msg.prompt):
-            faults.hit("engine.poison")  # tests: a request that kills whatever engine runs it
-        vocab = len(tok)
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ClientError("a prompt token id is outside the vocabulary", "invalid_token")
+        prompt = admission.prompt_tokens(self.tokenizer, msg)
         if msg.count_only:
             self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
             self.outq.put(Delta(msg.request_id, finish_reason="length", prompt_tokens=len(prompt)))
             return
-        room = self.context_length - len(prompt)
-        if room < 1:
-            raise ClientError(
-                f"the prompt is {len(prompt)} tokens, but this model's context is "
-                f"{self.context_length} tokens", "context_length_exceeded")
+        room = admission.room_for(prompt, self.context_length)
         p = msg.sampling
         max_tokens = max(1, min(p.max_tokens, room))
         resumed = list(msg.resume_token_ids)
-        out = RequestOutput(msg.request_id, tok.detokenizer, list(p.stop), self.eos_ids,
-                            len(prompt), splitter=self._think_splitter(msg, prompt),
-                            tool_splitter=self._tool_splitter(msg))
+        out = admission.request_output(self.tokenizer, msg, prompt, self.eos_ids)
         if resumed:
             out.prime(resumed, msg.resume_text_len)
             max_tokens -= len(resumed)
@@ -366,15 +336,7 @@ class EngineService:
                                     prompt_tokens=out.prompt_tokens,
                                     completion_tokens=out.completion_tokens))
                 return
-        processors = make_request_processors(p)
-        if msg.grammar is not None:
-            from mlxd.engine.constraints import ConstraintError, GrammarProcessor
-            try:
-                processors.append(GrammarProcessor(self.grammar_tokenizer, msg.grammar,
-                                                   replay=resumed))
-            except (ConstraintError, ValueError) as e:
-                raise ClientError(f"the output constraint cannot be used: {e}",
-                                  "invalid_request") from e
+        processors = admission.processors(msg, self.grammar_tokenizer, resumed)
         self.outputs[msg.request_id] = out
         restored = self._restore(prompt)
         # Admission notice first: the proxy may now start its response (errors came before).
@@ -495,27 +457,6 @@ class EngineService:
                     return
         finally:
             push.close()
-
-    def _think_splitter(self, msg: Generate, prompt: list[int]) -> Any:
-        """Chat requests to a model whose template knows `<think>` get their thinking split
-        from the answer; a prompt ending inside an opened `<think>` starts in thinking."""
-        from mlxd.engine.output import THINK_CLOSE, THINK_OPEN, ThinkSplitter
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if msg.messages is None or THINK_CLOSE not in str(template):
-            return None
-        tail = self.tokenizer.decode(prompt[-8:])
-        opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
-        return ThinkSplitter(prefilled=opened)
-
-    def _tool_splitter(self, msg: Generate) -> Any:
-        """Free generation with tools, on a model mlx-lm knows a tool-call format for (a forced
-        call is constrained JSON instead and needs no parsing)."""
-        from mlxd.engine.output import ToolCallSplitter
-        tok = self.tokenizer
-        if not msg.tools or msg.grammar is not None or not tok.has_tool_calling:
-            return None
-        return ToolCallSplitter(tok.tool_call_start, tok.tool_call_end, tok.tool_parser,
-                                msg.tools)
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)
