@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import subprocess
@@ -194,6 +193,15 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def save(out: Path | None, text: str, data: object) -> None:
+    """Print a benchmark's markdown table; with --out, write it and its raw data (JSON)."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
 
 
 def free_port() -> int:

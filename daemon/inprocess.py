@@ -52,12 +52,17 @@ async def _serve(cfg: ServeConfig) -> int:
     notifier = Notifier()
     watchdog = asyncio.create_task(notifier.watchdog_loop())
 
+    async def report_stopping() -> None:  # a signal or POST /admin/shutdown
+        await stop.wait()
+        notifier.notify(STOPPING=1, STATUS="draining")
+
+    stopping = asyncio.create_task(report_stopping())
+
     def on_signal() -> None:
         signals["n"] += 1
         if signals["n"] > 1:
             print("mlxd: second signal: exiting now", file=sys.stderr, flush=True)
             os._exit(1)
-        notifier.notify(STOPPING=1, STATUS="draining")
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,6 +118,7 @@ async def _serve(cfg: ServeConfig) -> int:
         await proxy
     finally:
         watchdog.cancel()
+        stopping.cancel()
         await stop_engines()
         actx.destroy(linger=0)
     return 0

@@ -6,10 +6,14 @@ import fcntl
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
 
 from mlxd.protocol.addresses import ensure_private_dir
+
+if TYPE_CHECKING:
+    from mlxd.daemon.config import ServeConfig
 
 
 def default_run_dir() -> Path:
@@ -26,7 +30,7 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("mlxd"))
 
 
-def private_dirs(cfg: "ServeConfig") -> None:  # noqa: F821
+def private_dirs(cfg: ServeConfig) -> None:
     """The cache (converted models, KV blocks: users' conversations) is the user's alone."""
     ensure_private_dir(cfg.cache_dir)
     if cfg.ssd_cache is not None:

@@ -9,6 +9,7 @@ batches keep mlx-lm's overlap of graph building and GPU work.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -16,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 _NEG_INF = float("-inf")
+log = logging.getLogger("mlxd.engine")
 
 
 class ConstraintError(ValueError):
@@ -46,12 +48,15 @@ class GrammarProcessor:
     def __init__(self, tokenizers: TokenizerCache, grammar: str,
                  replay: list[int] | None = None) -> None:
         import llguidance
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+        self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
         self.matcher = llguidance.LLMatcher(tokenizers.get(), grammar)
         if self.matcher.is_error():
             raise ConstraintError(self.matcher.get_error())
         for t in replay or []:  # a resumed request: what was delivered before the crash
             self.matcher.consume_token(t)
         self._calls = 0
+        self._warned = False
         self._bitmask: np.ndarray | None = None
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
@@ -60,11 +65,13 @@ class GrammarProcessor:
         self._calls += 1
         vocab = logits.shape[-1]
         if self._bitmask is None:
-            from llguidance.numpy import allocate_token_bitmask
-            self._bitmask = allocate_token_bitmask(1, vocab)
-        if self.matcher.is_error():
-            return logits  # a failed matcher constrains nothing; the error is logged once
-        from llguidance.numpy import fill_next_token_bitmask
-        fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+            self._bitmask = self._allocate(1, vocab)
+        if self.matcher.is_error():  # should not happen: every sampled token was allowed
+            if not self._warned:
+                log.warning("output grammar failed (%s); the rest is unconstrained",
+                            self.matcher.get_error())
+                self._warned = True
+            return logits
+        self._fill(self.matcher, self._bitmask, 0)
         allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:vocab]
         return mx.where(mx.array(allowed.astype(np.bool_)), logits, _NEG_INF)

@@ -40,27 +40,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
             return await _tool_use(request, gen, msg_id, req.stream)
         if req.stream:
             return await _stream(request, gen, msg_id)
-        parts: list[str] = []
-        thoughts: list[str] = []
-        calls: list[dict] = []
-        last = None
-        async for d in gen.deltas():
-            parts.append(d.text)
-            thoughts.append(d.reasoning)
-            calls.extend(d.tool_calls or ())
-            last = d
-        content = [{"type": "thinking", "thinking": "".join(thoughts), "signature": ""}] \
-            if any(thoughts) else []
-        text = "".join(parts)
-        if text or not calls:
-            content.append({"type": "text", "text": text})
-        content += [_tool_use_block(c) for c in calls]
+        got = await gen.collect()
+        content = [{"type": "thinking", "thinking": got.reasoning, "signature": ""}] \
+            if got.reasoning else []
+        if got.text or not got.tool_calls:
+            content.append({"type": "text", "text": got.text})
+        content += [_tool_use_block(c) for c in got.tool_calls]
         return web.json_response({
             "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
             "content": content,
-            "stop_reason": "tool_use" if calls and last.finish_reason == "stop" else
-            schema.stop_reason(last.finish_reason, last.stop_sequence),
-            "stop_sequence": last.stop_sequence,
+            "stop_reason": "tool_use" if got.tool_calls and got.finish_reason == "stop" else
+            schema.stop_reason(got.finish_reason, got.stop_sequence),
+            "stop_sequence": got.stop_sequence,
             "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)})
 
 
@@ -174,27 +165,24 @@ async def _tool_use(request: web.Request, gen: Generation, msg_id: str,
             "stop_sequence": None,
             "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, 0)}})
             + _event("ping", {"type": "ping"}))
-    parts, finish = [], None
     try:
-        async for d in gen.deltas():
-            parts.append(d.text)
-            finish = d.finish_reason
+        got = await gen.collect()
     except APIError as e:
         if resp is None:
             raise
         await resp.write(_event("error", e.body("anthropic")))
         await resp.write_eof()
         return resp
-    text = "".join(parts)
+    text = got.text
+    parsed = constraints.forced_call(text, got.finish_reason)
     block: dict
-    try:
-        name, args = constraints.parse_call(text)
-        block = {"type": "tool_use", "id": constraints.new_call_id("toolu_"), "name": name,
-                 "input": args}
+    if parsed is not None:
+        block = {"type": "tool_use", "id": constraints.new_call_id("toolu_"), "name": parsed[0],
+                 "input": parsed[1]}
         stop = "tool_use"
-    except (ValueError, KeyError, TypeError):  # cut off by max_tokens
+    else:  # cut off by max_tokens
         block = {"type": "text", "text": text}
-        stop = schema.stop_reason(finish, None)
+        stop = schema.stop_reason(got.finish_reason, None)
     usage = schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)
     if resp is None:
         return web.json_response({
@@ -229,8 +217,7 @@ async def count_tokens(request: web.Request) -> web.Response:
                           "count", messages=msgs, count_only=True,
                           tools=[t.as_template_tool() for t in tools] if offered else None
                           ) as gen:
-        async for _ in gen.deltas():
-            pass
+        await gen.collect()
         return web.json_response({"input_tokens": gen.prompt_tokens})
 
 

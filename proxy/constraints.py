@@ -112,10 +112,16 @@ def call_grammar(tools: list[Tool]) -> str:
     return schema_grammar(options[0] if len(options) == 1 else {"anyOf": options}, "tools")
 
 
-def parse_call(text: str) -> tuple[str, dict]:
-    """A forced call's output (the grammar guarantees its shape when generation finished)."""
-    obj = json.loads(text)
-    return obj["name"], obj["arguments"]
+def forced_call(text: str, finish: str | None) -> tuple[str, dict] | None:
+    """A forced call's (name, arguments); None if max_tokens cut it short (the grammar
+    guarantees its shape once generation finished on its own)."""
+    if finish == "length":
+        return None
+    try:
+        obj = json.loads(text)
+        return obj["name"], obj["arguments"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def new_call_id(prefix: str = "call_") -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,6 +33,17 @@ def _delta_error(d: Delta) -> APIError:
         return unavailable(d.error or "the engine crashed", "engine_crashed", retry_after=2)
     return APIError(500, d.error or "the engine failed this request", type="server_error",
                     code=d.error_code or "engine_error")
+
+
+@dataclass
+class Collected:
+    """A whole (non-streamed) answer, gathered from its deltas."""
+    text: str
+    reasoning: str
+    tool_calls: list[dict]
+    logprobs: list
+    finish_reason: str | None
+    stop_sequence: str | None
 
 
 @dataclass
@@ -167,6 +177,19 @@ class Generation:
             if d.finish_reason is not None:
                 return
             d = None
+
+    async def collect(self) -> Collected:
+        text, reasoning, calls, logprobs = [], [], [], []
+        last = None
+        async for d in self.deltas():
+            text.append(d.text)
+            reasoning.append(d.reasoning)
+            calls.extend(d.tool_calls or ())
+            logprobs.extend(d.logprobs or ())
+            last = d
+        return Collected("".join(text), "".join(reasoning), calls, logprobs,
+                         last.finish_reason if last else None,
+                         last.stop_sequence if last else None)
 
     def _observe(self, d: Delta) -> None:
         now = time.monotonic()

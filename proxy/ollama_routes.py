@@ -80,15 +80,12 @@ def _now() -> str:
 
 
 def _model_name(name: str, router: Router) -> str:
-    """Ollama clients say `name:latest`; mlxd's names have no tags."""
-    if ":" in name and not Path(name).expanduser().exists():
-        base, tag = name.rsplit(":", 1)
-        if tag == "latest" or "/" not in tag:
-            try:
-                router.lookup(name)
-                return name
-            except APIError:
-                return base
+    """Ollama clients say `name:latest`; mlxd's names carry no tag."""
+    if name.endswith(":latest"):
+        try:
+            router.lookup(name)
+        except APIError:
+            return name[:-len(":latest")]
     return name
 
 
@@ -145,12 +142,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
                           messages=msgs, grammar=grammar,
                           tools=[t.as_template_tool() for t in tools] or None) as gen:
-        return await _respond(request, gen, req.stream, req.model,
-                              lambda text, thought="", calls=None: {"message": {
-                                  "role": "assistant", "content": text,
-                                  **({"thinking": thought} if thought else {}),
-                                  **({"tool_calls": [_ollama_call(c) for c in calls]}
-                                     if calls else {})}})
+        return await _respond(request, gen, req.stream, req.model, "message")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -174,9 +166,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         fields = {"messages": msgs + [{"role": "user", "content": req.prompt}]}
     async with generation(request, name, params, keep_alive, max_tokens, "ollama",
                           grammar=grammar, **fields) as gen:
-        return await _respond(request, gen, req.stream, req.model,
-                              lambda text, thought="": {
-                                  "response": text, **({"thinking": thought} if thought else {})})
+        return await _respond(request, gen, req.stream, req.model, "response")
 
 
 async def _load_only(request: web.Request, name: str, keep_alive: float | None, key: str,
@@ -193,19 +183,14 @@ async def _load_only(request: web.Request, name: str, keep_alive: float | None, 
 
 
 async def _respond(request: web.Request, gen: Generation, stream: bool, model: str,
-                   body: Any) -> web.StreamResponse:
+                   key: str) -> web.StreamResponse:
+    """`key` "message" (chat) or "response" (generate) holds each piece of the answer."""
     started = time.perf_counter_ns()
     if not stream:
-        parts, thoughts, calls = [], [], []
-        last = None
-        async for d in gen.deltas():
-            parts.append(d.text)
-            thoughts.append(d.reasoning)
-            calls.extend(d.tool_calls or ())
-            last = d
+        got = await gen.collect()
         return web.json_response({"model": model, "created_at": _now(),
-                                  **_body(body, "".join(parts), "".join(thoughts), calls),
-                                  **_final(gen, last.finish_reason, started)})
+                                  **_piece(key, got.text, got.reasoning, got.tool_calls),
+                                  **_final(gen, got.finish_reason, started)})
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     out: list[bytes] = []
@@ -213,10 +198,10 @@ async def _respond(request: web.Request, gen: Generation, stream: bool, model: s
         async for d in gen.deltas():
             if d.text or d.reasoning or d.tool_calls:
                 out.append(_line({"model": model, "created_at": _now(),
-                                  **_body(body, d.text, d.reasoning, d.tool_calls),
+                                  **_piece(key, d.text, d.reasoning, d.tool_calls),
                                   "done": False}))
             if d.finish_reason is not None:
-                out.append(_line({"model": model, "created_at": _now(), **body(""),
+                out.append(_line({"model": model, "created_at": _now(), **_piece(key, ""),
                                   **_final(gen, d.finish_reason, started)}))
             if not gen.pending():
                 await resp.write(b"".join(out))
@@ -229,8 +214,15 @@ async def _respond(request: web.Request, gen: Generation, stream: bool, model: s
     return resp
 
 
-def _body(body: Any, text: str, thought: str, calls: list | None) -> dict:
-    return body(text, thought, calls) if calls else body(text, thought)
+def _piece(key: str, text: str, thought: str = "", calls: list | None = None) -> dict:
+    if key == "response":
+        return {"response": text, **({"thinking": thought} if thought else {})}
+    message: dict = {"role": "assistant", "content": text}
+    if thought:
+        message["thinking"] = thought
+    if calls:
+        message["tool_calls"] = [_ollama_call(c) for c in calls]
+    return {"message": message}
 
 
 def _ollama_call(c: dict) -> dict:
@@ -301,7 +293,8 @@ async def show(request: web.Request) -> web.Response:
     name = req.model or req.name
     if not name:
         raise bad_request("`model` is required")
-    spec = router.lookup(_model_name(name, router))
+    name = _model_name(name, router)
+    spec = router.lookup(name)
     rec: EngineRecord | None = request.app["client"].find(name)
     path = Path(spec).expanduser()
     try:

@@ -8,7 +8,6 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxd.protocol.messages import TokenLogprob
 from mlxd.proxy import constraints
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation
@@ -54,81 +53,69 @@ async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, st
     created = int(time.time())
     model = gen.engine.model_id
     want_logprobs = gen.msg.sampling.logprobs >= 0
-    try:
-        if not stream:
-            parts: list[str] = []
-            finish = None
-            entries: list[TokenLogprob] = []
-            thoughts: list[str] = []
-            calls: list[dict] = []
-            async for d in gen.deltas():
-                parts.append(d.text)
-                thoughts.append(d.reasoning)
-                calls.extend(d.tool_calls or ())
-                finish = d.finish_reason
-                entries.extend(d.logprobs or ())
-            choice = make_choice("".join(parts), finish, final=True)
-            if any(thoughts) and "message" in choice:
-                choice["message"]["reasoning_content"] = "".join(thoughts)
-            if calls and "message" in choice:
-                choice["message"]["tool_calls"] = [_call(c) for c in calls]
-                choice["message"]["content"] = choice["message"]["content"] or None
-                if finish == "stop":
+    if not stream:
+        got = await gen.collect()
+        choice = make_choice(got.text, got.finish_reason, final=True)
+        if "message" in choice:  # chat
+            if got.reasoning:
+                choice["message"]["reasoning_content"] = got.reasoning
+            if got.tool_calls:
+                choice["message"]["tool_calls"] = [_call(c) for c in got.tool_calls]
+                choice["message"]["content"] = got.text or None
+                if got.finish_reason == "stop":
                     choice["finish_reason"] = "tool_calls"
-            if want_logprobs:
-                choice["logprobs"] = _logprobs(obj, entries, 0)
-            return web.json_response({
-                "id": rid, "object": obj, "created": created, "model": model,
-                "system_fingerprint": None, "choices": [choice], "usage": gen.usage()})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        base = {"id": rid, "object": obj + ".chunk" if obj == "chat.completion" else obj,
-                "created": created, "model": model, "system_fingerprint": None}
-        first = make_choice(None, None, final=False, first=True)
-        if first is not None:
-            await resp.write(_sse({**base, "choices": [first]}))
-        chunk = _ChunkTemplate({**base, "choices": [make_choice(_MARK, None, final=False)]})
-        out: list[bytes] = []
-        try:
-            offset = 0
-            n_calls = 0
-            async for d in gen.deltas():
-                if d.reasoning and obj == "chat.completion":
-                    out.append(_sse({**base, "choices": [{
-                        "index": 0, "delta": {"reasoning_content": d.reasoning},
-                        "logprobs": None, "finish_reason": None}]}))
-                if d.tool_calls and obj == "chat.completion":
-                    out.append(_sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
-                        {"index": n_calls + i, **_call(c)} for i, c in enumerate(d.tool_calls)]},
-                        "logprobs": None, "finish_reason": None}]}))
-                    n_calls += len(d.tool_calls)
-                if want_logprobs and d.logprobs:
-                    c = make_choice(d.text, None, final=False)
-                    c["logprobs"] = _logprobs(obj, d.logprobs, offset)
-                    out.append(_sse({**base, "choices": [c]}))
-                elif d.text:
-                    out.append(chunk.render(d.text))
-                offset += len(d.text)
-                if d.finish_reason is not None:
-                    reason = "tool_calls" if n_calls and d.finish_reason == "stop" \
-                        else d.finish_reason
-                    out.append(_sse({**base, "choices": [make_choice("", reason,
-                                                                     final=False, last=True)]}))
-                if not gen.pending():  # one write for whatever has queued up meanwhile
-                    await resp.write(b"".join(out))
-                    out.clear()
-            if out:
+        if want_logprobs:
+            choice["logprobs"] = _logprobs(obj, got.logprobs, 0)
+        return web.json_response({
+            "id": rid, "object": obj, "created": created, "model": model,
+            "system_fingerprint": None, "choices": [choice], "usage": gen.usage()})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    base = {"id": rid, "object": obj + ".chunk" if obj == "chat.completion" else obj,
+            "created": created, "model": model, "system_fingerprint": None}
+    first = make_choice(None, None, final=False, first=True)
+    if first is not None:
+        await resp.write(_sse({**base, "choices": [first]}))
+    chunk = _ChunkTemplate({**base, "choices": [make_choice(_MARK, None, final=False)]})
+    out: list[bytes] = []
+    try:
+        offset = 0
+        n_calls = 0
+        async for d in gen.deltas():
+            if d.reasoning and obj == "chat.completion":
+                out.append(_sse({**base, "choices": [{
+                    "index": 0, "delta": {"reasoning_content": d.reasoning},
+                    "logprobs": None, "finish_reason": None}]}))
+            if d.tool_calls and obj == "chat.completion":
+                out.append(_sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": n_calls + i, **_call(c)} for i, c in enumerate(d.tool_calls)]},
+                    "logprobs": None, "finish_reason": None}]}))
+                n_calls += len(d.tool_calls)
+            if want_logprobs and d.logprobs:
+                c = make_choice(d.text, None, final=False)
+                c["logprobs"] = _logprobs(obj, d.logprobs, offset)
+                out.append(_sse({**base, "choices": [c]}))
+            elif d.text:
+                out.append(chunk.render(d.text))
+            offset += len(d.text)
+            if d.finish_reason is not None:
+                reason = "tool_calls" if n_calls and d.finish_reason == "stop" \
+                    else d.finish_reason
+                out.append(_sse({**base, "choices": [make_choice("", reason,
+                                                                 final=False, last=True)]}))
+            if not gen.pending():  # one write for whatever has queued up meanwhile
                 await resp.write(b"".join(out))
-            if include_usage:
-                await resp.write(_sse({**base, "choices": [], "usage": gen.usage()}))
-            await resp.write(b"data: [DONE]\n\n")
-        except APIError as e:  # after streaming started: one in-band error event, then close
-            await resp.write(b"".join(out) + _sse(e.body()))
-        await resp.write_eof()
-        return resp
-    finally:
-        await gen.close()  # a disconnected client cancels us here: abort the engine's row
+                out.clear()
+        if out:
+            await resp.write(b"".join(out))
+        if include_usage:
+            await resp.write(_sse({**base, "choices": [], "usage": gen.usage()}))
+        await resp.write(b"data: [DONE]\n\n")
+    except APIError as e:  # after streaming started: one in-band error event, then close
+        await resp.write(b"".join(out) + _sse(e.body()))
+    await resp.write_eof()
+    return resp
 
 
 def _call(c: dict) -> dict:
@@ -194,27 +181,19 @@ async def _respond_tool_call(request: web.Request, gen: Generation, stream: bool
         await resp.prepare(request)
         await resp.write(_sse({**base, "object": "chat.completion.chunk", "choices": [
             _chat_choice(None, None, final=False, first=True)]}))
-    parts: list[str] = []
-    finish = None
     try:
-        async for d in gen.deltas():
-            parts.append(d.text)
-            finish = d.finish_reason
+        got = await gen.collect()
     except APIError as e:
         if resp is None:
             raise
         await resp.write(_sse(e.body()))
         await resp.write_eof()
         return resp
-    text = "".join(parts)
-    call = None
-    if finish != "length":
-        try:
-            name, args = constraints.parse_call(text)
-            call = {"id": constraints.new_call_id(), "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-        except (ValueError, KeyError, TypeError):
-            call = None
+    text, finish = got.text, got.finish_reason
+    parsed = constraints.forced_call(text, finish)
+    call = None if parsed is None else {
+        "id": constraints.new_call_id(), "type": "function",
+        "function": {"name": parsed[0], "arguments": json.dumps(parsed[1], ensure_ascii=False)}}
     finish_reason = "tool_calls" if call else (finish or "stop")
     if resp is None:
         message = {"role": "assistant", "content": None if call else text}

@@ -40,7 +40,8 @@ async def generation(request: web.Request, model: str | None, params: SamplingPa
         gen = Generation(app["client"], engine,
                          Generate(request_id=new_request_id(prefix), sampling=params, **fields),
                          resume=app["resume"], load_wait=router.load_wait,
-                         stats=app["resume_stats"], metrics=app["metrics"])
+                         stats=app["resume_stats"],
+                         metrics=None if fields.get("count_only") else app["metrics"])
         await gen.start()
         yield gen
     finally:

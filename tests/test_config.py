@@ -56,11 +56,13 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     assert resolve(_args("--socket", "off", "--ssd-cache", "off"), {}).config.socket is None
 
 
-def test_every_setting_has_a_flag_and_an_env_name():
-    flags = {s.flag for s in SETTINGS}
-    assert len(flags) == len(SETTINGS)
-    for s in SETTINGS:
-        assert s.env == "MLXD_" + s.key.upper()
+def test_settings_table_and_config_struct_agree():
+    """A field added to ServeConfig without a setting (or the reverse) could never be set."""
+    from dataclasses import fields
+
+    from mlxd.daemon.config import ServeConfig
+    assert {f.name for f in fields(ServeConfig)} == {s.key for s in SETTINGS}
+    assert len({s.flag for s in SETTINGS}) == len(SETTINGS)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import start_daemon, stop_and_check
+from conftest import start_daemon
 
 SLOW = {"MLXD_FAULTS": "engine.step=delay@1"}  # 50 ms per engine step: streams last seconds
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 
-import httpx2 as httpx
 import openai
 import pytest
 

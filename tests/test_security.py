@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import stat
+import tempfile
 from pathlib import Path
 
 import httpx2 as httpx
@@ -17,9 +18,14 @@ KEY = "test-key-0123456789"
 
 
 @pytest.fixture(scope="module")
-def open_daemon(tiny_model):
+def open_daemon(tiny_model, tmp_path_factory):
+    # Both directories start world-readable: the daemon must make them private.
+    cache = tmp_path_factory.mktemp("cache")
+    run_dir = Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))  # short: socket paths
+    for path in (cache, run_dir):
+        path.chmod(0o755)
     d = start_daemon(tiny_model, "--allowed-host", "mybox.lan",
-                     "--cors-origin", "https://chat.example")
+                     "--cors-origin", "https://chat.example", cache_dir=cache, run_dir=run_dir)
     yield d
     stop_and_check(d)
 

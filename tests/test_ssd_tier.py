@@ -3,9 +3,7 @@ shared blocks stored once, the byte cap, and a disk that fails."""
 
 from __future__ import annotations
 
-import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
