@@ -123,6 +123,16 @@ def _client_command(args: argparse.Namespace) -> int:
     except client.DaemonUnreachable as e:
         print(f"mlxd: {e}", file=sys.stderr)
         return 3
+    if args.command == "flush" and status in (503, 507) and isinstance(body, dict) \
+            and "engines" in body:  # answered, but the cache is not durable: say why
+        if args.json:
+            print(json.dumps(body, indent=1))
+        else:
+            err = body.get("error") or {}
+            print(f"mlxd: flush failed ({err.get('code')}): {err.get('message')} "
+                  f"({body['written']} block(s) written, {body['failed']} failed, "
+                  f"{body['pending']} pending)", file=sys.stderr)
+        return 1
     if status >= 400:
         print(f"mlxd: {method} {path}: {status} {json.dumps(body)}", file=sys.stderr)
         return 1

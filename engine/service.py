@@ -203,9 +203,12 @@ class EngineService:
             return box[0] if box else None
 
         try:
-            written, failed = self.ssd.flush(run_on_mlx, runner.cache.entries, timeout)
-            self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, written, failed,
-                                       self.ssd.queue_depth, self.ssd.stats.error))
+            r = self.ssd.flush(run_on_mlx, runner.cache.entries, timeout)
+            if r.error_code is not None:
+                log.warning("%s flush: the KV cache is not durable (%s): %s", token,
+                            r.error_code, r.error)
+            self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, token, r.written, r.failed,
+                                       self.ssd.queue_depth, r.error, r.error_code, r.unwritten))
         finally:
             if then_stop:
                 runner.inbox.put(StopRunner())
@@ -296,7 +299,8 @@ class EngineService:
             if self.runner is None or self.ssd is None:
                 self.outq.put(CacheFlushed(self.s.engine_id, self.s.epoch, msg.token, 0, 0, 0,
                                            "the model is still loading" if self.ssd else
-                                           "the SSD tier is off"))
+                                           "the SSD tier is off",
+                                           "loading" if self.ssd else "ssd_off"))
             else:
                 self._flush_async(msg.token, msg.timeout)
             return
@@ -407,7 +411,7 @@ class EngineService:
         if self.ssd is None:
             return {"ssd_state": "off"}
         st = self.ssd.stats
-        return {"ssd_state": f"degraded: {st.error}" if st.error else "ok",
+        return {**self.ssd.state(),  # ssd_state, ssd_error_code, ssd_retry_in_s, ...
                 "ssd_hits": st.hits, "ssd_misses": st.misses,
                 "ssd_restored_tokens": st.restored_tokens, "ssd_blocks_queued": st.blocks_queued,
                 "ssd_blocks_written": st.blocks_written, "ssd_blocks_existed": st.blocks_existed,

@@ -4,6 +4,10 @@
   memcpy per layer, into free slots of this engine's shared-memory arena; a `StoreBlocks`
   message names the slots. No hashing, writing or fsync here, and no waiting: with no free slot
   the block is skipped (counted) rather than stall decoding.
+- A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
+  is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
+  one probe block decides whether it recovers. A flush probes at once and answers promptly with
+  the refusal's code instead of retrying until its deadline.
 - The storage thread owns the DEALER to the storage worker: it sends, frees slots on
   `StoreDone`, and reclaims slots a dead worker never answered for.
 - Restore (I/O thread, before a request reaches the MLX thread): walk the prompt's chained keys
@@ -27,6 +31,7 @@ import numpy as np
 import zmq
 
 from mlxd.engine.prefix_cache import Entry
+from mlxd.engine.ssd_health import Admit, Change, Refusal, WriteHealth
 from mlxd.protocol import codec, shm
 from mlxd.protocol.messages import BlockWrite, StoreBlocks, StoreDone, TouchBlocks
 from mlxd.storage_worker.block_format import (BadBlock, Layout, block_key, block_path,
@@ -49,11 +54,21 @@ class SsdStats:
     bytes_written: int = 0
     write_failures: int = 0
     skipped_no_slot: int = 0
+    skipped_degraded: int = 0  # blocks not queued while the disk refused writes
     bad_blocks: int = 0
     disk_bytes: int = 0
     disk_blocks: int = 0
     evicted: int = 0
-    error: str | None = None
+    error: str | None = None  # "<code>: <message>" while degraded
+
+
+@dataclass
+class FlushResult:
+    written: int  # blocks written during the flush
+    failed: int  # blocks the disk refused during the flush
+    unwritten: int  # blocks of cached entries not on disk at the end
+    error_code: str | None  # None: every cached entry is durable
+    error: str | None
 
 
 @dataclass
@@ -107,7 +122,8 @@ class SsdTier:
         self._pending: dict[int, _Pending] = {}
         self._queued_keys: set[bytes] = set()
         self._out: "queue.Queue[Any]" = queue.Queue()
-        self._idle = threading.Condition()
+        self._idle = threading.Condition()  # guards _pending and health; notified on answers
+        self.health = WriteHealth()
         self.stats = SsdStats()
         self._ctx = ctx
         self._endpoint = endpoint
@@ -150,14 +166,23 @@ class SsdTier:
         """Queue `entry`'s missing blocks for the storage worker; return how many were queued.
         On the MLX thread this only builds one contiguous array per block (just the block's
         span) and starts its evaluation (`async_eval`); the storage thread waits for it and
-        copies it into the shared-memory slot, so decoding never waits for the copy."""
+        copies it into the shared-memory slot, so decoding never waits for the copy.
+        While the disk refuses writes, nothing is queued but one probe block per backoff."""
         import mlx.core as mx
         todo = self._missing(entry)
         if not todo:
             entry.persisted = True
             return 0
+        with self._idle:
+            admit = self.health.admit(time.monotonic())
+        if admit is Admit.SKIP:
+            self.stats.skipped_degraded += len(todo)
+            entry.persisted = False
+            return 0
+        chosen = todo if admit is Admit.WRITE else todo[:1]
+        self.stats.skipped_degraded += len(todo) - len(chosen)
         blocks = []
-        for start, end, parent, key in todo:
+        for start, end, parent, key in chosen:
             try:
                 slot = self._free.get_nowait()
             except queue.Empty:
@@ -167,6 +192,9 @@ class SsdTier:
                 slot, parent, key, list(entry.tokens[start:end]),
                 tail=end - start < self.block_tokens)))
             self._queued_keys.add(key)
+        if admit is Admit.PROBE and blocks:
+            with self._idle:
+                self.health.probing(blocks[0].slot)
         if blocks:
             mx.async_eval([b.data for b in blocks])
             self.stats.blocks_queued += len(blocks)
@@ -202,13 +230,16 @@ class SsdTier:
                            self.namespace, self._layout_list(), [b.write for b in blocks])
 
     def flush(self, run_on_mlx: Callable[[Callable[[], int]], int | None],
-              entries: Callable[[], list[Entry]], timeout: float) -> tuple[int, int]:
-        """Make every entry durable; return (written, failed) once every queued write is
-        durable or `timeout` passed. Runs on a helper thread: only the copies run on the MLX
-        thread (through `run_on_mlx`), in rounds as slots free up, so decoding never waits
-        for the disk."""
+              entries: Callable[[], list[Entry]], timeout: float) -> FlushResult:
+        """Make every entry durable; answer once every queued write is durable, or the disk
+        refused one (its code in the result), or `timeout` passed. Runs on a helper thread:
+        only the copies run on the MLX thread (through `run_on_mlx`), in rounds as slots free
+        up, so decoding never waits for the disk. A degraded tier is probed at once (an
+        explicit flush does not wait out the backoff); a refusal ends the flush."""
         deadline = time.monotonic() + timeout
         w0, f0 = self.stats.blocks_written, self.stats.write_failures
+        with self._idle:
+            self.health.retry_now(time.monotonic())
 
         def copy_round() -> int:
             missing = 0
@@ -217,20 +248,58 @@ class SsdTier:
                 missing += len(self._missing(entry))
             return missing
 
+        missing: int | None = None
         while time.monotonic() < deadline:
-            missing = run_on_mlx(copy_round)
+            missing = run_on_mlx(copy_round)  # None: the MLX thread did not answer in time
             if not missing:
                 break
-            self._wait_for_slot(deadline)
+            if not self._wait_for_progress(deadline) or self._refused():
+                break
         with self._idle:
             while self._pending and time.monotonic() < deadline:
                 self._idle.wait(max(0.0, deadline - time.monotonic()))
-        return self.stats.blocks_written - w0, self.stats.write_failures - f0
+            refusal, pending = self.health.refusal, len(self._pending)
+        written = self.stats.blocks_written - w0
+        failed = self.stats.write_failures - f0
+        # Durable: the last round queued every missing block and every answer came back; a
+        # failure among the last answers leaves the tier degraded (an earlier one was followed
+        # by a round that re-queued its blocks). Not "every block on disk now": the byte cap
+        # may have evicted some meanwhile, by design.
+        if missing == 0 and pending == 0 and (refusal is None or failed == 0):
+            return FlushResult(written, failed, 0, None, None)
+        # what is not on disk now (failed blocks included); informative only, see above
+        left = run_on_mlx(lambda: sum(len(self._missing(e)) for e in entries())) or missing or 0
+        if refusal is not None:
+            return FlushResult(written, failed, left, refusal.code, refusal.message)
+        return FlushResult(written, failed, left, "timeout",
+                           f"the flush did not finish within {timeout:g} s "
+                           f"({pending} writes still queued)")
 
-    def _wait_for_slot(self, deadline: float) -> None:
+    def _wait_for_progress(self, deadline: float) -> bool:
+        """Until a slot is free and no probe awaits its answer; False at the deadline."""
         with self._idle:
-            while self._free.empty() and time.monotonic() < deadline:
+            while (self._free.empty() or self.health.probe_slot is not None) \
+                    and time.monotonic() < deadline:
                 self._idle.wait(max(0.0, deadline - time.monotonic()))
+        return time.monotonic() < deadline
+
+    def _refused(self) -> bool:
+        with self._idle:
+            return self.health.refused(time.monotonic())
+
+    def state(self) -> dict[str, float | int | str]:
+        """The tier's health for /stats: `ssd_state` "ok" or "degraded: <code>: <why>; ...",
+        the code, seconds until writes are tried again, blocks skipped meanwhile."""
+        now = time.monotonic()
+        with self._idle:
+            refusal, retry_in = self.health.refusal, self.health.retry_in(now)
+        if refusal is None:
+            return {"ssd_state": "ok", "ssd_error_code": "", "ssd_retry_in_s": 0.0,
+                    "ssd_skipped_degraded": self.stats.skipped_degraded}
+        when = f"next try in {retry_in:.1f} s" if retry_in > 0 else "next try with the next write"
+        return {"ssd_state": f"degraded: {refusal.code}: {refusal.message}; writes paused, {when}",
+                "ssd_error_code": refusal.code, "ssd_retry_in_s": round(retry_in, 1),
+                "ssd_skipped_degraded": self.stats.skipped_degraded}
 
     @property
     def queue_depth(self) -> int:
@@ -257,12 +326,14 @@ class SsdTier:
                         except Exception as e:  # noqa: BLE001 - a failed copy fails its blocks
                             log.exception("copying KV blocks to shared memory failed")
                             self._done(StoreDone([b.slot for b in msg], failed=len(msg),
-                                                 error=f"copy failed: {e}"))
+                                                 error=f"copy failed: {e}",
+                                                 error_code="copy_failed"))
                             continue
                     if isinstance(msg, _ReclaimAll):
                         if self._pending:
                             self._done(StoreDone(list(self._pending), failed=len(self._pending),
-                                                 error=None))
+                                                 error="the storage worker restarted before "
+                                                 "answering", error_code="worker_gone"))
                         continue
                     try:
                         sock.send(enc.encode(msg))
@@ -277,7 +348,7 @@ class SsdTier:
     def _fail(self, msg: Any, error: str) -> None:
         if isinstance(msg, StoreBlocks):
             self._done(StoreDone([b.slot for b in msg.blocks], failed=len(msg.blocks),
-                                 error=error))
+                                 error=error, error_code="worker_gone"))
 
     def _done(self, done: StoreDone) -> None:
         s = self.stats
@@ -286,16 +357,27 @@ class SsdTier:
         s.bytes_written += done.bytes_written
         s.write_failures += done.failed
         s.evicted += done.evicted
-        s.error = done.error
         if done.disk_blocks or done.disk_bytes:
             s.disk_bytes, s.disk_blocks = done.disk_bytes, done.disk_blocks
+        refusal = Refusal(done.error_code or "io_error", done.error or "the write failed") \
+            if done.failed else None
         with self._idle:
+            change = self.health.answered(done.slots, refusal, time.monotonic())
+            current, backoff = self.health.refusal, self.health.backoff
             for slot in done.slots:
                 p = self._pending.pop(slot, None)
                 if p is not None:
                     self._queued_keys.difference_update(p.keys)
                     self._free.put(slot)
             self._idle.notify_all()
+        s.error = f"{current.code}: {current.message}" if current else None
+        if change is Change.DEGRADED and current:
+            log.warning("SSD tier degraded (%s): %s; writes paused, next try in %g s",
+                        current.code, current.message, backoff)
+        elif change is Change.STILL_DEGRADED and current:
+            log.info("SSD tier still refuses writes (%s); next try in %g s", current.code, backoff)
+        elif change is Change.RECOVERED:
+            log.info("SSD tier writable again")
 
     def worker_restarted(self) -> None:
         """The storage worker was replaced: what the dead one held will never be answered."""
@@ -307,7 +389,8 @@ class SsdTier:
         if stale:
             log.warning("storage worker never answered for %d blocks; reclaiming their slots",
                         len(stale))
-            self._done(StoreDone(stale, failed=len(stale), error="the storage worker died"))
+            self._done(StoreDone(stale, failed=len(stale), error="the storage worker died",
+                                 error_code="worker_gone"))
 
     # ------------------------------------------------------------------ restore (I/O thread)
 

@@ -5,12 +5,15 @@ Switched on by the environment variable MLXD_FAULTS, inherited by every child, e
 engine exits; every load fails. Syntax per entry: `point=action[@nth][#epoch]`, where `#<N`
 means every epoch below N.
 Actions: exit (os._exit(1)), abort (SIGABRT), kill (SIGKILL itself), hang (sleep forever),
-fail (raise FaultInjected, at every hit from the nth), delay (sleep 50 ms at every hit from
-the nth: a slow engine). Unset, `hit()` is one dict lookup on an empty dict.
+fail (raise FaultInjected, at every hit from the nth), errno:NAME (raise OSError with that
+errno, e.g. `storage.write=errno:ENOSPC`, at every hit from the nth: a full, read-only or
+vanished disk without privileges), delay (sleep 50 ms at every hit from the nth: a slow
+engine). Unset, `hit()` is one dict lookup on an empty dict.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -35,6 +38,9 @@ def configure(epoch: int | None, spec: str | None = None) -> None:
         rest, _, ep = rest.partition("#")
         action, _, nth = rest.partition("@")
         below = ep.startswith("<")
+        if action.startswith("errno:") and not isinstance(
+                getattr(errno, action[len("errno:"):], None), int):
+            raise ValueError(f"MLXD_FAULTS: {entry!r}: unknown errno name")
         _faults[point] = (action, int(nth) if nth else 1, int(ep.lstrip("<")) if ep else None,
                           below)
 
@@ -54,7 +60,8 @@ def hit(point: str) -> None:
             return
     n = _counts.get(point, 0) + 1
     _counts[point] = n
-    if n != nth and not (action in ("fail", "delay") and n >= nth):
+    repeats = action in ("fail", "delay") or action.startswith("errno:")
+    if n != nth and not (repeats and n >= nth):
         return
     if action == "delay":
         time.sleep(0.05)
@@ -70,3 +77,6 @@ def hit(point: str) -> None:
             time.sleep(3600)
     if action == "fail":
         raise FaultInjected(f"fault injected at {point}")
+    if action.startswith("errno:"):
+        code = getattr(errno, action[len("errno:"):])
+        raise OSError(code, f"{os.strerror(code)} (fault injected at {point})")

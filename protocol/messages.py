@@ -123,6 +123,10 @@ class CacheFlushed(_Msg, tag="flushed"):
     failed: int
     pending: int
     error: str | None = None
+    # set when the cache is not durable: a StoreDone code (disk_full, read_only, ...), or
+    # timeout, or no_answer (the proxy heard nothing); None when durable (or no SSD tier)
+    error_code: str | None = None
+    unwritten: int = 0  # blocks of cached entries still not on disk when the flush answered
 
 
 FromEngine = StepOutput | EngineStatus | CacheFlushed
@@ -244,6 +248,9 @@ class StoreDone(_Msg, tag="stored"):
     disk_bytes: int = 0
     disk_blocks: int = 0
     evicted: int = 0
+    # why `failed` blocks were not written: disk_full, read_only, permission_denied, gone (the
+    # cache dir vanished), io_error, shm_gone; the engine's own: copy_failed, worker_gone
+    error_code: str | None = None
 
 
 ToStorage = StoreBlocks | TouchBlocks

@@ -42,8 +42,13 @@ async def reset(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    """Returns once every queued KV write of every ready engine is durable."""
-    return web.json_response(await flush_all(request.app["client"]))
+    """Returns once every queued KV write of every ready engine is durable (200), or promptly
+    with 507 (the disk refused: full, read-only, gone) or 503 (timed out, no answer) and the
+    counts, `error` and each engine's `error_code`."""
+    result = await flush_all(request.app["client"])
+    status = lifecycle.flush_status(result)
+    return web.json_response(result, status=status,
+                             headers={"Retry-After": "5"} if status == 503 else None)
 
 
 class DrainBody(msgspec.Struct, forbid_unknown_fields=True):

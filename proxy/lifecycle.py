@@ -17,14 +17,46 @@ ABORT_MESSAGE = ("mlxd is shutting down and this request did not finish within t
                  "timeout; it was aborted")
 
 
+# Engine answers that mean "nothing to make durable", not a failure.
+NOTHING_TO_FLUSH = frozenset({"ssd_off", "loading"})
+# Codes that say the disk refused the writes: the cache cannot be stored (HTTP 507).
+DISK_REFUSALS = frozenset({"disk_full", "read_only", "permission_denied", "gone", "io_error"})
+
+
 async def flush_all(client: EngineClient, timeout: float = 120.0) -> dict[str, Any]:
-    """Every queued KV write of every ready engine made durable."""
+    """Every queued KV write of every ready engine made durable, or why not: `durable` is
+    false and `error` names the first engine's code and reason when any engine's cache is not
+    durable; each engine's entry carries its own `error_code` and `error`."""
     ready = [r for r in client.engines.values() if r.state == "ready"]
     results = await asyncio.gather(*(client.flush(r, timeout) for r in ready))
-    engines = [{"model": r.model_id, "written": f.written, "failed": f.failed,
-                "pending": f.pending, "error": f.error} for r, f in zip(ready, results)]
-    return {"written": sum(f.written for f in results), "failed": sum(f.failed for f in results),
-            "pending": sum(f.pending for f in results), "engines": engines}
+    engines = []
+    failures = []
+    for r, f in zip(ready, results):
+        # EngineClient.flush's own fallback (no answer in time) carries a reason but no code
+        code = f.error_code or ("no_answer" if f.error else None)
+        engines.append({"model": r.model_id, "written": f.written, "failed": f.failed,
+                        "pending": f.pending, "unwritten": f.unwritten, "error_code": code,
+                        "error": f.error})
+        if code is not None and code not in NOTHING_TO_FLUSH:
+            failures.append((r.model_id, code, f.error))
+    result: dict[str, Any] = {
+        "durable": not failures,
+        "written": sum(f.written for f in results), "failed": sum(f.failed for f in results),
+        "pending": sum(f.pending for f in results), "engines": engines}
+    if failures:
+        model, code, reason = failures[0]
+        result["error"] = {"message": f"the KV cache is not durable: {model}: {reason}",
+                           "type": "server_error", "param": None, "code": code}
+    return result
+
+
+def flush_status(result: dict[str, Any]) -> int:
+    """HTTP status for a flush result: 200 durable; 507 when a disk refused the writes;
+    503 otherwise (timed out, no answer, the storage worker gone: worth retrying)."""
+    if result["durable"]:
+        return 200
+    codes = {e["error_code"] for e in result["engines"]}
+    return 507 if codes & DISK_REFUSALS else 503
 
 
 async def drain(app: web.Application, timeout: float, flush: bool) -> dict[str, Any]:

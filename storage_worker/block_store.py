@@ -5,10 +5,17 @@ Durability: write `name.tmp`, fsync it, rename into place, fsync the directory. 
 point leaves either no file or a complete one, plus perhaps a `.tmp` that the next start deletes.
 Eviction removes leaves first (blocks no other block chains from), so a kept block's prefix is
 always kept too; each block is one file, so a block shared by many conversations counts once.
+
+A write the disk refuses is classified here (`refusal`), where the OSError is seen: the code
+travels in `StoreDone.error_code` to the engine, which backs off, and on to `/admin/cache/flush`.
+The root directory is never created here (the daemon creates it at start): a root that vanished
+(an unmounted drive, a removed cache dir) is reported as "gone" instead of being silently
+recreated on whatever disk now holds its parent.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -19,6 +26,21 @@ from mlxd.protocol import faults
 from mlxd.storage_worker.block_format import parse_name
 
 log = logging.getLogger("mlxd.storage")
+
+# errno -> the code the engine and the API report for a refused write; anything else: io_error
+_REFUSALS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "read_only",
+             errno.EACCES: "permission_denied", errno.EPERM: "permission_denied",
+             errno.ENOENT: "gone", errno.ENOTDIR: "gone"}
+_WHAT = {"disk_full": "the disk is full", "read_only": "the file system is read-only",
+         "permission_denied": "permission denied", "gone": "the cache directory is gone",
+         "io_error": "I/O error"}
+
+
+def refusal(e: BaseException) -> tuple[str, str]:
+    """(code, message) for a failed block write: disk_full, read_only, permission_denied, gone
+    (the cache dir was removed or is not a directory) or io_error."""
+    code = _REFUSALS.get(getattr(e, "errno", None) or -1, "io_error")
+    return code, f"{_WHAT[code]}: {e}"
 
 
 @dataclass
@@ -84,7 +106,7 @@ class BlockStore:
         if key in self.blocks and path.exists():
             self.blocks[key].used = time.time()
             return 0
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_dirs(path.parent)
         tmp = path.with_name(path.name + ".tmp")
         size = 0
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -102,15 +124,33 @@ class BlockStore:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        os.rename(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            os.rename(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            # not durable: leave no file that a lookup would take for a durable block
+            tmp.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            raise
         parent, _, key = parse_name(path.name)  # type: ignore[misc]
         self._add(path, size, time.time(), parent, key)
         return size
+
+    def _make_dirs(self, d: Path) -> None:
+        """Create `d` and its parents below the root, never the root itself."""
+        if d == self.root or d.is_dir():
+            return
+        self._make_dirs(d.parent)
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if not d.is_dir():  # a file where a directory belongs
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
+                                         str(d)) from None
 
     def touch(self, key: str) -> None:
         b = self.blocks.get(key)

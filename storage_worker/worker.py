@@ -17,7 +17,7 @@ import zmq
 from mlxd.protocol import codec, exit_codes, faults, shm
 from mlxd.protocol.messages import Heartbeat, Hello, Ready, Shutdown, StoreBlocks, StoreDone, TouchBlocks
 from mlxd.storage_worker.block_format import Layout, block_path, pack_header, parse_name
-from mlxd.storage_worker.block_store import BlockStore
+from mlxd.storage_worker.block_store import BlockStore, refusal
 
 log = logging.getLogger("mlxd.storage")
 
@@ -31,6 +31,7 @@ class StorageWorker:
         self.control_ep = control_ep
         self.epoch = epoch
         self.error: str | None = None
+        self.error_code: str | None = None  # the last write's refusal (block_store.refusal)
         self._segments: dict[str, Any] = {}  # name -> attached SharedMemory
         self._latest: dict[str, tuple[int, str]] = {}  # engine id -> (epoch, segment)
 
@@ -113,8 +114,11 @@ class StorageWorker:
         except (FileNotFoundError, OSError) as e:
             done.failed = len(msg.blocks)
             done.error = f"shared memory {msg.segment} is gone: {e}"
+            done.error_code = "shm_gone"
             return self._finish(done)
-        for b in msg.blocks:
+        if self.error_code == "gone" and self.store.root.is_dir():
+            self.store.scan()  # the cache dir is back (remounted, recreated): index it again
+        for i, b in enumerate(msg.blocks):
             n = len(b.tokens)
             size = layout.payload_bytes(n)
             payload = seg.buf[b.slot * msg.slot_bytes: b.slot * msg.slot_bytes + size]
@@ -124,8 +128,11 @@ class StorageWorker:
                                      size, b.tail)
                 wrote = self.store.write(block_path(ns_dir, b.parent, n, b.key), [header, payload])
             except (OSError, faults.FaultInjected) as e:
-                done.failed += 1
-                done.error = f"cannot write to {self.store.root}: {e}"
+                # The disk refused: the rest of this message is not tried (it would be refused
+                # alike); the engine backs off and probes later.
+                done.failed = len(msg.blocks) - i
+                done.error_code, done.error = refusal(e)
+                break
             else:
                 if wrote:
                     done.written += 1
@@ -139,11 +146,11 @@ class StorageWorker:
         return self._finish(done)
 
     def _finish(self, done: StoreDone) -> StoreDone:
-        if done.error and done.error != self.error:
-            log.error("SSD tier degraded: %s", done.error)
-        elif not done.error and self.error:
+        if done.error_code and done.error_code != self.error_code:
+            log.error("SSD tier cannot write (%s): %s", done.error_code, done.error)
+        elif not done.error_code and self.error_code:
             log.info("SSD tier writable again")
-        self.error = done.error
+        self.error, self.error_code = done.error, done.error_code
         done.disk_bytes = self.store.bytes
         done.disk_blocks = len(self.store.blocks)
         return done
