@@ -110,16 +110,29 @@ def _client_command(args: argparse.Namespace) -> int:
     from mlxd.daemon import client
     ns = _serve_namespace(["--config", str(args.config)] if args.config else [])
     cfg = _resolve(ns).config
-    sock = args.socket or cfg.socket
-    if sock is None:
-        sys.exit("mlxd: the configuration has no Unix socket (socket = off); use --socket")
-    method, path = {"status": ("GET", "/stats"), "models": ("GET", "/v1/models"),
-                    "flush": ("POST", "/admin/cache/flush"),
-                    "stop": ("POST", "/admin/shutdown")}[args.command]
-    run_dir = args.run_dir or (sock.parent if (sock.parent / "lock").exists() else cfg.run_dir)
-    pid = client.daemon_pid(run_dir) if args.command == "stop" else None
+    method, path, timeout = {"status": ("GET", "/stats", 30.0),
+                             "models": ("GET", "/v1/models", 30.0),
+                             "flush": ("POST", "/admin/cache/flush", 150.0),
+                             "stop": ("POST", "/admin/shutdown", 150.0)}[args.command]
+    if args.run_dir is not None:  # that daemon, found through its run dir
+        run_dir = args.run_dir
+        pid = client.running_pid(run_dir)
+        if pid is None:
+            print(f"mlxd: no mlxd is running with run dir {run_dir}", file=sys.stderr)
+            return 3
+        sock = args.socket or client.socket_in(run_dir)
+        if sock is None:
+            print(f"mlxd: the mlxd with run dir {run_dir} (pid {pid}) serves no Unix socket "
+                  f"(socket = off)", file=sys.stderr)
+            return 3
+    else:
+        sock = args.socket or cfg.socket
+        if sock is None:
+            sys.exit("mlxd: the configuration has no Unix socket (socket = off); use --socket")
+        run_dir = sock.parent if (sock.parent / "lock").exists() else cfg.run_dir
+        pid = client.daemon_pid(run_dir) if args.command == "stop" else None
     try:
-        status, body = client.call(sock, method, path, timeout=150.0)
+        status, body = client.call(sock, method, path, timeout=timeout)
     except client.DaemonUnreachable as e:
         print(f"mlxd: {e}", file=sys.stderr)
         return 3

@@ -123,3 +123,25 @@ def daemon_pid(run_dir: Path) -> int | None:
         return int((run_dir / "lock").read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def running_pid(run_dir: Path) -> int | None:
+    """The pid of the daemon running with `run_dir`, or None (no lock, or a dead one's)."""
+    pid = daemon_pid(run_dir)
+    try:
+        if pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return pid
+    except psutil.Error:
+        pass
+    return None
+
+
+def socket_in(run_dir: Path) -> Path | None:
+    """The Unix socket of the daemon with `run_dir`: what its listen.json names (None if it
+    serves none), else the default RUN_DIR/mlxd.sock."""
+    try:
+        listen = json.loads((run_dir / "listen.json").read_text())
+    except (OSError, ValueError):
+        return run_dir / "mlxd.sock"
+    sock = listen.get("socket") if isinstance(listen, dict) else None
+    return Path(sock) if sock else None

@@ -16,11 +16,12 @@ from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
-from mlxd.protocol import shm
+from mlxd.protocol import exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
 from mlxd.proxy.app import ListenSettings
+from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.openai_schema import Defaults
 from mlxd.proxy.security import AccessSettings
 from mlxd.proxy.server import PoolSettings, run_proxy
@@ -32,12 +33,16 @@ def run_inprocess(cfg: ServeConfig) -> int:
     lock.acquire()
     shm.remove_leftovers(cfg.run_dir)
     private_dirs(cfg)
+    reason = None
     try:
-        return asyncio.run(_serve(cfg))
+        code = asyncio.run(_serve(cfg))
+    except ListenError as e:  # said once, as the last line; nothing to retry
+        code, reason = exit_codes.CONFIG_ERROR, str(e)
     finally:
         shm.remove_leftovers(cfg.run_dir)
         lock.release()
-        print("mlxd: stopped", file=sys.stderr, flush=True)
+    print(f"mlxd: {reason}" if reason else "mlxd: stopped", file=sys.stderr, flush=True)
+    return code
 
 
 async def _serve(cfg: ServeConfig) -> int:

@@ -85,8 +85,9 @@ SETTINGS: tuple[Setting, ...] = (
       "model loads it, evicting the least recently used idle engine", _ge(1), ">= 1"),
     S("model_alias", "map", {}, "a name requests may use for a model (repeatable)",
       metavar="NAME=MODEL"),
-    S("hang_timeout", "float", 60.0, "with --isolate: seconds a busy engine may make no progress "
-      "before it is killed and restarted (0 disables)", _ge(0), ">= 0"),
+    S("hang_timeout", "float", 60.0, "with --isolate: seconds a busy engine may make no progress, "
+      "or the proxy may not answer, before it is killed and restarted (0 disables)", _ge(0),
+      ">= 0"),
     S("idle_unload", "float", 0.0, "with --isolate: unload an engine idle this many seconds "
       "(0: never)", _ge(0), ">= 0"),
     S("crash_cooldown", "float", 300.0, "seconds a crash-looping child stays failed before one "

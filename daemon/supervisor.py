@@ -1,8 +1,8 @@
 """The supervisor of `mlxd serve --isolate`: the only parent. It spawns the proxy and the
 engines with `python -m`, awaits each child's exit directly, restarts crashed children with
-backoff, kills hung engines, and stops everything on SIGINT/SIGTERM. It imports neither MLX
-nor aiohttp. Which engines exist is the proxy's call (it routes and evicts); how they live and
-die is the supervisor's.
+backoff, kills hung engines and a hung proxy, and stops everything on SIGINT/SIGTERM in
+bounded time. It imports neither MLX nor aiohttp. Which engines exist is the proxy's call (it
+routes and evicts); how they live and die is the supervisor's.
 """
 
 from __future__ import annotations
@@ -18,20 +18,25 @@ import time
 import zmq
 import zmq.asyncio
 
+from mlxd.daemon import health_probe
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
-from mlxd.daemon.watchdog import HangWatchdog
+from mlxd.daemon.stderr_pump import drain
+from mlxd.daemon.watchdog import HangWatchdog, probe_timing
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
-from mlxd.protocol.logs import setup_logging
+from mlxd.protocol.logs import setup_logging, shorten
 from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, ResetChild,
                                     Shutdown, StartEngine, StopDaemon, StopEngine)
 from mlxd.protocol.models import model_id
 
 log = logging.getLogger("mlxd.supervisor")
+
+REASON_CAP = 1000  # characters of a child's failure reason kept and shown
+EXIT_WAIT = 5.0  # seconds to reap a SIGKILLed child before giving up on it
 
 
 class Supervisor:
@@ -41,6 +46,7 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.stopping = False
         self.stop_event = asyncio.Event()
+        self.exit_code = exit_codes.OK
         self.watchdog = HangWatchdog(cfg.hang_timeout)
         self._ctx = zmq.asyncio.Context()
         self._ctl: zmq.asyncio.Socket | None = None
@@ -97,6 +103,8 @@ class Supervisor:
         self._ctl.bind(self.eps.control)
         self._spawn_task(self._read_control())
         self._spawn_task(self._watch_hangs())
+        if probes_proxy(self.cfg):
+            self._spawn_task(self._probe_proxy())
         self._spawn_task(self.notifier.watchdog_loop())
         shm.remove_leftovers(self.cfg.run_dir)
         if self.cfg.ssd_cache is not None:
@@ -113,7 +121,12 @@ class Supervisor:
             t.cancel()
         self._ctl.close()
         self._ctx.term()
-        return 0
+        if self.exit_code != exit_codes.OK:  # the reason is the daemon's last line
+            proxy = self.children.get("proxy")
+            reason = proxy.reason if proxy is not None and proxy.reason else \
+                f"the proxy could not start ({proxy.last_exit if proxy else 'never ran'})"
+            print(f"mlxd: {reason}", file=sys.stderr, flush=True)
+        return self.exit_code
 
     def _spawn_task(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
         task = asyncio.create_task(coro)
@@ -133,8 +146,12 @@ class Supervisor:
     def _stop(self, why: str) -> None:
         if self.stopping:
             return
-        log.info("stopping (%s): draining requests for up to %.0f s", why,
-                 self.cfg.shutdown_timeout)
+        proxy = self.children.get("proxy")
+        if proxy is not None and proxy.alive:
+            log.info("stopping (%s): draining requests for up to %.0f s", why,
+                     self.cfg.shutdown_timeout)
+        else:
+            log.info("stopping (%s)", why)
         self.notifier.notify(STOPPING=1, STATUS=f"draining ({why})")
         self.stopping = True
         self.stop_event.set()
@@ -143,14 +160,31 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         child.state = "starting"
-        child.proc = await asyncio.create_subprocess_exec(
-            *child.argv, "--epoch", str(child.epoch), stdin=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env=self._child_env(child))
+        # stderr is our own pipe, not asyncio's: Process.wait() waits for its pipes to close,
+        # so with asyncio's a child's death would go unseen while anything held its stderr.
+        read_fd, write_fd = os.pipe()
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *child.argv, "--epoch", str(child.epoch), stdin=asyncio.subprocess.DEVNULL,
+                stderr=write_fd, env=self._child_env(child))
+        except BaseException as e:
+            os.close(read_fd)
+            if not isinstance(e, OSError):
+                raise
+            child.state = "failed"  # no process (no memory, argv too long): tried again later
+            child.reason = shorten(f"cannot start: {e}", REASON_CAP)
+            log.error("%s %s %s", child.role, child.child_id, child.reason)
+            self._spawn_task(self._cool_down(child, child.epoch))
+            self._broadcast()
+            return
+        finally:
+            os.close(write_fd)
         child.started_at = time.monotonic()
         self.watchdog.forget(child.child_id)
         log.info("started %s %s (pid %d, epoch %d)", child.role, child.child_id,
                  child.proc.pid, child.epoch)
-        self._spawn_task(self._pump_stderr(child, child.proc))
+        self._spawn_task(drain(read_fd, lambda line: self._child_line(child, line),
+                               f"{child.role} {child.child_id}#{child.epoch}"))
         self._spawn_task(self._watch(child, child.proc))
         self._broadcast()
 
@@ -163,17 +197,12 @@ class Supervisor:
             env["MLXD_API_KEY"] = self.cfg.api_key
         return env
 
-    async def _pump_stderr(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+    @staticmethod
+    def _child_line(child: Child, line: str) -> None:
         """Children's log lines go to our stderr; the last error line is kept for /stats."""
-        assert proc.stderr is not None
-        while True:
-            raw = await proc.stderr.readline()
-            if not raw:
-                return
-            line = raw.decode(errors="replace").rstrip("\n")
-            sys.stderr.write(line + "\n")
-            if is_error_line(line):
-                child.last_error = line[-300:]
+        if is_error_line(line):
+            child.last_error = line[-300:]
+        sys.stderr.write(line + "\n")
 
     async def _watch(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
@@ -189,6 +218,13 @@ class Supervisor:
                 self._last_epoch[child.child_id] = child.epoch
                 self.children.pop(child.child_id, None)
                 self._broadcast()
+            return
+        if child.role == "proxy" and code == exit_codes.CONFIG_ERROR:
+            # It cannot listen (port taken, unusable socket path): a daemon without a
+            # listener serves nobody, so it stops and the service manager decides what next.
+            child.state = "failed"
+            self.exit_code = exit_codes.CONFIG_ERROR
+            self._stop("the proxy cannot listen")
             return
         verdict, delay = child.policy.after_exit(code, time.monotonic())
         if verdict == "failed":
@@ -229,63 +265,93 @@ class Supervisor:
             await self._restart(child)
 
     async def _watch_hangs(self) -> None:
+        """Engines and the proxy, once ready; a stopping child is the stop's business."""
         while True:
             await asyncio.sleep(0.5)  # the watchdog's tick
             now = time.monotonic()
             for child in list(self.children.values()):
-                if child.role != "engine" or not child.alive or child.state != "ready":
+                if child.role not in ("engine", "proxy") or not child.alive \
+                        or child.state != "ready":
                     continue
                 action = self.watchdog.check(child.child_id, now)
                 if action == "abort":
-                    log.error("engine %s made no progress for %.0f s while busy: SIGABRT "
-                              "(stack dump follows), then SIGKILL", child.child_id,
-                              self.cfg.hang_timeout)
-                    child.last_error = f"hung: no progress for {self.cfg.hang_timeout:.0f} s"
+                    why = self.watchdog.why(child.child_id)
+                    log.error("%s %s is hung (%s): SIGABRT (stack dump follows), then SIGKILL",
+                              child.role, child.child_id, why)
+                    child.last_error = f"hung: {why}"
                     child.proc.send_signal(signal.SIGABRT)
+                    child.proc.send_signal(signal.SIGCONT)  # a stopped child dumps too
                 elif action == "kill":
                     child.proc.kill()
+
+    async def _probe_proxy(self) -> None:
+        """The proxy's heartbeats say its control loop runs; this says it answers HTTP."""
+        interval, timeout = probe_timing(self.cfg.hang_timeout)
+        while True:
+            await asyncio.sleep(interval)  # the probe's period
+            proxy = self.children.get("proxy")
+            if proxy is None or not proxy.alive or proxy.state != "ready":
+                continue
+            address = health_probe.probe_address(self.cfg.socket, self.cfg.host,
+                                                 self.cfg.run_dir)
+            if address is None:
+                continue
+            epoch = proxy.epoch
+            if await health_probe.probe(address, timeout) is not None \
+                    and proxy.epoch == epoch and proxy.state == "ready":
+                self.watchdog.answered(proxy.child_id, time.monotonic())
 
     # ------------------------------------------------------------------ control channel
 
     async def _read_control(self) -> None:
+        """Every child's heartbeats arrive here: this loop must outlive any one message."""
         dec = codec.to_supervisor()
         while True:
             identity, data = await self._ctl.recv_multipart()
             try:
                 msg = dec.decode(data)
             except Exception:  # noqa: BLE001
-                log.warning("dropped an undecodable control message from %r", identity)
+                log.warning("dropped an undecodable control message from %r", identity[:80])
                 continue
-            if isinstance(msg, StartEngine):
-                await self._start_engine(msg.engine_id, msg.model)
-                continue
-            if isinstance(msg, StopEngine):
-                await self._stop_engine(msg.engine_id)
-                continue
-            if isinstance(msg, StopDaemon):
-                self._stop(msg.reason)
-                continue
-            if isinstance(msg, ResetChild):
-                child = self.children.get(msg.child_id)
-                if child is not None and child.state == "failed":
-                    await self._reset(child)
-                continue
+            try:
+                await self._on_control(msg)
+            except Exception:  # noqa: BLE001
+                log.exception("handling %s from %r failed", type(msg).__name__, identity[:80])
+
+    async def _on_control(self, msg: object) -> None:
+        if isinstance(msg, StartEngine):
+            await self._start_engine(msg.engine_id, msg.model)
+        elif isinstance(msg, StopEngine):
+            await self._stop_engine(msg.engine_id)
+        elif isinstance(msg, StopDaemon):
+            self._stop(msg.reason)
+        elif isinstance(msg, ResetChild):
             child = self.children.get(msg.child_id)
-            if child is None or msg.epoch != child.epoch:
-                continue  # from an earlier life of the child
-            child.last_heartbeat = time.monotonic()
-            if isinstance(msg, Heartbeat):
-                self.watchdog.beat(child.child_id, msg.progress, msg.busy, child.last_heartbeat)
-            elif isinstance(msg, Ready):
-                child.state = "ready"
-                self._announce_ready(child, msg.detail)
-                self._broadcast()
-            elif isinstance(msg, ChildFailed):
-                child.reason = msg.reason
-                print(f"mlxd: {child.role} {child.child_id} failed: {msg.reason}",
+            if child is not None and child.state == "failed":
+                await self._reset(child)
+        else:
+            self._on_child_message(msg)
+
+    def _on_child_message(self, msg: Hello | Ready | Heartbeat | ChildFailed) -> None:
+        child = self.children.get(msg.child_id)
+        if child is None or msg.epoch != child.epoch:
+            return  # from an earlier life of the child
+        child.last_heartbeat = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            self.watchdog.beat(child.child_id, msg.progress, msg.busy, child.last_heartbeat)
+        elif isinstance(msg, Ready):
+            child.state = "ready"
+            self.watchdog.watch(child.child_id, child.last_heartbeat,
+                                probed=child.role == "proxy" and probes_proxy(self.cfg))
+            self._announce_ready(child, msg.detail)
+            self._broadcast()
+        elif isinstance(msg, ChildFailed):
+            child.reason = shorten(msg.reason, REASON_CAP)
+            if child.role != "proxy":  # the proxy's reason is the daemon's last line
+                print(f"mlxd: {child.role} {child.child_id} failed: {child.reason}",
                       file=sys.stderr, flush=True)
-            elif isinstance(msg, Hello) and child.role == "proxy":
-                self._broadcast()
+        elif isinstance(msg, Hello) and child.role == "proxy":
+            self._broadcast()
 
     def _announce_ready(self, child: Child, detail: str) -> None:
         if child.role == "proxy":
@@ -380,7 +446,13 @@ class Supervisor:
                     log.warning("%s %s did not stop in time; killing it", child.role,
                                 child.child_id)
                     child.proc.kill()
-            await asyncio.gather(*(c.proc.wait() for c in live))
+            try:
+                await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in live)),
+                                       EXIT_WAIT)
+            except asyncio.TimeoutError:  # unkillable (stuck in the kernel): not our wait
+                log.error("could not reap %s", ", ".join(
+                    f"{c.role} {c.child_id} (pid {c.proc.pid})" for c in live
+                    if c.proc.returncode is None))
 
 
 def run_supervisor(cfg: ServeConfig) -> int:
@@ -392,5 +464,11 @@ def run_supervisor(cfg: ServeConfig) -> int:
         code = asyncio.run(Supervisor(cfg).run())
     finally:
         lock.release()
-    print("mlxd: stopped", file=sys.stderr, flush=True)
+    if code == exit_codes.OK:
+        print("mlxd: stopped", file=sys.stderr, flush=True)
     return code
+
+
+def probes_proxy(cfg: ServeConfig) -> bool:
+    """Whether the proxy's liveness is probed over HTTP (off with the hang watchdog)."""
+    return cfg.hang_timeout > 0

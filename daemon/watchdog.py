@@ -1,5 +1,13 @@
-"""Hang detection from heartbeats: an engine that is busy but whose progress counter has not
-moved for `timeout` seconds, or that has stopped heartbeating, is hung. Pure logic."""
+"""Hang detection, pure logic. A child is hung when it stops heartbeating, when it is busy but
+its progress counter has not moved, or (for a probed child: the proxy) when its health probe
+has gone unanswered, each for `timeout` seconds. A hung child gets "abort" (SIGABRT: a stack
+dump), then "kill" after KILL_GRACE.
+
+The supervisor asks only about children that are ready: a child that is starting, or stopping
+(the proxy draining on shutdown), is never judged here. Any HTTP answer counts as an answer
+(503 while models load included): the probe asks whether the event loop serves, not whether
+the daemon is healthy.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,11 @@ class _Beat:
     progress: int
     busy: bool
     seen_at: float  # last heartbeat
-    moved_at: float  # last time progress changed (or the engine went idle)
+    moved_at: float  # last time progress changed (or the child went idle)
+    probed: bool = False
+    answered_at: float = 0.0  # last answer to the health probe (probed children)
     aborted_at: float | None = None
+    why: str = ""
 
 
 class HangWatchdog:
@@ -25,6 +36,10 @@ class HangWatchdog:
     def forget(self, child_id: str) -> None:
         self._beats.pop(child_id, None)
 
+    def watch(self, child_id: str, now: float, probed: bool = False) -> None:
+        """The child just became ready: every clock starts now."""
+        self._beats[child_id] = _Beat(0, False, now, now, probed, now)
+
     def beat(self, child_id: str, progress: int, busy: bool, now: float) -> None:
         b = self._beats.get(child_id)
         if b is None:
@@ -33,6 +48,11 @@ class HangWatchdog:
         if progress != b.progress or not busy:
             b.moved_at = now
         b.progress, b.busy, b.seen_at = progress, busy, now
+
+    def answered(self, child_id: str, now: float) -> None:
+        b = self._beats.get(child_id)
+        if b is not None:
+            b.answered_at = now
 
     def check(self, child_id: str, now: float) -> str | None:
         """None, "abort" (send SIGABRT once) or "kill" (SIGKILL, after the grace period)."""
@@ -43,9 +63,25 @@ class HangWatchdog:
             return None
         if b.aborted_at is not None:
             return "kill" if now - b.aborted_at >= KILL_GRACE else None
-        silent = now - b.seen_at > self.timeout
-        stuck = b.busy and now - b.moved_at > self.timeout
-        if silent or stuck:
-            b.aborted_at = now
-            return "abort"
-        return None
+        if now - b.seen_at > self.timeout:
+            b.why = f"no heartbeat for {now - b.seen_at:.0f} s"
+        elif b.busy and now - b.moved_at > self.timeout:
+            b.why = f"no progress for {now - b.moved_at:.0f} s while busy"
+        elif b.probed and now - b.answered_at > self.timeout:
+            b.why = f"no answer to its health probe for {now - b.answered_at:.0f} s"
+        else:
+            return None
+        b.aborted_at = now
+        return "abort"
+
+    def why(self, child_id: str) -> str:
+        """What the last "abort" of this child was for."""
+        b = self._beats.get(child_id)
+        return b.why if b is not None else ""
+
+
+def probe_timing(timeout: float) -> tuple[float, float]:
+    """(interval, per-probe timeout) of the health probe for a hang timeout: several probes
+    fit in one hang timeout, so one slow answer never kills a child."""
+    per_probe = min(5.0, max(0.2, timeout / 2))
+    return min(5.0, max(0.2, timeout / 4)), per_probe

@@ -8,7 +8,8 @@ Actions: exit (os._exit(1)), abort (SIGABRT), kill (SIGKILL itself), hang (sleep
 fail (raise FaultInjected, at every hit from the nth), errno:NAME (raise OSError with that
 errno, e.g. `storage.write=errno:ENOSPC`, at every hit from the nth: a full, read-only or
 vanished disk without privileges), delay (sleep 50 ms at every hit from the nth: a slow
-engine). Unset, `hit()` is one dict lookup on an empty dict.
+engine), spew (write one 1 MiB line straight to stderr, past logging: a runaway child).
+Unset, `hit()` is one dict lookup on an empty dict.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import errno
 import os
 import signal
 import time
+
+SPEW_BYTES = 1 << 20
 
 _faults: dict[str, tuple[str, int, int | None, bool]] = {}
 _counts: dict[str, int] = {}
@@ -72,6 +75,9 @@ def hit(point: str) -> None:
         os.abort()
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "spew":
+        _write_all(2, b"spew " + b"x" * SPEW_BYTES + b" end\n")
+        return
     if action == "hang":
         while True:
             time.sleep(3600)
@@ -80,3 +86,9 @@ def hit(point: str) -> None:
     if action.startswith("errno:"):
         code = getattr(errno, action[len("errno:"):])
         raise OSError(code, f"{os.strerror(code)} (fault injected at {point})")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import zmq.asyncio
 
+from mlxd.protocol import faults
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import child_process_setup
 from mlxd.proxy.app import ListenSettings
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cors-origin", action="append", default=[])
     args = ap.parse_args(argv)  # the API key comes in the environment, never on a command line
     child_process_setup(args.log_level, f"proxy#{args.epoch}")
+    faults.configure(args.epoch)
     models = dict(e.split("=", 1) for e in args.engine)
     access = AccessSettings(args.host, os.environ.get("MLXD_API_KEY") or None,
                             args.allowed_host, args.cors_origin)

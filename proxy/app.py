@@ -100,25 +100,36 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def start_listeners(app: web.Application, listen: ListenSettings) -> tuple[web.AppRunner, str]:
-    """Start TCP (and the Unix socket, mode 0600); return the runner and a description."""
+    """Start TCP (and the Unix socket, mode 0600); return the runner and a description.
+    An address that cannot be used raises ListenError naming it, with nothing left open."""
+    from mlxd.proxy.listen_address import ListenError, claim_unix_path, describe_os_error, tcp_url
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            max_line_size=listen.max_header, max_field_size=listen.max_header)
     await runner.setup()
-    tcp = web.TCPSite(runner, listen.host, listen.port)
-    await tcp.start()
-    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))  # real port if 0 asked
-    where = [f"http://{listen.host}:{port}"]
-    if listen.socket_path is not None:
-        path = listen.socket_path
-        if path.exists() or path.is_symlink():
-            path.unlink()
-        old = os.umask(0o177)
+    try:
         try:
-            await web.UnixSite(runner, str(path)).start()
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        where.append(f"unix:{path}")
+            await web.TCPSite(runner, listen.host, listen.port).start()
+        except OSError as e:  # socket.gaierror (a bad host name) included
+            raise ListenError(f"cannot listen on {tcp_url(listen.host, listen.port)}: "
+                              f"{describe_os_error(e)}") from None
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))  # real if 0 asked
+        where = [tcp_url(listen.host, port)]
+        if listen.socket_path is not None:
+            path = listen.socket_path
+            claim_unix_path(path)
+            old = os.umask(0o177)
+            try:
+                await web.UnixSite(runner, str(path)).start()
+            except OSError as e:
+                raise ListenError(f"cannot listen on unix:{path}: {describe_os_error(e)}") \
+                    from None
+            finally:
+                os.umask(old)
+            os.chmod(path, 0o600)
+            where.append(f"unix:{path}")
+    except BaseException:
+        await runner.cleanup()
+        raise
     app["listening"] = {"port": port, "host": listen.host,
                         "socket": str(listen.socket_path) if listen.socket_path else None}
     return runner, " ".join(where)

@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from mlxd.protocol import codec, exit_codes
+from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints
-from mlxd.protocol.messages import ChildStates, Heartbeat, Hello, Ready, Shutdown, StopDaemon
+from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, Shutdown,
+                                    StopDaemon)
 from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
+from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.model_pool import ModelPool
 from mlxd.proxy.openai_schema import Defaults
 from mlxd.proxy.router import Router
 
 log = logging.getLogger("mlxd.proxy")
+
+HEARTBEAT_S = 0.5
+FAILURE_DELIVERY_S = 2.0  # how long a ChildFailed may take to reach the supervisor
 
 
 @dataclass
@@ -37,7 +44,8 @@ class PoolSettings:
 
 
 class SupervisorLink:
-    """The proxy's DEALER to the supervisor (only under `--isolate`)."""
+    """The proxy's DEALER to the supervisor (only under `--isolate`). Its heartbeats come from
+    the event loop on a clock, so a blocked loop is what the supervisor sees go silent."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoints: Endpoints, epoch: int) -> None:
         self.epoch = epoch
@@ -50,23 +58,48 @@ class SupervisorLink:
     async def send(self, msg: object) -> None:
         await self.sock.send(self._enc.encode(msg))
 
+    async def fail(self, reason: str) -> None:
+        """Tell the supervisor why this proxy cannot work, before it exits."""
+        try:
+            await asyncio.wait_for(self.send(ChildFailed("proxy", self.epoch, reason)),
+                                   FAILURE_DELIVERY_S)
+        except asyncio.TimeoutError:
+            pass  # the supervisor still sees the exit code
+        self.sock.close(linger=int(FAILURE_DELIVERY_S * 1000))
+
     async def run(self, client: EngineClient, where: str, stop: asyncio.Event) -> None:
         dec = codec.to_child()
         parent = os.getppid()
+        loop = asyncio.get_running_loop()
         await self.send(Hello("proxy", "proxy", self.epoch, os.getpid()))
         await self.send(Ready("proxy", self.epoch, where))
+        next_beat = loop.time()
         while True:  # cancelled when the proxy closes; runs on while it drains
-            while await self.sock.poll(500, zmq.POLLIN):
-                msg = dec.decode(await self.sock.recv())
-                if isinstance(msg, Shutdown):
-                    log.info("shutdown requested: %s", msg.reason)
-                    stop.set()
-                if isinstance(msg, ChildStates):
-                    client.apply_children(msg)
-            await self.send(Heartbeat("proxy", self.epoch))
+            wait_ms = max(0, math.ceil((next_beat - loop.time()) * 1000))
+            if await self.sock.poll(wait_ms, zmq.POLLIN):
+                self._handle(dec, await self.sock.recv(), client, stop)
+            if loop.time() < next_beat:
+                continue
             if os.getppid() != parent:
                 log.error("supervisor is gone; exiting")
                 os._exit(exit_codes.PARENT_GONE)
+            faults.hit("proxy.heartbeat")
+            await self.send(Heartbeat("proxy", self.epoch))
+            next_beat = loop.time() + HEARTBEAT_S
+
+    @staticmethod
+    def _handle(dec: codec.Codec, data: bytes, client: EngineClient,
+                stop: asyncio.Event) -> None:
+        try:
+            msg = dec.decode(data)
+        except msgspec.DecodeError as e:
+            log.warning("dropped an undecodable control message: %s", e)
+            return
+        if isinstance(msg, Shutdown):
+            log.info("shutdown requested: %s", msg.reason)
+            stop.set()
+        elif isinstance(msg, ChildStates):
+            client.apply_children(msg)
 
 
 async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict[str, str],
@@ -93,7 +126,14 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict
         request_stop = stop.set
     app = make_app(client, router, defaults, listen, shutdown_timeout, request_stop)
     app["resume"] = pool.resume and supervised  # without --isolate no engine comes back
-    runner, where = await start_listeners(app, listen)
+    try:
+        runner, where = await start_listeners(app, listen)
+    except ListenError as e:
+        await client.close()
+        if link is None:
+            raise  # the serving process says it once, and exits
+        await link.fail(str(e))  # the supervisor says it once, and stops the daemon
+        return exit_codes.CONFIG_ERROR
     write_listen_file(run_dir, app)
     log.info("listening on %s", where)
     if on_listening:
