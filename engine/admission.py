@@ -10,13 +10,54 @@ from typing import Any
 from mlxd.engine.output import (THINK_CLOSE, THINK_OPEN, RequestOutput, ThinkSplitter,
                                 ToolCallSplitter)
 from mlxd.protocol import faults
-from mlxd.protocol.messages import Generate
+from mlxd.protocol.messages import PROMPT_SIZE_SLACK, Generate
 
 
 class ClientError(Exception):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def prompt_chars(msg: Generate) -> int:
+    """Characters of text the request asks to tokenize (its messages' or its prompt's)."""
+    if msg.prompt_token_ids is not None:
+        return 0
+    if msg.messages is not None:
+        n = 0
+        for m in msg.messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                n += len(content)
+        return n
+    return len(msg.prompt or "")
+
+
+def max_token_bytes(tok: Any) -> int:
+    """An upper bound on the bytes of text one token covers: the longest vocabulary entry in
+    UTF-8 (byte-level BPE writes each byte as one character, SentencePiece writes a space as
+    three bytes; either way the entry is at least as long as the text it stands for)."""
+    try:
+        vocab = tok.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no early check
+        return 0
+    return max((len(k.encode("utf-8", "surrogatepass")) for k in vocab), default=0)
+
+
+def check_prompt_size(msg: Generate, context_length: int, token_bytes: int) -> None:
+    """Refuse a prompt that obviously exceeds the context before spending time tokenizing."""
+    if msg.prompt_token_ids is not None:
+        if len(msg.prompt_token_ids) >= context_length > 0:
+            raise ClientError(f"the prompt is {len(msg.prompt_token_ids)} tokens, but this "
+                              f"model's context is {context_length} tokens",
+                              "context_length_exceeded")
+        return
+    chars = prompt_chars(msg)
+    limit = context_length * token_bytes * PROMPT_SIZE_SLACK
+    if limit and chars > limit:
+        raise ClientError(f"the prompt is {chars} characters, far more than this model's "
+                          f"context of {context_length} tokens can hold",
+                          "context_length_exceeded")
 
 
 def prompt_tokens(tok: Any, msg: Generate) -> list[int]:

@@ -166,6 +166,8 @@ class Runner:
             except queue.Empty:
                 break
         if aborts:
+            gone = set(aborts)
+            adds = [a for a in adds if a.request_id not in gone]  # aborted before it started
             self._abort(aborts)
         if adds:
             self._admit(adds)

@@ -21,6 +21,7 @@ import zmq
 
 from mlxd.engine import admission
 from mlxd.engine.admission import ClientError
+from mlxd.engine.admission_lanes import AdmissionLanes
 from mlxd.engine.output import RequestOutput
 from mlxd.engine.runner import (AbortRequest, AddRequest, Call, RequestStarted, RequestsRemoved,
                                 Runner, StepTokens, StopRunner)
@@ -79,6 +80,8 @@ class EngineService:
         self.outq: "queue.Queue[Any]" = queue.Queue()
         self.ssd: Any = None  # SsdTier when the SSD tier is on
         self.outputs: dict[str, RequestOutput] = {}
+        self.max_token_bytes = 0  # the longest token's bytes: bounds how much text fits
+        self.lanes = AdmissionLanes(self._prepare, self._hand_over, self._dropped)
         self.identity = engine_identity(settings.engine_id, settings.epoch)
         self._parent = os.getppid()
         self._threads: list[threading.Thread] = []
@@ -97,6 +100,7 @@ class EngineService:
             code = self._load_and_serve()
         finally:
             self.stop_event.set()
+            self.lanes.stop()
             self.outq.put(_StatusTick())
             for t in self._threads:
                 t.join(timeout=5)
@@ -115,13 +119,14 @@ class EngineService:
             self._send_control(ChildFailed(self.s.engine_id, self.s.epoch, str(e)))
             time.sleep(0.2)  # let the I/O threads deliver the failure before the process exits
             return exit_codes.CONFIG_ERROR
-        self.tokenizer = tokenizer
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.context_length = context_length(config, tokenizer)
+        self.max_token_bytes = admission.max_token_bytes(tokenizer)
         from mlxd.engine.constraints import TokenizerCache
         self.grammar_tokenizer = TokenizerCache(
             tokenizer._tokenizer, int(config.get("vocab_size") or len(tokenizer)),
             sorted(self.eos_ids))
+        self.tokenizer = tokenizer  # last: admission lanes take it as the sign of readiness
         stream = mx.new_stream(mx.default_device())
         self.ssd = self._open_ssd(model, config)
         persist = self.ssd.persist if self.ssd is not None else None
@@ -291,7 +296,9 @@ class EngineService:
             log.warning("dropped an undecodable request: %s", e)
             return
         if isinstance(msg, Abort):
-            rids = list(self.outputs) if "*" in msg.request_ids else msg.request_ids
+            rids = list(self.outputs) + self.lanes.pending() if "*" in msg.request_ids \
+                else msg.request_ids
+            self.lanes.cancel(rids)
             for rid in rids:
                 self._to_runner(AbortRequest(rid))
             return
@@ -305,26 +312,46 @@ class EngineService:
                 self._flush_async(msg.token, msg.timeout)
             return
         if isinstance(msg, Generate):
-            try:
-                self._admit(msg)
-            except ClientError as e:
-                self.outq.put(Delta(msg.request_id, finish_reason="error", error=str(e),
-                                    error_code=e.code))
-            except Exception as e:  # noqa: BLE001 - a bad request must never hurt the engine
-                log.exception("request %s could not be prepared", msg.request_id)
-                self.outq.put(Delta(msg.request_id, finish_reason="error",
-                                    error=f"invalid request: {e}", error_code="invalid_request"))
+            self.lanes.submit(msg)  # prepared on an admission lane, never on this thread
 
-    def _admit(self, msg: Generate) -> None:
+    # ------------------------------------------------------------------ admission lanes
+
+    def _prepare(self, msg: Generate) -> tuple[RequestOutput, AddRequest] | None:
+        """On an admission lane: the request's output state and runner command, or None
+        when it was answered here (a client error, a count, nothing left to generate)."""
+        try:
+            return self._admit(msg, time.monotonic())
+        except ClientError as e:
+            self.outq.put(Delta(msg.request_id, finish_reason="error", error=str(e),
+                                error_code=e.code))
+        except Exception as e:  # noqa: BLE001 - a bad request must never hurt the engine
+            log.exception("request %s could not be prepared", msg.request_id)
+            self.outq.put(Delta(msg.request_id, finish_reason="error",
+                                error=f"invalid request: {str(e)[:500]}",
+                                error_code="invalid_request"))
+        return None
+
+    def _hand_over(self, msg: Generate, prepared: tuple[RequestOutput, AddRequest]) -> None:
+        out, add = prepared
+        self.outputs[msg.request_id] = out
+        # Admission notice first: the proxy may now start its response (errors came before).
+        self.outq.put(Delta(msg.request_id, prompt_tokens=out.prompt_tokens))
+        self._to_runner(add)
+
+    def _dropped(self, msg: Generate) -> None:
+        self.outq.put(Delta(msg.request_id, finish_reason="abort"))
+
+    def _admit(self, msg: Generate, received_at: float
+               ) -> tuple[RequestOutput, AddRequest] | None:
         from mlxd.engine.sampling import make_request_sampler
-        received_at = time.monotonic()
         if self.tokenizer is None:
             raise ClientError("the model is still loading", "engine_loading")
+        admission.check_prompt_size(msg, self.context_length, self.max_token_bytes)
         prompt = admission.prompt_tokens(self.tokenizer, msg)
         if msg.count_only:
             self.outq.put(Delta(msg.request_id, prompt_tokens=len(prompt)))
             self.outq.put(Delta(msg.request_id, finish_reason="length", prompt_tokens=len(prompt)))
-            return
+            return None
         room = admission.room_for(prompt, self.context_length)
         p = msg.sampling
         max_tokens = max(1, min(p.max_tokens, room))
@@ -339,17 +366,14 @@ class EngineService:
                 self.outq.put(Delta(msg.request_id, finish_reason="length",
                                     prompt_tokens=out.prompt_tokens,
                                     completion_tokens=out.completion_tokens))
-                return
+                return None
         processors = admission.processors(msg, self.grammar_tokenizer, resumed)
-        self.outputs[msg.request_id] = out
         restored = self._restore(prompt)
-        # Admission notice first: the proxy may now start its response (errors came before).
-        self.outq.put(Delta(msg.request_id, prompt_tokens=out.prompt_tokens))
-        self._to_runner(AddRequest(msg.request_id, prompt, max_tokens,
-                                   make_request_sampler(p, start_position=len(resumed)),
-                                   processors,
-                                   restored=(*restored, self.ssd.layout.dtype) if restored else None,
-                                   received_at=received_at, logprobs=p.logprobs))
+        return out, AddRequest(msg.request_id, prompt, max_tokens,
+                               make_request_sampler(p, start_position=len(resumed)),
+                               processors,
+                               restored=(*restored, self.ssd.layout.dtype) if restored else None,
+                               received_at=received_at, logprobs=p.logprobs)
 
     def _restore(self, prompt: list[int]) -> tuple[int, list] | None:
         """KV for the prompt's longest prefix on SSD, if it beats the RAM tier. Whatever goes
@@ -390,7 +414,7 @@ class EngineService:
             steps=c.steps if c else 0, context_length=self.context_length, error=self.error,
             prompt_tokens_total=c.prompt_tokens if c else 0,
             generated_tokens_total=c.generated_tokens if c else 0, model_spec=self.s.model,
-            cache=self._cache_stats())
+            cache=self._cache_stats(), max_token_bytes=self.max_token_bytes)
 
     def _cache_stats(self) -> dict[str, float]:
         r = self.runner
@@ -405,7 +429,14 @@ class EngineService:
                 "checkpoint_s": round(c.checkpoint_s, 4), "step_s": round(c.step_s, 4),
                 "first_tokens": c.first_tokens, "to_admit_s": round(c.to_admit_s, 4),
                 "to_first_token_s": round(c.to_first_token_s, 4),
-                **self._ssd_stats()}
+                **self._mlx_memory(), **self._ssd_stats()}
+
+    @staticmethod
+    def _mlx_memory() -> dict[str, int]:
+        """MLX's own allocator: arrays alive, and freed buffers it keeps for reuse."""
+        import mlx.core as mx
+        return {"mlx_active_bytes": mx.get_active_memory(),
+                "mlx_cache_bytes": mx.get_cache_memory()}
 
     def _ssd_stats(self) -> dict[str, Any]:
         if self.ssd is None:

@@ -95,6 +95,12 @@ class StepOutput(_Msg, tag="step"):
     deltas: list[Delta]
 
 
+# A prompt's text is refused before tokenizing when it has more characters than
+# context_length * max_token_bytes * PROMPT_SIZE_SLACK: more than any tokenization could fit
+# (the slack leaves room for normalizers that shrink text).
+PROMPT_SIZE_SLACK = 4
+
+
 class EngineStatus(_Msg, tag="status"):
     """Sent by an engine when its state changes and periodically, so that a (re)started proxy
     learns every engine without asking."""
@@ -113,6 +119,8 @@ class EngineStatus(_Msg, tag="status"):
     generated_tokens_total: int = 0
     model_spec: str = ""
     cache: dict[str, float | int | str] = {}  # RAM/SSD tier figures for /stats
+    max_token_bytes: int = 0  # the longest token's text in bytes (0: unknown): lets the proxy
+    # refuse a prompt that cannot fit the context without sending it
 
 
 class CacheFlushed(_Msg, tag="flushed"):

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from mlxd.proxy import (admin_routes, anthropic_routes, metrics, ollama_routes, openai_routes,
                         security)
+from mlxd.proxy.health import health
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.router import Router
 from mlxd.proxy.errors import error_middleware
@@ -56,15 +57,6 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     return app
-
-
-async def health(request: web.Request) -> web.Response:
-    client: EngineClient = request.app["client"]
-    states = {rec.model_id: rec.state for rec in client.engines.values()}
-    ok = client.all_ready()
-    status = "draining" if request.app["router"].draining else "ok" if ok else "loading"
-    return web.json_response({"status": status, "models": states},
-                             status=200 if status == "ok" else 503)
 
 
 async def stats(request: web.Request) -> web.Response:

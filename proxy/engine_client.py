@@ -24,6 +24,8 @@ from mlxd.protocol.models import model_id, model_names
 log = logging.getLogger("mlxd.proxy")
 
 STALE_AFTER = 5.0  # seconds without a status from a ready engine before it counts as gone
+# Supervisor states in which an engine runs nothing (its requests have ended).
+DOWN_STATES = ("backoff", "failed", "stopping", "stopped")
 
 
 @dataclass
@@ -37,12 +39,26 @@ class EngineRecord:
     last_seen: float = 0.0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     child: ChildInfo | None = None  # the supervisor's view (None without --isolate)
+    failed_at: float | None = None  # when an on-demand load failed (the entry expires)
+    failed_reason: str | None = None
+    min_epoch: int = 0  # supervisor views of older epochs are stale (a reload started)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        """Wake whoever waits for this engine's state to change."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout: float) -> None:
+        await asyncio.wait_for(self._changed.wait(), timeout)
 
     @property
     def state(self) -> str:
+        if self.failed_at is not None:
+            return "failed"
         c = self.child
         if c is not None:
-            if c.state in ("backoff", "failed", "stopping", "stopped"):
+            if c.state in DOWN_STATES:
                 return c.state
             if c.epoch > self.epoch or self.status is None:
                 return "starting"
@@ -54,6 +70,8 @@ class EngineRecord:
 
     @property
     def error(self) -> str | None:
+        if self.failed_reason:
+            return self.failed_reason
         if self.child is not None and self.child.reason:
             return self.child.reason
         return self.status.error if self.status else None
@@ -69,8 +87,6 @@ class RequestStream:
     engine: EngineRecord
     epoch: int
     queue: "asyncio.Queue[Delta]" = field(default_factory=asyncio.Queue)
-    delivered_token_ids: list[int] = field(default_factory=list)
-    delivered_text: list[str] = field(default_factory=list)
     finished: bool = False
 
 
@@ -131,9 +147,6 @@ class EngineClient:
                 return rec
         return None
 
-    def all_ready(self) -> bool:
-        return bool(self.engines) and all(r.state == "ready" for r in self.engines.values())
-
     async def submit(self, engine: EngineRecord, msg: Generate) -> RequestStream:
         stream = RequestStream(msg.request_id, engine, engine.epoch)
         self.streams[msg.request_id] = stream
@@ -156,14 +169,19 @@ class EngineClient:
             pass  # the engine is gone; nothing runs to abort
 
     def alive(self, stream: RequestStream) -> bool:
+        """Under the supervisor, its snapshot is the one authority on an engine's death (a
+        hung engine is killed by its watchdog, then resumed like a crashed one): a newer epoch
+        or a down state. Without it, an engine that stopped reporting counts as gone."""
         rec = stream.engine
-        if rec.child is not None and rec.child.epoch != stream.epoch:
+        if rec.epoch != stream.epoch:
             return False
-        return rec.epoch == stream.epoch and rec.state in ("ready", "loading")
+        if rec.child is not None:
+            return rec.child.epoch == stream.epoch and rec.child.state not in DOWN_STATES
+        return rec.state in ("ready", "loading")
 
     async def _watch_streams(self) -> None:
-        """Once a second: end the requests of engines that died without a snapshot saying so
-        (a new epoch, or no status for 5 s), so no stream waits forever."""
+        """Once a second: end the requests of engines that died without a snapshot saying so,
+        so no stream waits forever."""
         while True:
             await asyncio.sleep(1.0)
             for rid, stream in list(self.streams.items()):
@@ -187,15 +205,20 @@ class EngineClient:
         for info in msg.children:
             if info.role != "engine":
                 continue
+            if info.child_id not in self.engines and info.state in ("stopping", "stopped"):
+                continue  # an engine on its way out that this proxy forgot or never knew
             rec = self.record(info.child_id, info.model)
+            if info.epoch < rec.min_epoch:
+                continue
             rec.child = info
-            if info.state in ("backoff", "failed", "stopping", "stopped"):
+            if info.state in DOWN_STATES:
                 self.fail_streams(rec, None, f"the engine serving {rec.model_id} stopped while "
                                              f"running this request ({info.last_exit or info.state})")
             elif info.epoch > rec.epoch:
                 self.fail_streams(rec, info.epoch, f"the engine serving {rec.model_id} crashed "
                                                    "while running this request")
             self._update_ready(rec)
+            rec.notify()
         self.children = list(msg.children)
 
     def fail_streams(self, rec: EngineRecord, live_epoch: int | None, message: str) -> None:
@@ -218,6 +241,12 @@ class EngineClient:
         for rec in {s.engine.engine_id: s.engine for s in streams}.values():
             await self._abort_all(rec)
         return len(streams)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop an engine's record (an unloaded or expired failed on-demand model)."""
+        rec = self.engines.pop(engine_id, None)
+        if rec is not None:
+            rec.notify()
 
     @staticmethod
     def _update_ready(rec: EngineRecord) -> None:
@@ -277,10 +306,13 @@ class EngineClient:
     def _on_status(self, st: EngineStatus) -> None:
         rec = self.engines.get(st.engine_id)
         if rec is None:
+            if st.state in ("stopping", "failed"):
+                return  # an engine on its way out that this proxy forgot or never knew
             rec = self.record(st.engine_id, st.model_spec)
         if st.epoch < rec.epoch:
             return  # a stale message from an engine's earlier life
         first_sight = st.epoch != rec.epoch or rec.status is None
+        changed = first_sight or rec.status is None or rec.status.state != st.state
         if st.epoch > rec.epoch:
             self.fail_streams(rec, st.epoch, f"the engine serving {rec.model_id} restarted")
         rec.epoch = st.epoch
@@ -290,6 +322,34 @@ class EngineClient:
             # Requests of an earlier proxy that died: nobody reads them any more.
             asyncio.ensure_future(self._abort_all(rec))
         self._update_ready(rec)
+        if changed:
+            rec.notify()
+
+    async def wait_serving(self, rec: EngineRecord, after_epoch: int, timeout: float) -> bool:
+        """Wait until the engine serves again in an epoch after `after_epoch` (it was
+        restarted); False if it failed or `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = rec.state
+            if state == "ready" and rec.epoch > after_epoch:
+                return True
+            if state == "failed" or self.engines.get(rec.engine_id) is not rec:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await rec.changed(left)
+            except asyncio.TimeoutError:
+                return False
+
+    @staticmethod
+    async def wait_change(rec: EngineRecord, timeout: float) -> None:
+        """Until the engine's state changes or `timeout` passes, whichever comes first."""
+        try:
+            await rec.changed(timeout)
+        except asyncio.TimeoutError:
+            pass
 
     async def wait_ready(self, rec: EngineRecord, timeout: float) -> bool:
         """Wait until the engine is ready or failed; False if `timeout` passed first."""

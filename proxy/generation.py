@@ -18,6 +18,9 @@ CLIENT_ERROR_CODES = {"context_length_exceeded", "empty_prompt", "invalid_messag
                       "invalid_token", "invalid_request"}
 
 
+RECONNECT_POLL = 0.1  # seconds between sends to an engine that is not reachable yet
+
+
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -58,10 +61,11 @@ class Generation:
     """One request's run. `start()` returns once the engine admitted it (errors raised there
     happen before any byte is sent); then iterate `deltas()`. If the engine dies, the request
     is re-sent to its restarted engine with the token IDs already delivered, and the client
-    only sees a pause (transparent resume); a request that was running during two engine
-    deaths is failed as poison."""
+    only sees a pause (transparent resume). A request that was running during two engine
+    deaths with no token delivered in between is failed as poison: it is what kills them; one
+    that made progress between two deaths has not shown itself to be the cause."""
 
-    MAX_CRASHES = 2
+    MAX_FRUITLESS_CRASHES = 2
 
     def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
                  resume: bool = False, load_wait: float = 120.0,
@@ -79,7 +83,9 @@ class Generation:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
-        self.crashes = 0
+        self.crashes = 0  # engine deaths during this request
+        self.fruitless_crashes = 0  # deaths since the last one after which tokens arrived
+        self._delivered_at_crash = 0
         self.recovered_tokens = 0
         self.delivered_ids: list[int] = []
         self.delivered_chars = 0
@@ -113,27 +119,42 @@ class Generation:
             return
 
     async def _submit(self, msg: Generate) -> Delta:
-        try:
-            self.stream = await self.client.submit(self.engine, msg)
-        except EngineGone as e:
-            raise unavailable(str(e), "engine_unavailable") from e
-        return await self._next()
+        """Send and wait for the admission notice. An engine that cannot be reached yet is
+        dying (the supervisor will say so and restart it) or is still connecting to this
+        proxy (after a proxy restart): sending is retried as its state changes, for up to
+        --load-wait, so neither costs the client its request."""
+        deadline = time.monotonic() + self.load_wait
+        why = f"the engine serving {self.engine.model_id} is {self.engine.state}"
+        while True:
+            if self.engine.state == "ready":
+                try:
+                    self.stream = await self.client.submit(self.engine, msg)
+                    return await self._next()
+                except EngineGone as e:
+                    why = str(e)
+            left = deadline - time.monotonic()
+            if left <= 0 or self.engine.state == "failed" \
+                    or self.client.engines.get(self.engine.engine_id) is not self.engine:
+                raise unavailable(why, "engine_unavailable")
+            await self.client.wait_change(self.engine, min(left, RECONNECT_POLL))
 
     async def _may_resume(self) -> bool:
-        """After an engine death: wait for its restart, unless resume is off or this request
-        has now been running during MAX_CRASHES deaths (it is probably what kills it)."""
+        """After an engine death (crash, kill, or the hang watchdog's kill: one path): wait for
+        its restart, unless resume is off or the request is poison."""
+        assert self.stream is not None
         self.crashes += 1
+        progressed = len(self.delivered_ids) > self._delivered_at_crash
+        self.fruitless_crashes = 1 if progressed else self.fruitless_crashes + 1
+        self._delivered_at_crash = len(self.delivered_ids)
         if not self.resume:
             return False
-        if self.crashes >= self.MAX_CRASHES:
+        if self.fruitless_crashes >= self.MAX_FRUITLESS_CRASHES:
             self.stats.poison_rejections += 1
             raise APIError(500, f"this request was running when the engine serving "
-                           f"{self.engine.model_id} crashed {self.crashes} times; it is not "
-                           "retried again", type="server_error", code="request_poisoned")
-        if not await self.client.wait_ready(self.engine, self.load_wait) \
-                or self.engine.state != "ready":
-            return False
-        return True
+                           f"{self.engine.model_id} crashed {self.fruitless_crashes} times "
+                           "without producing a token in between; it is not retried again",
+                           type="server_error", code="request_poisoned")
+        return await self.client.wait_serving(self.engine, self.stream.epoch, self.load_wait)
 
     async def _next(self) -> Delta:
         """The next delta. An engine death arrives here as an error delta, pushed by the
@@ -171,8 +192,6 @@ class Generation:
                 self._observe(d)
             self.delivered_ids.extend(d.token_ids)
             self.delivered_chars += len(d.text)
-            self.stream.delivered_token_ids.extend(d.token_ids)
-            self.stream.delivered_text.append(d.text)
             yield d
             if d.finish_reason is not None:
                 return

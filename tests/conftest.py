@@ -4,8 +4,17 @@ from pathlib import Path
 
 import pytest
 
-from harness import Daemon
+from harness import Daemon, leftovers
 from mlxd.engine.random_model import write_random_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """The whole suite leaves no process and no shared-memory segment of a daemon behind."""
+    yield
+    segments, procs = leftovers()
+    assert not procs, f"daemon processes outlived the tests: {procs}"
+    assert not segments, f"shared memory left: {segments}"
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,31 @@ import psutil
 from mlxd.protocol import shm
 
 
+RUN_DIRS: list[Path] = []  # every run dir a Daemon of this test session used
+
+
+def leftovers() -> tuple[list[str], list[int]]:
+    """Shared-memory segments and live processes of this session's daemons (found by their
+    run dirs, so concurrent test sessions on one machine do not count)."""
+    tags = {shm.segment_name(d, "", 0)[:8] for d in RUN_DIRS}
+    segments = [n for n in os.listdir("/dev/shm") if n[:8] in tags] \
+        if os.path.isdir("/dev/shm") else []
+    dirs = {str(d) for d in RUN_DIRS}
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(a in dirs for a in cmd):
+            procs.append(p.info["pid"])
+    return segments, procs
+
+
 class Daemon:
     def __init__(self, model: str | None, *extra: str, isolate: bool = False,
                  cache_dir: Path | None = None, env: dict | None = None,
                  run_dir: Path | None = None, ready_marker: str = " ready") -> None:
         # A short run dir: Unix socket paths are limited to ~104 bytes.
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+        RUN_DIRS.append(self.run_dir)
         self.ready_marker = ready_marker
         self._own_cache = cache_dir is None
         self.cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
@@ -122,11 +141,17 @@ class Daemon:
             if os.path.isdir("/dev/shm") else []
         assert not segments, f"shared-memory segments left: {segments}"
 
-    def cleanup(self) -> None:
+    def cleanup(self, keep_run_dir: bool = False) -> None:
+        """Kill whatever is left. Unless the run dir is kept for a restart to find, the
+        shared-memory segments its manifest lists go with it (a daemon killed with -9 cannot
+        unlink its own)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         self._reap()
+        if keep_run_dir:
+            return
+        shm.remove_leftovers(self.run_dir)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self._own_cache:
             shutil.rmtree(self.cache_dir, ignore_errors=True)

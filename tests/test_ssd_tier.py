@@ -59,8 +59,10 @@ def test_flush_kill_9_everything_restart_and_hit_ssd(tiny_model, tmp_path):
         psutil.wait_procs(procs, timeout=5)
         d.proc.wait()
     finally:
-        d.cleanup()
-    d2 = serve(tiny_model, ssd)
+        d.cleanup(keep_run_dir=True)
+    # As a service manager would: the same run dir, where the dead daemon's lock, sockets and
+    # shared memory are found and removed (stop() checks that nothing is left).
+    d2 = serve(tiny_model, ssd, run_dir=d.run_dir)
     try:
         again = chat(d2, "Tell me about the sea and the lighthouse.")
         prompt = again["usage"]["prompt_tokens"]

@@ -1,0 +1,385 @@
+"""Soak and chaos: `mlxd serve --isolate` under concurrent streams, fuzzed requests and random
+SIGKILL / SIGSTOP of its children, for as long as asked.
+
+Every stream's text is compared with the answer the same prompt got before any chaos (greedy
+and seeded sampling are deterministic per request, so a resumed stream must match); fuzzed
+requests (tests/fuzz_requests.py) must never get a 5xx or hang. Each round (one kill) records
+the RSS of every process, and the engine's RSS outside its RAM prefix cache.
+
+    python benchmarks/soak.py --minutes 30 --streams 32 --kill-every 20 --out benchmarks/results/soak
+    python benchmarks/soak.py --minutes 10 --kinds proxy,storage   # the engine lives throughout
+
+Exits 0 when there were no wrong texts, no hung requests, no 5xx to a fuzzed request and the
+supervisor survived; prints one JSON line per round and a summary, writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+PROMPTS = [f"Story {i}: tell me about the lighthouse keeper, the storm and the number {i}."
+           for i in range(8)]
+ROLES = {"mlxd.proxy": "proxy", "mlxd.engine": "engine", "mlxd.storage_worker": "storage"}
+
+
+@dataclass
+class Counts:
+    streams: int = 0
+    streams_ok: int = 0
+    wrong_text: int = 0
+    stream_errors: int = 0  # in-band error events or non-200 answers
+    dropped_by_proxy_death: int = 0  # connections of a proxy that was killed: expected
+    hangs: int = 0
+    resumes: int = 0
+    fuzz_requests: int = 0
+    fuzz_5xx: int = 0
+    fuzz_hangs: int = 0
+    kills: int = 0
+    errors: list[str] = field(default_factory=list)  # samples of what went wrong
+
+    def note(self, what: str) -> None:
+        if len(self.errors) < 30:
+            self.errors.append(what[:300])
+
+
+@dataclass
+class RoundRecord:
+    t: float
+    victim: str
+    sig: str
+    rss_mb: dict[str, float]
+    engine_rss_outside_cache_mb: float | None
+    engine_epoch: int | None
+
+
+class SoakDaemon:
+    def __init__(self, model: Path, workdir: Path, extra: list[str]) -> None:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mlxd-s-", dir="/tmp"))
+        self.workdir = workdir
+        self.argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(model), "--isolate",
+                     "--port", "0", "--run-dir", str(self.run_dir), "--cache-dir",
+                     str(workdir / "cache"), "--restart-backoff", "0.1", *extra]
+        self.log = open(workdir / "daemon.log", "w")
+        self.proc: subprocess.Popen | None = None
+        self._ready = threading.Event()
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
+        env.update(PYTHONUNBUFFERED="1", MLXD_CONFIG=os.devnull)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, env=env)
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(180):
+            raise RuntimeError("the daemon did not become ready; see daemon.log")
+        listen = json.loads((self.run_dir / "listen.json").read_text())
+        self.url = f"http://127.0.0.1:{listen['port']}"
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            if "mlxd: model" in line and " ready" in line:
+                self._ready.set()
+        self.log.flush()
+
+    def children(self) -> dict[str, psutil.Process]:
+        assert self.proc is not None
+        out = {"supervisor": psutil.Process(self.proc.pid)}
+        for p in psutil.Process(self.proc.pid).children():
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            for mod, role in ROLES.items():
+                if f"-m {mod} " in cmd + " ":
+                    out[role] = p
+        return out
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict,
+                  timeout: float) -> tuple[str, dict | None, list]:
+    text, usage, errors = [], None, []
+    async with session.post(url + "/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}},
+            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        if r.status != 200:
+            return "", None, [f"status {r.status}: {(await r.text())[:200]}"]
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                errors.append(obj["error"])
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices") or []:
+                text.append(ch["delta"].get("content") or "")
+    return "".join(text), usage, errors
+
+
+def _body(i: int, max_tokens: int) -> dict:
+    sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i}
+    return {"messages": [{"role": "user", "content": PROMPTS[i]}], "max_tokens": max_tokens,
+            **sampling}
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, daemon: SoakDaemon) -> None:
+        self.args = args
+        self.d = daemon
+        self.counts = Counts()
+        self.rounds: list[RoundRecord] = []
+        self.references: dict[int, str] = {}
+        self.proxy_killed_at = -1e9
+        self.rng = random.Random(args.seed)
+
+    async def run(self) -> None:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            for i in range(len(PROMPTS)):  # before any chaos
+                text, _, errors = await _stream(s, self.d.url, _body(i, self.args.max_tokens), 300)
+                assert not errors, errors
+                self.references[i] = text
+            deadline = time.monotonic() + self.args.minutes * 60
+            tasks = [asyncio.create_task(self._streamer(s, deadline, k))
+                     for k in range(self.args.streams)]
+            tasks.append(asyncio.create_task(self._fuzzer(s, deadline)))
+            tasks.append(asyncio.create_task(self._chaos(s, deadline)))
+            await asyncio.gather(*tasks)
+            await self._record(s, "end", "-")
+
+    async def _streamer(self, s: aiohttp.ClientSession, deadline: float, k: int) -> None:
+        c = self.counts
+        while time.monotonic() < deadline:
+            i = self.rng.randrange(len(PROMPTS))
+            c.streams += 1
+            started = time.monotonic()
+            try:
+                text, usage, errors = await _stream(s, self.d.url, _body(i, self.args.max_tokens),
+                                                    self.args.request_timeout)
+            except asyncio.TimeoutError:
+                c.hangs += 1
+                c.note(f"stream {i} hung for {self.args.request_timeout} s")
+                continue
+            except (aiohttp.ClientError, ConnectionError) as e:
+                if started <= self.proxy_killed_at + 1 or time.monotonic() - self.proxy_killed_at < 5:
+                    c.dropped_by_proxy_death += 1
+                else:
+                    c.stream_errors += 1
+                    c.note(f"stream {i}: {e!r}")
+                await asyncio.sleep(0.2)  # the proxy restarts: back off as a client would
+                continue
+            if errors:
+                if any(e.get("code") == "engine_crashed" for e in errors if isinstance(e, dict)) \
+                        and started <= self.proxy_killed_at + 10:
+                    c.dropped_by_proxy_death += 1  # engines abort the dead proxy's requests
+                else:
+                    c.stream_errors += 1
+                    c.note(f"stream {i}: {errors}")
+                continue
+            if usage and usage.get("resumes"):
+                c.resumes += usage["resumes"]
+            if text != self.references[i]:
+                c.wrong_text += 1
+                c.note(f"stream {i}: wrong text {text[:80]!r} != {self.references[i][:80]!r}")
+            else:
+                c.streams_ok += 1
+
+    async def _fuzzer(self, s: aiohttp.ClientSession, deadline: float) -> None:
+        if self.args.fuzz_per_s <= 0:
+            return
+        try:
+            import fuzz_requests
+        except ImportError:
+            self.counts.note("tests/fuzz_requests.py not found: no fuzzing")
+            return
+        c = self.counts
+        for req in fuzz_requests.requests(seed=self.args.seed):
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(1 / self.args.fuzz_per_s)
+            c.fuzz_requests += 1
+            try:
+                async with s.request(req.method, self.d.url + req.path, data=req.body,
+                                     headers=req.headers,
+                                     timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    body = await r.read()
+            except asyncio.TimeoutError:
+                c.fuzz_hangs += 1
+                c.note(f"fuzz hang: {req.method} {req.path} {req.body[:100]!r}")
+                continue
+            except (aiohttp.ClientError, ConnectionError):
+                continue  # a proxy being killed
+            if r.status >= 500 and time.monotonic() - self.proxy_killed_at > 5:
+                problem = fuzz_requests.check(req, r.status, dict(r.headers), body)
+                if r.status not in (503,) or problem:
+                    c.fuzz_5xx += 1
+                    c.note(f"fuzz {r.status}: {req.method} {req.path} {req.body[:100]!r} -> "
+                           f"{body[:150]!r}")
+
+    async def _chaos(self, s: aiohttp.ClientSession, deadline: float) -> None:
+        kinds = self.args.kinds.split(",") if self.args.kinds else []
+        await self._record(s, "start", "-")
+        while time.monotonic() + self.args.kill_every < deadline:
+            await asyncio.sleep(self.args.kill_every)
+            if not kinds:
+                await self._record(s, "-", "-")
+                continue
+            victim = self.rng.choice(kinds)
+            sig = signal.SIGSTOP if self.rng.random() < self.args.stop_share else signal.SIGKILL
+            await self._record(s, victim, sig.name)
+            proc = self.d.children().get(victim)
+            if proc is None:
+                continue
+            if victim == "proxy":
+                self.proxy_killed_at = time.monotonic() + (
+                    self.args.hang_timeout + 5 if sig == signal.SIGSTOP else 0)
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                continue
+            self.counts.kills += 1
+            if sig == signal.SIGSTOP and victim == "storage":
+                await asyncio.sleep(5)  # no watchdog for the writer: it pauses, then goes on
+                try:
+                    proc.send_signal(signal.SIGCONT)
+                except psutil.Error:
+                    pass
+
+    async def _record(self, s: aiohttp.ClientSession, victim: str, sig: str) -> None:
+        rss = {}
+        for role, p in self.d.children().items():
+            try:
+                rss[role] = round(p.memory_info().rss / 2**20, 1)
+            except psutil.Error:
+                pass
+        outside, epoch = None, None
+        try:
+            async with s.get(self.d.url + "/stats", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                st = await r.json()
+            eng = st["engines"][0]
+            epoch = eng["epoch"]
+            if "engine" in rss:
+                outside = round(rss["engine"] - eng["cache"].get("ram_bytes", 0) / 2**20, 1)
+        except Exception:  # noqa: BLE001 - the proxy may be down this instant
+            pass
+        rec = RoundRecord(round(time.monotonic(), 1), victim, sig, rss, outside, epoch)
+        self.rounds.append(rec)
+        print(json.dumps(asdict(rec)), flush=True)
+
+
+def flatness(rounds: list[RoundRecord]) -> dict:
+    """Engine RSS outside the prefix cache: mean of the middle and of the last third."""
+    xs = [r.engine_rss_outside_cache_mb for r in rounds if r.engine_rss_outside_cache_mb]
+    if len(xs) < 6:
+        return {"samples": len(xs)}
+    n = len(xs) // 3
+    mid, last = xs[n:2 * n], xs[2 * n:]
+    m, l_ = sum(mid) / len(mid), sum(last) / len(last)
+    return {"samples": len(xs), "middle_third_mb": round(m, 1), "last_third_mb": round(l_, 1),
+            "last_vs_middle": round(l_ / m, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--kill-every", type=float, default=20)
+    ap.add_argument("--kinds", default="engine,storage,proxy",
+                    help="children to kill (comma-separated); empty: no kills")
+    ap.add_argument("--stop-share", type=float, default=0.3, help="share of SIGSTOP vs SIGKILL")
+    ap.add_argument("--fuzz-per-s", type=float, default=8)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--hang-timeout", type=float, default=5)
+    ap.add_argument("--request-timeout", type=float, default=180)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--model", type=Path, default=None, help="default: a tiny random model")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from mlxd.engine.random_model import write_random_model
+    work = Path(tempfile.mkdtemp(prefix="mlxd-soak-"))
+    model = args.model or write_random_model(work / "tiny-llama", context=512)
+    d = SoakDaemon(model, work, ["--hang-timeout", str(args.hang_timeout),
+                                 "--generation-checkpoint", "8", "--block-tokens", "16",
+                                 "--batch", str(max(8, args.streams))])
+    started = time.time()
+    d.start()
+    soak = Soak(args, d)
+    try:
+        asyncio.run(soak.run())
+        supervisor_alive = d.proc is not None and d.proc.poll() is None
+    finally:
+        code = d.stop()
+    c = soak.counts
+    from harness import RUN_DIRS, leftovers
+    RUN_DIRS.append(d.run_dir)
+    segments, procs = leftovers()
+    summary = {"minutes": args.minutes, "streams": args.streams, "kill_every_s": args.kill_every,
+               "kinds": args.kinds, "started": started, **asdict(c),
+               "supervisor_survived": supervisor_alive, "exit_code": code,
+               "left_segments": segments, "left_processes": procs,
+               "engine_rss": flatness(soak.rounds), "log": str(work / "daemon.log")}
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            {"summary": summary, "rounds": [asdict(r) for r in soak.rounds]}, indent=1))
+        args.out.with_suffix(".md").write_text(_markdown(summary, soak.rounds))
+    ok = (c.wrong_text == 0 and c.hangs == 0 and c.fuzz_5xx == 0 and c.fuzz_hangs == 0
+          and supervisor_alive and code == 0 and not segments and not procs)
+    return 0 if ok else 1
+
+
+def _markdown(s: dict, rounds: list[RoundRecord]) -> str:
+    lines = [f"# Soak: {s['minutes']} min, {s['streams']} streams, a kill of one of "
+             f"[{s['kinds']}] every {s['kill_every_s']} s", "",
+             "| streams | ok | wrong text | stream errors | dropped with a killed proxy | hangs "
+             "| resumes | kills | fuzzed requests | fuzz 5xx | fuzz hangs | supervisor survived |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|",
+             f"| {s['streams']} | {s['streams_ok']} | {s['wrong_text']} | {s['stream_errors']} | "
+             f"{s['dropped_by_proxy_death']} | {s['hangs']} | {s['resumes']} | {s['kills']} | "
+             f"{s['fuzz_requests']} | {s['fuzz_5xx']} | {s['fuzz_hangs']} | "
+             f"{s['supervisor_survived']} |", "",
+             f"Engine RSS outside the prefix cache: {json.dumps(s['engine_rss'])}", "",
+             "| t | killed | signal | engine epoch | RSS MB (supervisor / proxy / engine / storage) "
+             "| engine outside cache MB |", "|---|---|---|---|---|---|"]
+    t0 = rounds[0].t if rounds else 0
+    for r in rounds:
+        rss = " / ".join(str(r.rss_mb.get(k, "-")) for k in
+                         ("supervisor", "proxy", "engine", "storage"))
+        lines.append(f"| {r.t - t0:.0f} | {r.victim} | {r.sig} | {r.engine_epoch} | {rss} | "
+                     f"{r.engine_rss_outside_cache_mb} |")
+    if s["errors"]:
+        lines += ["", "Samples of what went wrong:", ""] + [f"- `{e}`" for e in s["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
