@@ -129,9 +129,10 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
 
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-bw-", dir="/tmp"))
     root = work / "worker-kv"
-    import subprocess
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd.storage_worker", "--run-dir",
-                             str(run_dir), "--root", str(root), "--log-level", "warning"])
+    from mlxd.daemon.launch import popen
+    from mlxd.protocol.settings import StorageLaunch, StorageSettings
+    proc = popen(StorageLaunch(epoch=0, run_dir=str(run_dir), log_level="warning",
+                               root=str(root), supervised=False, settings=StorageSettings()))
     kv_heads, head_dim, layers = 8, 64, 1
     tokens_per_block = block_bytes // (layers * kv_heads * 2 * head_dim * 4)
     real_block = layers * kv_heads * tokens_per_block * 2 * head_dim * 4

@@ -85,12 +85,15 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    from mlxd.daemon.launch import popen
     from mlxd.protocol.models import engine_id_for
+    from mlxd.protocol.settings import EngineSettings, ProxyLaunch, ProxySettings
     eid = engine_id_for("fake")  # the id the router derives from the model spec
-    proxy = subprocess.Popen([sys.executable, "-m", "mlxd.proxy", "--run-dir", str(run_dir),
-                              "--port", str(port), "--engine", f"{eid}=fake", "--batch", "256",
-                              "--log-level", "warning", "--max-tokens", "100000"],
-                             env=env, start_new_session=True)
+    proxy = popen(ProxyLaunch(epoch=0, run_dir=str(run_dir), log_level="warning", socket=None,
+                              engines={eid: "fake"},
+                              settings=ProxySettings(port=port, max_tokens=100000),
+                              engine=EngineSettings(batch=256)),
+                  env=env, start_new_session=True)
     engine = subprocess.Popen([sys.executable, str(HERE / "fake_engine.py"), "--run-dir",
                                str(run_dir), "--engine-id", eid], env=env,
                               start_new_session=True)

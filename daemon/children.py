@@ -17,7 +17,7 @@ class Child:
     role: str  # "proxy" | "engine"
     child_id: str
     model: str  # the model spec, for engines
-    argv: list[str]  # without --epoch
+    argv: list[str]  # `python -m mlxd.<role>`; the launch struct goes on its stdin
     epoch: int = 0
     state: str = "starting"
     proc: asyncio.subprocess.Process | None = None

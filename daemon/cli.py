@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "serve":
         cfg = _resolve(args).config
-        if cfg.isolate:
+        if cfg.daemon.isolate:
             from mlxd.daemon.supervisor import run_supervisor
             return run_supervisor(cfg)
         from mlxd.daemon.inprocess import run_inprocess
@@ -159,7 +159,8 @@ def _client_command(args: argparse.Namespace) -> int:
         print(f"mlxd: {body['written']} block(s) written, {body['failed']} failed, "
               f"{body['pending']} pending")
     if args.command == "stop":
-        timeout = args.timeout if args.timeout is not None else 2 * cfg.shutdown_timeout + 40
+        timeout = args.timeout if args.timeout is not None \
+            else 2 * cfg.proxy.shutdown_timeout + 40
         print("mlxd: stopping (in-flight requests finish first)...", file=sys.stderr)
         if not client.wait_for_exit(pid, sock, timeout):
             print(f"mlxd: still running after {timeout:.0f} s", file=sys.stderr)
@@ -172,7 +173,8 @@ def _service_install(args: argparse.Namespace, serve_args: list[str]) -> int:
     from mlxd.daemon import service_install as svc
     cfg = _resolve(_serve_namespace(serve_args)).config  # bad flags fail here, not at boot
     platform = args.platform or svc.current_platform()
-    plan = svc.install_plan(platform, svc.serve_command(serve_args), cfg.shutdown_timeout)
+    plan = svc.install_plan(platform, svc.serve_command(serve_args),
+                             cfg.proxy.shutdown_timeout)
     if args.dry_run:
         print(svc.describe(plan, "install"))
         return 0

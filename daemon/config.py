@@ -5,84 +5,47 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 import platformdirs
 
 from mlxd.daemon.paths import default_cache_dir, default_run_dir
 from mlxd.daemon.settings import (BY_KEY, ENV_NAMES, OTHER_ENV, SETTINGS, ConfigError,
                                   parse_text, parse_toml, validate)
-from mlxd.protocol.models import DEFAULT_MODEL, engine_id_for
+from mlxd.protocol.models import engine_id_for
+from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings, StorageSettings
 
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
+# Daemon settings that name a path: ServeConfig holds each resolved (defaults filled in).
+DERIVED_PATHS = ("run_dir", "cache_dir", "socket", "ssd_cache")
+S = TypeVar("S", DaemonSettings, ProxySettings, EngineSettings, StorageSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
-    model: str = DEFAULT_MODEL
-    isolate: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8080
-    socket: Path | None = None  # None: no Unix socket
-    api_key: str | None = None
-    allowed_host: list[str] = field(default_factory=list)
-    cors_origin: list[str] = field(default_factory=list)
-    max_body: int = 16 * 1024 * 1024
-    max_header: int = 8190
-    run_dir: Path = Path()
-    cache_dir: Path = Path()
-    log_level: str = "info"
-    batch: int = 8
-    prefill_step: int = 512
-    dtype: str = "auto"
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 512
-    load_wait: float = 120.0
-    shutdown_timeout: float = 15.0
-    model_pool: int = 1
-    model_alias: dict[str, str] = field(default_factory=dict)
-    hang_timeout: float = 60.0
-    idle_unload: float = 0.0
-    crash_cooldown: float = 300.0
-    pool_wait: float = 60.0
-    pool_queue: int = 32
-    restart_backoff: float = 0.5
-    resume: bool = True
-    prompt_cache: float = 4.0  # GB
-    ssd_cache: Path | None = None  # None: off
-    ssd_cache_max: float = 20.0  # GB
-    ssd_cache_verify: bool = True
-    block_tokens: int = 256
-    kv_slots: int = 16
-    generation_checkpoint: int = 0
-
-    def engine_flags(self) -> list[str]:
-        """Engine settings as `python -m mlxd.engine` flags (one place for both modes)."""
-        flags = ["--cache-dir", str(self.cache_dir), "--batch", str(self.batch),
-                 "--prefill-step", str(self.prefill_step), "--dtype", self.dtype,
-                 "--prompt-cache", str(self.prompt_cache),
-                 "--block-tokens", str(self.block_tokens), "--kv-slots", str(self.kv_slots),
-                 "--ssd-verify", "on" if self.ssd_cache_verify else "off",
-                 "--generation-checkpoint", str(self.generation_checkpoint)]
-        if self.ssd_cache is not None:
-            flags += ["--ssd-cache", str(self.ssd_cache)]
-        return flags
-
-    def storage_argv(self, supervised: bool) -> list[str]:
-        argv = [sys.executable, "-m", "mlxd.storage_worker", "--run-dir", str(self.run_dir),
-                "--root", str(self.ssd_cache), "--max-gb", str(self.ssd_cache_max),
-                "--log-level", self.log_level]
-        return argv + (["--supervised"] if supervised else [])
+    """The resolved settings, one Struct per owning process, and the paths derived from them
+    (absolute; None where the user said `off`)."""
+    daemon: DaemonSettings
+    proxy: ProxySettings
+    engine: EngineSettings
+    storage: StorageSettings
+    run_dir: Path
+    cache_dir: Path
+    socket: Path | None  # None: no Unix socket
+    ssd_cache: Path | None  # None: no SSD tier
 
     def engines(self) -> dict[str, str]:
         """Engine id -> model spec for the engines started with the daemon."""
-        return {engine_id_for(self.model): self.model}
+        return {engine_id_for(self.daemon.model): self.daemon.model}
+
+    def value(self, key: str) -> Any:
+        """A setting's effective value: a derived path, or its section's field."""
+        if key in DERIVED_PATHS:
+            return getattr(self, key)
+        return getattr(getattr(self, BY_KEY[key].section), key)
 
 
 @dataclass
@@ -163,7 +126,7 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> R
         sources[s.key] = f"flag {s.flag}"
 
     for s in SETTINGS:
-        validate(s, values[s.key], sources[s.key])
+        values[s.key] = validate(s, values[s.key], sources[s.key])
     _check_together(values, sources)
     return Resolved(_build(values), sources, path)
 
@@ -204,26 +167,29 @@ def _path_or_off(text: str | None) -> Path | None | str:
     return Path(text).expanduser().absolute()
 
 
+def _section(struct: type[S], v: dict[str, Any]) -> S:
+    return struct(**{k: v[k] for k in struct.__struct_fields__})
+
+
 def _build(v: dict[str, Any]) -> ServeConfig:
+    """The one place flat resolved values become the section Structs."""
     run_dir = _path_or_off(v["run_dir"]) or default_run_dir().absolute()
     cache_dir = _path_or_off(v["cache_dir"]) or default_cache_dir().absolute()
     socket = _path_or_off(v["socket"])
     ssd = _path_or_off(v["ssd_cache"])
-    derived = {
-        "run_dir": run_dir, "cache_dir": cache_dir,
-        "socket": None if socket == "off" else (socket or run_dir / "mlxd.sock"),
-        "ssd_cache": None if ssd == "off" else (ssd or cache_dir / "kv"),
-    }
-    names = {f.name for f in fields(ServeConfig)}
-    kwargs = {k: derived.get(k, val) for k, val in v.items() if k in names}
-    return ServeConfig(**kwargs)
+    return ServeConfig(
+        daemon=_section(DaemonSettings, v), proxy=_section(ProxySettings, v),
+        engine=_section(EngineSettings, v), storage=_section(StorageSettings, v),
+        run_dir=run_dir, cache_dir=cache_dir,
+        socket=None if socket == "off" else (socket or run_dir / "mlxd.sock"),
+        ssd_cache=None if ssd == "off" else (ssd or cache_dir / "kv"))
 
 
 def describe(resolved: Resolved) -> list[tuple[str, Any, str, str]]:
     """(key, value, shown, source) rows for `mlxd config show`; secrets masked."""
     rows = []
     for s in SETTINGS:
-        value = getattr(resolved.config, s.key)
+        value = resolved.config.value(s.key)
         if s.secret and value:
             value = shown = "(set)"
         elif isinstance(value, list):

@@ -13,22 +13,21 @@ import zmq
 import zmq.asyncio
 
 from mlxd.daemon.config import ServeConfig
+from mlxd.daemon.launch import (command, engine_launch, proxy_launch, storage_launch,
+                               write_launch)
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
-from mlxd.protocol import exit_codes, shm
+from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
-from mlxd.proxy.app import ListenSettings
 from mlxd.proxy.listen_address import ListenError
-from mlxd.proxy.openai_schema import Defaults
-from mlxd.proxy.security import AccessSettings
-from mlxd.proxy.server import PoolSettings, run_proxy
+from mlxd.proxy.server import run_proxy
 
 
 def run_inprocess(cfg: ServeConfig) -> int:
-    setup_logging(cfg.log_level, "mlxd")
+    setup_logging(cfg.daemon.log_level, "mlxd")
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     shm.remove_leftovers(cfg.run_dir)
@@ -46,7 +45,7 @@ def run_inprocess(cfg: ServeConfig) -> int:
 
 
 async def _serve(cfg: ServeConfig) -> int:
-    from mlxd.engine.service import EngineService, EngineSettings
+    from mlxd.engine.service import EngineService
 
     actx = zmq.asyncio.Context()
     sync_ctx = zmq.Context.shadow(actx.underlying)  # inproc needs one shared context
@@ -87,11 +86,7 @@ async def _serve(cfg: ServeConfig) -> int:
         notifier.notify(READY=1, STATUS=f"listening on {where}")
         for eid, spec in cfg.engines().items():
             service = EngineService(
-                EngineSettings(eid, 0, spec, cfg.cache_dir, cfg.batch, cfg.prefill_step,
-                               cfg.dtype, cfg.prompt_cache, cfg.run_dir, cfg.ssd_cache,
-                               cfg.block_tokens, cfg.kv_slots, cfg.ssd_cache_verify,
-                               cfg.generation_checkpoint),
-                eps, sync_ctx, supervised=False,
+                engine_launch(cfg, eid, spec, epoch=0), eps, sync_ctx, supervised=False,
                 on_state=lambda state, error, spec=spec: loop.call_soon_threadsafe(
                     announce, spec, state, error))
             t = threading.Thread(target=service.run, name=f"engine-{eid}", daemon=True)
@@ -108,17 +103,13 @@ async def _serve(cfg: ServeConfig) -> int:
         for service, _ in engines:
             service.stop()
         for _, t in engines:
-            await asyncio.to_thread(t.join, cfg.shutdown_timeout)
+            await asyncio.to_thread(t.join, cfg.proxy.shutdown_timeout)
         if storage is not None:
             await storage.stop()
 
     proxy = asyncio.create_task(run_proxy(
-        actx, eps, cfg.engines(), Defaults(cfg.temp, cfg.top_p, cfg.top_k, cfg.max_tokens),
-        ListenSettings(cfg.host, cfg.port, cfg.socket, cfg.max_body, cfg.max_header,
-                       AccessSettings(cfg.host, cfg.api_key, cfg.allowed_host, cfg.cors_origin)),
-        cfg.run_dir, cfg.load_wait, stop, on_listening=start_engines,
-        pool=PoolSettings(batch=cfg.batch, aliases=cfg.model_alias), before_close=stop_engines,
-        shutdown_timeout=cfg.shutdown_timeout))
+        actx, eps, proxy_launch(cfg, epoch=0), stop, api_key=cfg.daemon.api_key,
+        on_listening=start_engines, before_close=stop_engines))
     try:
         await proxy
     finally:
@@ -134,15 +125,16 @@ class StorageWorkerProcess:
     a crash (with backoff), and stopped last by the serving process."""
 
     def __init__(self, cfg: ServeConfig) -> None:
-        self.argv = cfg.storage_argv(supervised=False)
+        self.launch = codec.encode_launch(storage_launch(cfg, epoch=0, supervised=False))
         self.proc: asyncio.subprocess.Process | None = None
-        self.policy = RestartPolicy(base_delay=cfg.restart_backoff)
+        self.policy = RestartPolicy(base_delay=cfg.daemon.restart_backoff)
         self.stopping = False
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(*self.argv,
-                                                         stdin=asyncio.subprocess.DEVNULL)
+        self.proc = await asyncio.create_subprocess_exec(*command("storage"),
+                                                         stdin=asyncio.subprocess.PIPE)
+        await write_launch(self.proc, self.launch)
         self._watch = asyncio.create_task(self._watch_exit(self.proc))
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:

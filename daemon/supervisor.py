@@ -8,6 +8,7 @@ routes and evicts); how they live and die is the supervisor's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -15,12 +16,15 @@ import signal
 import sys
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from mlxd.daemon import health_probe
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
+from mlxd.daemon.launch import (command, engine_launch, proxy_launch, storage_launch,
+                               write_launch)
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
@@ -47,7 +51,7 @@ class Supervisor:
         self.stopping = False
         self.stop_event = asyncio.Event()
         self.exit_code = exit_codes.OK
-        self.watchdog = HangWatchdog(cfg.hang_timeout)
+        self.watchdog = HangWatchdog(cfg.daemon.hang_timeout)
         self._ctx = zmq.asyncio.Context()
         self._ctl: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -55,41 +59,20 @@ class Supervisor:
         self._last_epoch: dict[str, int] = {}  # of engines that were unloaded
         self.notifier = Notifier()
 
-    # ------------------------------------------------------------------ argv
+    # ------------------------------------------------------------------ launch
 
-    def _common(self) -> list[str]:
-        return ["--run-dir", str(self.cfg.run_dir), "--log-level", self.cfg.log_level]
+    def _child(self, role: str, child_id: str, model: str) -> Child:
+        return Child(role, child_id, model, command(role),
+                     policy=RestartPolicy(base_delay=self.cfg.daemon.restart_backoff))
 
-    def _proxy_argv(self) -> list[str]:
-        c = self.cfg
-        argv = [sys.executable, "-m", "mlxd.proxy", *self._common(), "--host", c.host,
-                "--port", str(c.port), "--temp", str(c.temp), "--top-p", str(c.top_p),
-                "--top-k", str(c.top_k), "--max-tokens", str(c.max_tokens),
-                "--load-wait", str(c.load_wait), "--max-body", str(c.max_body),
-                "--model-pool", str(c.model_pool), "--idle-unload", str(c.idle_unload),
-                "--pool-wait", str(c.pool_wait), "--pool-queue", str(c.pool_queue),
-                "--batch", str(c.batch), "--resume", "on" if c.resume else "off",
-                "--max-header", str(c.max_header),
-                "--shutdown-timeout", str(c.shutdown_timeout)]
-        for host in c.allowed_host:
-            argv += ["--allowed-host", host]
-        for origin in c.cors_origin:
-            argv += ["--cors-origin", origin]
-        if c.socket is not None:
-            argv += ["--socket", str(c.socket)]
-        for eid, spec in c.engines().items():
-            argv += ["--engine", f"{eid}={spec}"]
-        for name, spec in c.model_alias.items():
-            argv += ["--model-alias", f"{name}={spec}"]
-        return argv
-
-    def _engine_argv(self, engine_id: str, spec: str) -> list[str]:
-        return [sys.executable, "-m", "mlxd.engine", *self._common(), "--engine-id", engine_id,
-                "--model", spec, *self.cfg.engine_flags()]
-
-    def _child(self, role: str, child_id: str, model: str, argv: list[str]) -> Child:
-        return Child(role, child_id, model, argv,
-                     policy=RestartPolicy(base_delay=self.cfg.restart_backoff))
+    def _launch(self, child: Child) -> bytes:
+        """What the child reads on its stdin, for its current epoch."""
+        if child.role == "engine":
+            return codec.encode_launch(
+                engine_launch(self.cfg, child.child_id, child.model, child.epoch))
+        if child.role == "proxy":
+            return codec.encode_launch(proxy_launch(self.cfg, child.epoch))
+        return codec.encode_launch(storage_launch(self.cfg, child.epoch, supervised=True))
 
     # ------------------------------------------------------------------ main loop
 
@@ -108,11 +91,10 @@ class Supervisor:
         self._spawn_task(self.notifier.watchdog_loop())
         shm.remove_leftovers(self.cfg.run_dir)
         if self.cfg.ssd_cache is not None:
-            self.children["storage"] = self._child("storage", "storage", "",
-                                                   self.cfg.storage_argv(supervised=True))
-        self.children["proxy"] = self._child("proxy", "proxy", "", self._proxy_argv())
+            self.children["storage"] = self._child("storage", "storage", "")
+        self.children["proxy"] = self._child("proxy", "proxy", "")
         for eid, spec in self.cfg.engines().items():
-            self.children[eid] = self._child("engine", eid, spec, self._engine_argv(eid, spec))
+            self.children[eid] = self._child("engine", eid, spec)
         for child in list(self.children.values()):
             await self._spawn(child)
         await self.stop_event.wait()
@@ -149,7 +131,7 @@ class Supervisor:
         proxy = self.children.get("proxy")
         if proxy is not None and proxy.alive:
             log.info("stopping (%s): draining requests for up to %.0f s", why,
-                     self.cfg.shutdown_timeout)
+                     self.cfg.proxy.shutdown_timeout)
         else:
             log.info("stopping (%s)", why)
         self.notifier.notify(STOPPING=1, STATUS=f"draining ({why})")
@@ -165,8 +147,8 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                *child.argv, "--epoch", str(child.epoch), stdin=asyncio.subprocess.DEVNULL,
-                stderr=write_fd, env=self._child_env(child))
+                *child.argv, stdin=asyncio.subprocess.PIPE, stderr=write_fd,
+                env=self._child_env(child))
         except BaseException as e:
             os.close(read_fd)
             if not isinstance(e, OSError):
@@ -179,6 +161,7 @@ class Supervisor:
             return
         finally:
             os.close(write_fd)
+        await write_launch(child.proc, self._launch(child))
         child.started_at = time.monotonic()
         self.watchdog.forget(child.child_id)
         log.info("started %s %s (pid %d, epoch %d)", child.role, child.child_id,
@@ -193,8 +176,8 @@ class Supervisor:
         systemd notify variables stay with the supervisor."""
         env = {k: v for k, v in os.environ.items()
                if k not in ("MLXD_API_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-        if child.role == "proxy" and self.cfg.api_key:
-            env["MLXD_API_KEY"] = self.cfg.api_key
+        if child.role == "proxy" and self.cfg.daemon.api_key:
+            env["MLXD_API_KEY"] = self.cfg.daemon.api_key
         return env
 
     @staticmethod
@@ -232,7 +215,8 @@ class Supervisor:
             if code != exit_codes.CONFIG_ERROR:
                 child.reason = (f"crashed {child.policy.loop_crashes} times in "
                                 f"{child.policy.loop_window:.0f} s (last: {child.last_exit}); "
-                                f"retried after {self.cfg.crash_cooldown:.0f} s or on reset")
+                                f"retried after {self.cfg.daemon.crash_cooldown:.0f} s or on "
+                                "reset")
                 self._spawn_task(self._cool_down(child, child.epoch))
             log.error("%s %s exited with %s and is marked failed: %s", child.role,
                       child.child_id, child.last_exit, child.reason)
@@ -253,7 +237,7 @@ class Supervisor:
         await self._spawn(child)
 
     async def _cool_down(self, child: Child, epoch: int) -> None:
-        await asyncio.sleep(self.cfg.crash_cooldown)
+        await asyncio.sleep(self.cfg.daemon.crash_cooldown)
         if child.state == "failed" and child.epoch == epoch and not self.stopping:
             log.info("%s %s: cool-down over, trying again", child.role, child.child_id)
             await self._reset(child)
@@ -286,13 +270,13 @@ class Supervisor:
 
     async def _probe_proxy(self) -> None:
         """The proxy's heartbeats say its control loop runs; this says it answers HTTP."""
-        interval, timeout = probe_timing(self.cfg.hang_timeout)
+        interval, timeout = probe_timing(self.cfg.daemon.hang_timeout)
         while True:
             await asyncio.sleep(interval)  # the probe's period
             proxy = self.children.get("proxy")
             if proxy is None or not proxy.alive or proxy.state != "ready":
                 continue
-            address = health_probe.probe_address(self.cfg.socket, self.cfg.host,
+            address = health_probe.probe_address(self.cfg.socket, self.cfg.proxy.host,
                                                  self.cfg.run_dir)
             if address is None:
                 continue
@@ -355,7 +339,7 @@ class Supervisor:
 
     def _announce_ready(self, child: Child, detail: str) -> None:
         if child.role == "proxy":
-            self._pin_port(child)
+            self._pin_port()
             print(f"mlxd: listening on {detail}", file=sys.stderr, flush=True)
             self.notifier.notify(READY=1, STATUS=f"listening on {detail}")
         elif child.role == "storage":
@@ -367,14 +351,14 @@ class Supervisor:
                      if c.role == "engine" and c.state == "ready"]
             self.notifier.notify(STATUS="serving " + ", ".join(ready))
 
-    def _pin_port(self, proxy: Child) -> None:
+    def _pin_port(self) -> None:
         """With --port 0, a respawned proxy must come back on the port clients already use."""
         try:
             port = json.loads((self.cfg.run_dir / "listen.json").read_text())["port"]
         except (OSError, ValueError, KeyError):
             return
-        i = proxy.argv.index("--port")
-        proxy.argv[i + 1] = str(port)
+        self.cfg = dataclasses.replace(
+            self.cfg, proxy=msgspec.structs.replace(self.cfg.proxy, port=port))
 
     async def _start_engine(self, engine_id: str, spec: str) -> None:
         child = self.children.get(engine_id)
@@ -382,7 +366,7 @@ class Supervisor:
             child.removed = False
             return
         if child is None:
-            child = self._child("engine", engine_id, spec, self._engine_argv(engine_id, spec))
+            child = self._child("engine", engine_id, spec)
             # Epochs are never reused for an engine id, so a stale message is never taken
             # for the new engine's and the new identity never collides with the old one.
             child.epoch = self._last_epoch.get(engine_id, -1) + 1
@@ -426,7 +410,7 @@ class Supervisor:
         """The proxy first: it drains (in-flight requests finish or are aborted at the
         shutdown timeout) while the engines still serve them. Then the engines, which flush
         their caches through the storage worker; the storage worker last."""
-        grace = self.cfg.shutdown_timeout + 10
+        grace = self.cfg.proxy.shutdown_timeout + 10
         await self._stop_group([c for c in self.children.values() if c.role == "proxy"], grace)
         await self._stop_group([c for c in self.children.values() if c.role == "engine"], grace)
         await self._stop_group([c for c in self.children.values() if c.role == "storage"], 15)
@@ -456,7 +440,7 @@ class Supervisor:
 
 
 def run_supervisor(cfg: ServeConfig) -> int:
-    setup_logging(cfg.log_level, "supervisor")
+    setup_logging(cfg.daemon.log_level, "supervisor")
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     private_dirs(cfg)
@@ -471,4 +455,4 @@ def run_supervisor(cfg: ServeConfig) -> int:
 
 def probes_proxy(cfg: ServeConfig) -> bool:
     """Whether the proxy's liveness is probed over HTTP (off with the hang watchdog)."""
-    return cfg.hang_timeout > 0
+    return cfg.daemon.hang_timeout > 0

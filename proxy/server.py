@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -18,6 +17,7 @@ from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, Shutdown,
                                     StopDaemon)
+from mlxd.protocol.settings import ProxyLaunch
 from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
 from mlxd.proxy.listen_address import ListenError
@@ -25,22 +25,12 @@ from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.model_pool import ModelPool
 from mlxd.proxy.openai_schema import Defaults
 from mlxd.proxy.router import Router
+from mlxd.proxy.security import AccessSettings
 
 log = logging.getLogger("mlxd.proxy")
 
 HEARTBEAT_S = 0.5
 FAILURE_DELIVERY_S = 2.0  # how long a ChildFailed may take to reach the supervisor
-
-
-@dataclass
-class PoolSettings:
-    size: int = 1
-    idle_unload: float = 0.0
-    wait: float = 60.0
-    queue: int = 32
-    batch: int = 8
-    aliases: dict[str, str] = field(default_factory=dict)
-    resume: bool = True
 
 
 class SupervisorLink:
@@ -102,30 +92,34 @@ class SupervisorLink:
             client.apply_children(msg)
 
 
-async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict[str, str],
-                    defaults: Defaults, listen: ListenSettings, run_dir: Path, load_wait: float,
-                    stop: asyncio.Event, on_listening: Callable[[str], None] | None = None,
-                    supervised: bool = False, epoch: int = 0,
-                    pool: PoolSettings | None = None,
-                    before_close: Callable[[], Awaitable[None]] | None = None,
-                    shutdown_timeout: float = 15.0) -> int:
-    """Serve until `stop` is set; then drain (in-flight requests get up to `shutdown_timeout`
-    to finish) and close."""
-    pool = pool or PoolSettings()
-    client = EngineClient(ctx, endpoints, models)
+async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: ProxyLaunch,
+                    stop: asyncio.Event, *, api_key: str | None,
+                    on_listening: Callable[[str], None] | None = None,
+                    supervised: bool = False,
+                    before_close: Callable[[], Awaitable[None]] | None = None) -> int:
+    """Serve until `stop` is set; then drain (in-flight requests get up to the shutdown
+    timeout to finish) and close. The API key is not in `launch`: it never leaves the
+    environment of the process that holds it."""
+    s = launch.settings
+    shutdown_timeout = s.shutdown_timeout
+    listen = ListenSettings(s.host, s.port, Path(launch.socket) if launch.socket else None,
+                            s.max_body, s.max_header,
+                            AccessSettings(s.host, api_key, s.allowed_host, s.cors_origin))
+    defaults = Defaults(s.temp, s.top_p, s.top_k, s.max_tokens)
+    client = EngineClient(ctx, endpoints, launch.engines)
     await client.start()
-    link = SupervisorLink(ctx, endpoints, epoch) if supervised else None
-    router = Router(client, load_wait=load_wait, aliases=pool.aliases,
-                    pool=ModelPool(pool.size, pool.idle_unload) if supervised else None,
-                    send=link.send if link else None, batch=pool.batch, pool_wait=pool.wait,
-                    pool_queue=pool.queue)
+    link = SupervisorLink(ctx, endpoints, launch.epoch) if supervised else None
+    router = Router(client, load_wait=s.load_wait, aliases=s.model_alias,
+                    pool=ModelPool(s.model_pool, s.idle_unload) if supervised else None,
+                    send=link.send if link else None, batch=launch.engine.batch,
+                    pool_wait=s.pool_wait, pool_queue=s.pool_queue)
     if link is not None:
         def request_stop() -> None:
             asyncio.ensure_future(link.send(StopDaemon("POST /admin/shutdown")))
     else:
         request_stop = stop.set
     app = make_app(client, router, defaults, listen, shutdown_timeout, request_stop)
-    app["resume"] = pool.resume and supervised  # without --isolate no engine comes back
+    app["resume"] = s.resume and supervised  # without --isolate no engine comes back
     try:
         runner, where = await start_listeners(app, listen)
     except ListenError as e:
@@ -134,7 +128,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, models: dict
             raise  # the serving process says it once, and exits
         await link.fail(str(e))  # the supervisor says it once, and stops the daemon
         return exit_codes.CONFIG_ERROR
-    write_listen_file(run_dir, app)
+    write_listen_file(Path(launch.run_dir), app)
     log.info("listening on %s", where)
     if on_listening:
         on_listening(where)

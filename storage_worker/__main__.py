@@ -1,36 +1,28 @@
-"""Storage worker entry: `python -m mlxd.storage_worker --run-dir DIR --root SSD_DIR ...`."""
+"""Storage worker entry: `python -m mlxd.storage_worker`, spawned by the supervisor (or the
+one-process server), which writes its `StorageLaunch` on stdin."""
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 from pathlib import Path
 
 import zmq
 
-from mlxd.protocol import faults
+from mlxd.protocol import codec, faults
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import child_process_setup
+from mlxd.protocol.settings import StorageLaunch
 from mlxd.storage_worker.worker import StorageWorker
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mlxd.storage_worker")
-    ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--max-gb", type=float, default=20.0)
-    ap.add_argument("--epoch", type=int, default=0)
-    ap.add_argument("--supervised", action="store_true")
-    ap.add_argument("--log-level", default="info")
-    args = ap.parse_args(argv)
-    child_process_setup(args.log_level, f"storage#{args.epoch}")
-    faults.configure(args.epoch)
+def main() -> int:
+    launch = codec.read_launch(StorageLaunch)
+    child_process_setup(launch.log_level, f"storage#{launch.epoch}")
+    faults.configure(launch.epoch)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    eps = Endpoints.ipc(args.run_dir)
     ctx = zmq.Context()
-    worker = StorageWorker(args.root, int(args.max_gb * 2**30), ctx, eps.storage,
-                           eps.control if args.supervised else None, args.epoch)
+    worker = StorageWorker(launch, ctx, Endpoints.ipc(Path(launch.run_dir)))
     try:
         return worker.run()
     finally:

@@ -15,7 +15,9 @@ import blake3
 import zmq
 
 from mlxd.protocol import codec, exit_codes, faults, shm
+from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import Heartbeat, Hello, Ready, Shutdown, StoreBlocks, StoreDone, TouchBlocks
+from mlxd.protocol.settings import StorageLaunch
 from mlxd.storage_worker.block_format import Layout, block_path, pack_header, parse_name
 from mlxd.storage_worker.block_store import BlockStore, refusal
 
@@ -23,13 +25,12 @@ log = logging.getLogger("mlxd.storage")
 
 
 class StorageWorker:
-    def __init__(self, root: Path, cap_bytes: int, ctx: zmq.Context, storage_ep: str,
-                 control_ep: str | None, epoch: int) -> None:
-        self.store = BlockStore(root, cap_bytes)
+    def __init__(self, launch: StorageLaunch, ctx: zmq.Context, endpoints: Endpoints) -> None:
+        self.store = BlockStore(Path(launch.root), int(launch.settings.ssd_cache_max * 2**30))
         self.ctx = ctx
-        self.storage_ep = storage_ep
-        self.control_ep = control_ep
-        self.epoch = epoch
+        self.storage_ep = endpoints.storage
+        self.control_ep = endpoints.control if launch.supervised else None
+        self.epoch = launch.epoch
         self.error: str | None = None
         self.error_code: str | None = None  # the last write's refusal (block_store.refusal)
         self._segments: dict[str, Any] = {}  # name -> attached SharedMemory

@@ -1,4 +1,5 @@
-"""Configuration (flags > MLXD_* > TOML file > defaults), `mlxd config show`, service files
+"""Configuration (flags > MLXD_* > TOML file > defaults), the contract between the section
+Structs, the settings table and the launch structs, `mlxd config show`, service files
 (`mlxd service install --dry-run` parsed), and the sd_notify client. No daemon is started."""
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from mlxd.daemon import launch
 from mlxd.daemon.config import add_serve_arguments, resolve
 from mlxd.daemon.sd_notify import Notifier
-from mlxd.daemon.settings import SETTINGS, ConfigError
+from mlxd.daemon.settings import SECTIONS, SETTINGS, ConfigError
+from mlxd.protocol import codec, exit_codes
+from mlxd.protocol.settings import EngineLaunch
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -41,13 +46,13 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
            "https://b.example"}
     r = resolve(_args("--config", str(cfg_file), "--temp", "0.2"), env)
     c, src = r.config, r.sources
-    assert (c.batch, src["batch"]) == (3, f"file {cfg_file}")
-    assert (c.port, src["port"]) == (9200, "env MLXD_PORT")
-    assert (c.temp, src["temp"]) == (0.2, "flag --temp")
-    assert (c.resume, src["resume"]) == (False, f"file {cfg_file}")
-    assert c.model_alias == {"small": "/models/small"}
-    assert c.cors_origin == ["https://a.example", "https://b.example"]
-    assert (c.top_k, src["top_k"]) == (0, "default")
+    assert (c.engine.batch, src["batch"]) == (3, f"file {cfg_file}")
+    assert (c.proxy.port, src["port"]) == (9200, "env MLXD_PORT")
+    assert (c.proxy.temp, src["temp"]) == (0.2, "flag --temp")
+    assert (c.proxy.resume, src["resume"]) == (False, f"file {cfg_file}")
+    assert c.proxy.model_alias == {"small": "/models/small"}
+    assert c.proxy.cors_origin == ["https://a.example", "https://b.example"]
+    assert (c.proxy.top_k, src["top_k"]) == (0, "default")
     assert r.config_file == cfg_file
     # derived paths follow the directories they live in
     r2 = resolve(_args("--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c")), {})
@@ -56,13 +61,81 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     assert resolve(_args("--socket", "off", "--ssd-cache", "off"), {}).config.socket is None
 
 
-def test_settings_table_and_config_struct_agree():
-    """A field added to ServeConfig without a setting (or the reverse) could never be set."""
-    from dataclasses import fields
+def test_every_section_field_is_a_setting_users_can_set():
+    """The contract: a field declared in a section Struct is a TOML key, a flag and an MLXD_*
+    variable, with its Struct's default, and reaches the ServeConfig section that owns it."""
+    declared = {(name, key) for name, struct in SECTIONS.items()
+                for key in struct.__struct_fields__}
+    assert {(s.section, s.key) for s in SETTINGS} == declared
+    assert len(SETTINGS) == len(declared)  # no key declared in two sections
+    assert len({s.flag for s in SETTINGS}) == len({s.env for s in SETTINGS}) == len(SETTINGS)
+    ap = argparse.ArgumentParser()
+    add_serve_arguments(ap)
+    flags = {opt for action in ap._actions for opt in action.option_strings}
+    defaults = resolve(_args(), {}).config
+    for s in SETTINGS:
+        assert s.flag in flags and s.env == "MLXD_" + s.key.upper() and s.help
+        default = getattr(SECTIONS[s.section](), s.key)
+        assert s.default == default
+        if s.key not in ("run_dir", "cache_dir", "socket", "ssd_cache"):  # derived paths
+            assert defaults.value(s.key) == default
 
-    from mlxd.daemon.config import ServeConfig
-    assert {f.name for f in fields(ServeConfig)} == {s.key for s in SETTINGS}
-    assert len({s.flag for s in SETTINGS}) == len(SETTINGS)
+
+def test_bounds_come_from_the_structs_in_the_tables_words(tmp_path):
+    """Each bad value is refused with the rule its field's Meta declares."""
+    for text, message in [("batch = 0\n", "batch (file {}): 0 must be >= 1"),
+                          ("top_p = 1.5\n", "top_p (file {}): 1.5 must be in (0, 1]"),
+                          ("port = 70000\n", "port (file {}): 70000 must be 0..65535"),
+                          ("ssd_cache_max = 0\n", "ssd_cache_max (file {}): 0.0 must be > 0"),
+                          ("prefill_step = 8\n", "prefill_step (file {}): 8 must be >= 16"),
+                          ("dtype = 'float8'\n", "dtype (file {}): 'float8' is not one of "
+                                                  "auto, native, float32, float16, bfloat16")]:
+        path = _toml(tmp_path, text)
+        with pytest.raises(ConfigError) as e:
+            resolve(_args("--config", str(path)), {})
+        assert str(e.value) == message.format(path)
+    with pytest.raises(ConfigError, match=re.escape("temp (flag --temp): 2.5 must be 0..2")):
+        resolve(_args("--temp", "2.5"), {})
+    with pytest.raises(ConfigError, match=re.escape(
+            "log_level (env MLXD_LOG_LEVEL): 'loud' is not one of debug, info, warning, error")):
+        resolve(_args(), {"MLXD_LOG_LEVEL": "loud"})
+
+
+def test_launch_structs_round_trip_through_the_codec(tmp_path):
+    cfg_file = _toml(tmp_path, 'batch = 3\nssd_cache_max = 2.5\ncors_origin = ["app://x"]\n'
+                               '[model_alias]\nsmall = "/models/small"\n')
+    cfg = resolve(_args("--config", str(cfg_file), "--run-dir", str(tmp_path / "run"),
+                        "--dtype", "float16", "--ssd-cache-verify", "off"),
+                  {"MLXD_API_KEY": "k" * 16}).config
+    eid, spec = next(iter(cfg.engines().items()))
+    engine = launch.engine_launch(cfg, eid, spec, epoch=4)
+    proxy = launch.proxy_launch(cfg, epoch=2)
+    storage = launch.storage_launch(cfg, epoch=1, supervised=True)
+    for sent in (engine, proxy, storage):
+        assert codec.decode_launch(codec.encode_launch(sent), type(sent)) == sent
+    assert (engine.epoch, engine.model, engine.run_dir) == (4, spec, str(tmp_path / "run"))
+    assert engine.settings == cfg.engine and engine.settings.batch == 3
+    assert (engine.settings.dtype, engine.settings.ssd_cache_verify) == ("float16", False)
+    assert engine.ssd_root == str(cfg.ssd_cache) and proxy.engines == {eid: spec}
+    assert proxy.settings.model_alias == {"small": "/models/small"}
+    assert proxy.socket == str(tmp_path / "run" / "mlxd.sock") and proxy.engine.batch == 3
+    assert storage.settings.ssd_cache_max == 2.5 and storage.root == str(cfg.ssd_cache)
+    # the API key never travels in a launch struct
+    assert b"k" * 16 not in b"".join(codec.encode_launch(x) for x in (engine, proxy, storage))
+    # a child checks the bounds again when it decodes
+    bad = msgspec.structs.replace(engine, settings=msgspec.structs.replace(engine.settings,
+                                                                           batch=0))
+    with pytest.raises(msgspec.ValidationError, match="batch"):
+        codec.decode_launch(codec.encode_launch(bad), EngineLaunch)
+
+
+def test_a_child_refuses_a_bad_launch_struct_without_retry(tmp_path):
+    """A real child process reads its launch on stdin; garbage there is a config error (78:
+    the supervisor does not restart it), said on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "mlxd.storage_worker"], input=b"\x93garbage",
+                          capture_output=True, timeout=60)
+    assert proc.returncode == exit_codes.CONFIG_ERROR
+    assert b"bad StorageLaunch on stdin" in proc.stderr
 
 
 @pytest.mark.parametrize("text, message", [
@@ -103,10 +176,10 @@ def test_non_loopback_host_needs_an_api_key():
     with pytest.raises(ConfigError, match="host .*api-key"):
         resolve(_args("--host", "0.0.0.0"), {})
     c = resolve(_args("--host", "0.0.0.0"), {"MLXD_API_KEY": "k" * 16}).config
-    assert c.host == "0.0.0.0" and c.api_key == "k" * 16
+    assert c.proxy.host == "0.0.0.0" and c.daemon.api_key == "k" * 16
     with pytest.raises(ConfigError, match="api_key"):
         resolve(_args("--api-key", "short"), {})
-    assert resolve(_args("--host", "::1"), {}).config.host == "::1"
+    assert resolve(_args("--host", "::1"), {}).config.proxy.host == "::1"
 
 
 def _mlxd(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -125,6 +198,7 @@ def test_config_show_prints_values_and_sources(tmp_path):
     assert shown["port"] == {"value": 9300, "source": "flag --port"}
     assert shown["prefill_step"] == {"value": 64, "source": "env MLXD_PREFILL_STEP"}
     assert shown["api_key"]["value"] == "(set)"  # never printed
+    assert list(shown) == [s.key for s in SETTINGS]  # every setting of every section
     assert "sekret" not in out.stdout
     table = _mlxd("config", "show", "--config", str(cfg_file))
     assert table.returncode == 0

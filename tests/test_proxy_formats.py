@@ -21,7 +21,9 @@ import ollama
 import openai
 import pytest
 
+from mlxd.daemon.launch import popen
 from mlxd.protocol.models import engine_id_for
+from mlxd.protocol.settings import EngineSettings, ProxyLaunch, ProxySettings
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = json.dumps({"location": "Paris", "unit": "celsius"})
@@ -43,8 +45,10 @@ def proxy():
         port = s.getsockname()[1]
     eid = engine_id_for("fake")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "mlxd.proxy", "--run-dir", str(run_dir),
-                               "--port", str(port), "--engine", f"{eid}=fake"], env=env),
+    launch = ProxyLaunch(epoch=0, run_dir=str(run_dir), log_level="info", socket=None,
+                         engines={eid: "fake"}, settings=ProxySettings(port=port),
+                         engine=EngineSettings())
+    procs = [popen(launch, env=env),
              subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fake_engine.py"),
                                "--run-dir", str(run_dir), "--engine-id", eid,
                                "--reply", json.dumps(SCRIPT)], env=env)]

@@ -1,0 +1,66 @@
+"""What each child process is started with: its command line (`python -m mlxd.<role>`, no
+flags) and its launch struct, built here from the one `ServeConfig`, written whole on the
+child's stdin. Used by the supervisor and by the one-process mode alike."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from typing import Any
+
+from mlxd.daemon.config import ServeConfig
+from mlxd.protocol import codec
+from mlxd.protocol.settings import EngineLaunch, Launch, ProxyLaunch, StorageLaunch
+
+MODULES = {"proxy": "mlxd.proxy", "engine": "mlxd.engine", "storage": "mlxd.storage_worker"}
+ROLES: dict[type, str] = {ProxyLaunch: "proxy", EngineLaunch: "engine",
+                          StorageLaunch: "storage"}
+
+
+def command(role: str) -> list[str]:
+    return [sys.executable, "-m", MODULES[role]]
+
+
+def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int) -> EngineLaunch:
+    return EngineLaunch(
+        engine_id=engine_id, epoch=epoch, model=spec, run_dir=str(cfg.run_dir),
+        cache_dir=str(cfg.cache_dir),
+        ssd_root=None if cfg.ssd_cache is None else str(cfg.ssd_cache),
+        log_level=cfg.daemon.log_level, settings=cfg.engine)
+
+
+def proxy_launch(cfg: ServeConfig, epoch: int) -> ProxyLaunch:
+    return ProxyLaunch(
+        epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
+        socket=None if cfg.socket is None else str(cfg.socket), engines=cfg.engines(),
+        settings=cfg.proxy, engine=cfg.engine)
+
+
+def storage_launch(cfg: ServeConfig, epoch: int, supervised: bool) -> StorageLaunch:
+    assert cfg.ssd_cache is not None, "no storage worker without an SSD tier"
+    return StorageLaunch(
+        epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
+        root=str(cfg.ssd_cache), supervised=supervised, settings=cfg.storage)
+
+
+async def write_launch(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    """The encoded launch struct on the child's stdin (spawned with stdin=PIPE), then EOF.
+    A child that died first is noticed by whoever awaits its exit."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+        proc.stdin.close()
+        await proc.stdin.wait_closed()
+    except (BrokenPipeError, ConnectionResetError):
+        proc.stdin.close()
+
+
+def popen(launch: Launch, **kwargs: Any) -> subprocess.Popen[bytes]:
+    """A child started without the daemon (tests, benchmarks), fed `launch` the same way."""
+    proc = subprocess.Popen(command(ROLES[type(launch)]), stdin=subprocess.PIPE, **kwargs)
+    assert proc.stdin is not None
+    with proc.stdin:
+        proc.stdin.write(codec.encode_launch(launch))
+    return proc
