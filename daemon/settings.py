@@ -123,7 +123,8 @@ def _derive() -> tuple[Setting, ...]:
         info = mi.type_info(struct)
         assert isinstance(info, mi.StructType)
         for f in info.fields:
-            assert f.name not in found, f"setting {f.name} is declared in two sections"
+            if f.name in found:
+                raise TypeError(f"setting {f.name} is declared in two sections")
             found[f.name] = _from_field(section, f, hints[f.name])
     order = [k for k in SHOWN_ORDER if k in found] + [k for k in found if k not in SHOWN_ORDER]
     return tuple(found[k] for k in order)
