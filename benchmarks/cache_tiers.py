@@ -125,7 +125,7 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
     from mlxd.protocol import codec, shm
     from mlxd.protocol.addresses import Endpoints
     from mlxd.protocol.messages import BlockWrite, StoreBlocks
-    from mlxd.storage_worker.block_format import namespace_key
+    from mlxd.protocol.block_format import namespace_key
 
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-bw-", dir="/tmp"))
     root = work / "worker-kv"

@@ -42,7 +42,7 @@ ROLES = {"mlxd.proxy": "proxy", "mlxd.engine": "engine", "mlxd.storage_worker": 
 
 @dataclass
 class Counts:
-    streams: int = 0
+    stream_requests: int = 0
     streams_ok: int = 0
     wrong_text: int = 0
     stream_errors: int = 0  # in-band error events or non-200 answers
@@ -51,6 +51,7 @@ class Counts:
     resumes: int = 0
     fuzz_requests: int = 0
     fuzz_5xx: int = 0
+    fuzz_problems: int = 0  # 5xx, or an error not in the endpoint's own envelope
     fuzz_hangs: int = 0
     kills: int = 0
     errors: list[str] = field(default_factory=list)  # samples of what went wrong
@@ -77,6 +78,7 @@ class SoakDaemon:
         self.argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(model), "--isolate",
                      "--port", "0", "--run-dir", str(self.run_dir), "--cache-dir",
                      str(workdir / "cache"), "--restart-backoff", "0.1", *extra]
+        self.model_id = model.name
         self.log = open(workdir / "daemon.log", "w")
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
@@ -158,6 +160,7 @@ class Soak:
         self.rounds: list[RoundRecord] = []
         self.references: dict[int, str] = {}
         self.proxy_killed_at = -1e9
+        self.engine_killed_at = -1e9
         self.rng = random.Random(args.seed)
 
     async def run(self) -> None:
@@ -179,7 +182,7 @@ class Soak:
         c = self.counts
         while time.monotonic() < deadline:
             i = self.rng.randrange(len(PROMPTS))
-            c.streams += 1
+            c.stream_requests += 1
             started = time.monotonic()
             try:
                 text, usage, errors = await _stream(s, self.d.url, _body(i, self.args.max_tokens),
@@ -215,34 +218,43 @@ class Soak:
     async def _fuzzer(self, s: aiohttp.ClientSession, deadline: float) -> None:
         if self.args.fuzz_per_s <= 0:
             return
-        try:
-            import fuzz_requests
-        except ImportError:
-            self.counts.note("tests/fuzz_requests.py not found: no fuzzing")
-            return
+        import fuzz_requests  # tests/fuzz_requests.py: the generators the fuzz tests use
         c = self.counts
-        for req in fuzz_requests.requests(seed=self.args.seed):
-            if time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(1 / self.args.fuzz_per_s)
-            c.fuzz_requests += 1
-            try:
-                async with s.request(req.method, self.d.url + req.path, data=req.body,
-                                     headers=req.headers,
-                                     timeout=aiohttp.ClientTimeout(total=60)) as r:
-                    body = await r.read()
-            except asyncio.TimeoutError:
-                c.fuzz_hangs += 1
-                c.note(f"fuzz hang: {req.method} {req.path} {req.body[:100]!r}")
-                continue
-            except (aiohttp.ClientError, ConnectionError):
-                continue  # a proxy being killed
-            if r.status >= 500 and time.monotonic() - self.proxy_killed_at > 5:
-                problem = fuzz_requests.check(req, r.status, dict(r.headers), body)
-                if r.status not in (503,) or problem:
+        unix = aiohttp.ClientSession(connector=aiohttp.UnixConnector(
+            path=str(self.d.run_dir / "mlxd.sock")))
+        count = int(self.args.minutes * 60 * self.args.fuzz_per_s) + 1
+        try:
+            for req in fuzz_requests.iter_requests(count, self.d.model_id, seed=self.args.seed):
+                if time.monotonic() >= deadline:
+                    return
+                await asyncio.sleep(1 / self.args.fuzz_per_s)
+                c.fuzz_requests += 1
+                session, base = (unix, "http://localhost") if req.unix else (s, self.d.url)
+                try:
+                    async with session.request(req.method, base + req.path, data=req.body,
+                                               headers=req.headers,
+                                               timeout=aiohttp.ClientTimeout(total=60)) as r:
+                        body = await r.read()
+                        status, headers = r.status, {k.lower(): v for k, v in r.headers.items()}
+                except asyncio.TimeoutError:
+                    c.fuzz_hangs += 1
+                    c.note(f"fuzz hang: {req.method} {req.path} {req.body[:100]!r}")
+                    continue
+                except (aiohttp.ClientError, ConnectionError):
+                    continue  # a proxy being killed
+                if time.monotonic() - self.proxy_killed_at < 5 or self._engine_down_recently():
+                    continue  # 503s of a child being restarted are the truth, not a fault
+                problems = fuzz_requests.problems(req, status, headers, body)
+                if status >= 500:
                     c.fuzz_5xx += 1
-                    c.note(f"fuzz {r.status}: {req.method} {req.path} {req.body[:100]!r} -> "
-                           f"{body[:150]!r}")
+                if problems:
+                    c.fuzz_problems += 1
+                    c.note(f"fuzz {req.method} {req.path} {req.body[:100]!r}: {problems}")
+        finally:
+            await unix.close()
+
+    def _engine_down_recently(self) -> bool:
+        return time.monotonic() - self.engine_killed_at < self.args.hang_timeout + 10
 
     async def _chaos(self, s: aiohttp.ClientSession, deadline: float) -> None:
         kinds = self.args.kinds.split(",") if self.args.kinds else []
@@ -261,6 +273,8 @@ class Soak:
             if victim == "proxy":
                 self.proxy_killed_at = time.monotonic() + (
                     self.args.hang_timeout + 5 if sig == signal.SIGSTOP else 0)
+            elif victim == "engine":
+                self.engine_killed_at = time.monotonic()
             try:
                 proc.send_signal(sig)
             except psutil.Error:
@@ -352,7 +366,7 @@ def main() -> int:
         args.out.with_suffix(".json").write_text(json.dumps(
             {"summary": summary, "rounds": [asdict(r) for r in soak.rounds]}, indent=1))
         args.out.with_suffix(".md").write_text(_markdown(summary, soak.rounds))
-    ok = (c.wrong_text == 0 and c.hangs == 0 and c.fuzz_5xx == 0 and c.fuzz_hangs == 0
+    ok = (c.wrong_text == 0 and c.hangs == 0 and c.fuzz_problems == 0 and c.fuzz_hangs == 0
           and supervisor_alive and code == 0 and not segments and not procs)
     return 0 if ok else 1
 
@@ -360,12 +374,14 @@ def main() -> int:
 def _markdown(s: dict, rounds: list[RoundRecord]) -> str:
     lines = [f"# Soak: {s['minutes']} min, {s['streams']} streams, a kill of one of "
              f"[{s['kinds']}] every {s['kill_every_s']} s", "",
-             "| streams | ok | wrong text | stream errors | dropped with a killed proxy | hangs "
-             "| resumes | kills | fuzzed requests | fuzz 5xx | fuzz hangs | supervisor survived |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| {s['streams']} | {s['streams_ok']} | {s['wrong_text']} | {s['stream_errors']} | "
+             "| stream requests | ok | wrong text | stream errors | dropped with a killed proxy | hangs "
+             "| resumes | kills | fuzzed requests | fuzz 5xx | fuzz other problems | fuzz hangs "
+             "| supervisor survived |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+             f"| {s['stream_requests']} | {s['streams_ok']} | {s['wrong_text']} | {s['stream_errors']} | "
              f"{s['dropped_by_proxy_death']} | {s['hangs']} | {s['resumes']} | {s['kills']} | "
-             f"{s['fuzz_requests']} | {s['fuzz_5xx']} | {s['fuzz_hangs']} | "
+             f"{s['fuzz_requests']} | {s['fuzz_5xx']} | "
+             f"{s['fuzz_problems'] - s['fuzz_5xx']} | {s['fuzz_hangs']} | "
              f"{s['supervisor_survived']} |", "",
              f"Engine RSS outside the prefix cache: {json.dumps(s['engine_rss'])}", "",
              "| t | killed | signal | engine epoch | RSS MB (supervisor / proxy / engine / storage) "

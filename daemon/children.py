@@ -7,6 +7,7 @@ import signal
 from dataclasses import dataclass, field
 
 from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.protocol.addresses import identity
 from mlxd.protocol.messages import ChildInfo
 
 STATES = ("starting", "ready", "backoff", "failed", "stopping", "stopped")
@@ -32,7 +33,7 @@ class Child:
 
     @property
     def identity(self) -> bytes:
-        return f"{self.role}:{self.child_id}:{self.epoch}".encode()
+        return identity(self.role, self.child_id, self.epoch)
 
     @property
     def alive(self) -> bool:

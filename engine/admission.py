@@ -1,16 +1,86 @@
-"""Turning a `Generate` into what the runner needs, on the engine's I/O thread: the prompt's
-tokens (through the chat template), every check that makes a bad request a client error before
-it can reach a batch, the per-request output state, and the logits processors (penalties, the
-output grammar). Nothing here touches MLX arrays or sockets."""
+"""Turning a `Generate` into what the runner needs, on an admission lane (never the I/O or
+the MLX thread): the prompt's tokens (through the chat template), every check that makes a bad
+request a client error before it can reach a batch, the per-request output state, the sampler
+and logits processors, and the longest cached prefix from SSD. `prepare` returns either an
+engine request (`Admitted`) or an immediate answer (`Answered`). Nothing here touches live MLX
+arrays or sockets."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from mlxd.engine.output import (THINK_CLOSE, THINK_OPEN, RequestOutput, ThinkSplitter,
                                 ToolCallSplitter)
+from mlxd.engine.prefix_cache import RestoredPrefix
+from mlxd.engine.state import LoadedModel
 from mlxd.protocol import faults
-from mlxd.protocol.messages import PROMPT_SIZE_SLACK, Generate
+from mlxd.protocol.messages import PROMPT_SIZE_SLACK, Delta, Generate
+
+log = logging.getLogger("mlxd.engine")
+
+
+@dataclass
+class Admitted:
+    """The request goes on: its output state to the output thread, its command to the MLX
+    thread (`runner.AddRequest`)."""
+    output: RequestOutput
+    request: Any
+    notice: Delta  # the admission notice (prompt token count): the proxy may start answering
+
+
+@dataclass
+class Answered:
+    """The request was answered here: an error, a token count, or nothing left to generate."""
+    deltas: list[Delta]
+
+
+def prepare(msg: Generate, model: LoadedModel | None,
+            restore: Callable[[list[int]], RestoredPrefix | None],
+            received_at: float) -> Admitted | Answered:
+    rid = msg.request_id
+    try:
+        if model is None:
+            raise ClientError("the model is still loading", "engine_loading")
+        return _prepare(msg, model, restore, received_at)
+    except ClientError as e:
+        return Answered([Delta(rid, finish_reason="error", error=str(e), error_code=e.code)])
+    except Exception as e:  # noqa: BLE001 - a bad request must never hurt the engine
+        log.exception("request %s could not be prepared", rid)
+        return Answered([Delta(rid, finish_reason="error", error=f"invalid request: "
+                               f"{str(e)[:500]}", error_code="invalid_request")])
+
+
+def _prepare(msg: Generate, model: LoadedModel,
+             restore: Callable[[list[int]], RestoredPrefix | None],
+             received_at: float) -> Admitted | Answered:
+    from mlxd.engine.runner import AddRequest
+    from mlxd.engine.sampling import make_request_sampler
+    rid, tok = msg.request_id, model.tokenizer
+    check_prompt_size(msg, model.context_length, model.max_token_bytes)
+    prompt = prompt_tokens(tok, msg)
+    if msg.count_only:
+        return Answered([Delta(rid, prompt_tokens=len(prompt)),
+                         Delta(rid, finish_reason="length", prompt_tokens=len(prompt))])
+    p = msg.sampling
+    max_tokens = max(1, min(p.max_tokens, room_for(prompt, model.context_length)))
+    resumed = list(msg.resume_token_ids)
+    out = request_output(tok, msg, prompt, model.eos_ids)
+    if resumed:
+        out.prime(resumed, msg.resume_text_len)
+        max_tokens -= len(resumed)
+        prompt = prompt + resumed
+        if max_tokens < 1:  # it had delivered everything but the finish
+            return Answered([Delta(rid, prompt_tokens=out.prompt_tokens),
+                             Delta(rid, finish_reason="length", prompt_tokens=out.prompt_tokens,
+                                   completion_tokens=out.completion_tokens)])
+    request = AddRequest(rid, prompt, max_tokens,
+                         make_request_sampler(p, start_position=len(resumed)),
+                         processors(msg, model.grammar_tokenizer, resumed),
+                         restored=restore(prompt), received_at=received_at,
+                         logprobs=p.logprobs)
+    return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
 
 
 class ClientError(Exception):

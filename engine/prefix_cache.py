@@ -23,6 +23,16 @@ class Entry:
     persisted: bool = False  # every block of it is on SSD (or queued there)
 
 
+@dataclass(eq=False)
+class RestoredPrefix:
+    """KV for a prompt's first `tokens` tokens, read from the SSD tier on an admission lane as
+    host arrays (per layer (keys, values), each (1, kv_heads, tokens, head_dim)); the MLX
+    thread turns them into MLX arrays."""
+    tokens: int
+    layers: list[tuple[Any, Any]]
+    dtype: str
+
+
 @dataclass
 class _Node:
     children: dict[int, "_Node"] = field(default_factory=dict)

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxd.engine.prefix_cache import Entry, PrefixCache
+from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
 from mlxd.protocol import faults
 
 log = logging.getLogger("mlxd.engine")
@@ -32,7 +32,7 @@ class AddRequest:
     max_tokens: int
     sampler: Callable[[mx.array], mx.array]
     processors: list
-    restored: tuple[int, list, str] | None = None  # (tokens, per-layer (k, v) numpy, dtype)
+    restored: RestoredPrefix | None = None  # KV read from the SSD tier, if it beats RAM
     received_at: float = 0.0  # monotonic time the engine received the request
     logprobs: int = -1  # top alternatives to report per token (-1: no log-probabilities)
 
@@ -152,20 +152,24 @@ class Runner:
         adds: list[AddRequest] = []
         aborts: list[str] = []
         while True:
-            if isinstance(cmd, StopRunner):
-                self._fail_all("engine stopping")
-                return False
-            if isinstance(cmd, AddRequest):
-                adds.append(cmd)
-            elif isinstance(cmd, AbortRequest):
-                aborts.append(cmd.request_id)
-            elif isinstance(cmd, Call):
-                cmd.fn(self)
+            match cmd:
+                case StopRunner():
+                    self._fail_all("engine stopping")
+                    return False
+                case AddRequest():
+                    adds.append(cmd)
+                case AbortRequest(request_id=rid):
+                    aborts.append(rid)
+                case Call(fn=fn):
+                    fn(self)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
         if aborts:
+            if "*" in aborts:  # every request: running, waiting for a leader, or just added
+                aborts = [*self._rid_to_uid, *(a.request_id for w in self._followers.values()
+                                               for a in w), *(a.request_id for a in adds)]
             gone = set(aborts)
             adds = [a for a in adds if a.request_id not in gone]  # aborted before it started
             self._abort(aborts)
@@ -191,7 +195,7 @@ class Runner:
     def _leader_for(self, add: AddRequest) -> int | None:
         """A prefilling request sharing MIN_SHARED_PREFIX tokens beyond what the caches give
         `add` already (one slice comparison per candidate, at C speed)."""
-        cached = max(self.cache.peek(add.prompt), add.restored[0] if add.restored else 0)
+        cached = max(self.cache.peek(add.prompt), add.restored.tokens if add.restored else 0)
         need = cached + MIN_SHARED_PREFIX
         if need >= len(add.prompt):
             return None
@@ -202,9 +206,10 @@ class Runner:
         prompt = add.prompt
         cache, cached, source = None, 0, "none"
         hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
-        if add.restored is not None and (hit is None or add.restored[0] > hit[1]):
-            n, arrays, dtype = add.restored
-            layers = [(_to_mx(k, dtype), _to_mx(v, dtype)) for k, v in arrays]
+        restored = add.restored
+        if restored is not None and (hit is None or restored.tokens > hit[1]):
+            n, dtype = restored.tokens, restored.dtype
+            layers = [(_to_mx(k, dtype), _to_mx(v, dtype)) for k, v in restored.layers]
             cache, cached, source = self._lend(layers, n), n, "ssd"
             self.counters.ssd_restored_tokens += n
             entry = self.cache.insert(prompt[:n], layers, sum(k.nbytes + v.nbytes

@@ -10,16 +10,14 @@
   the refusal's code instead of retrying until its deadline.
 - The storage thread owns the DEALER to the storage worker: it sends, frees slots on
   `StoreDone`, and reclaims slots a dead worker never answered for.
-- Restore (I/O thread, before a request reaches the MLX thread): walk the prompt's chained keys
-  while block files exist, then the best tail; read and verify each file. A bad file is a miss
-  (logged and removed), never an error.
+- Restore: `ssd_restore.SsdReader` (`self.reader`), on the admission lanes.
+- Wiring: `open_ssd_tier` derives the block layout and the namespace from the loaded model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,15 +30,14 @@ import zmq
 
 from mlxd.engine.prefix_cache import Entry
 from mlxd.engine.ssd_health import Admit, Change, Refusal, WriteHealth
+from mlxd.engine.ssd_restore import RAW_DTYPES, SsdReader
 from mlxd.protocol import codec, shm
-from mlxd.protocol.messages import BlockWrite, StoreBlocks, StoreDone, TouchBlocks
-from mlxd.storage_worker.block_format import (BadBlock, Layout, block_key, block_path,
-                                              chain_keys, namespace_key, parse_name, read_block)
+from mlxd.protocol.block_format import Layout, block_key, block_path, namespace_key
+from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
 
 log = logging.getLogger("mlxd.engine")
 
 RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead worker is assumed
-_RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 @dataclass
@@ -128,6 +125,9 @@ class SsdTier:
         self._ctx = ctx
         self._endpoint = endpoint
         self._stop = threading.Event()
+        self.reader = SsdReader(self.namespace, self.ns_dir, layout, block_tokens, verify,
+                                self.stats, lambda names: self._out.put(
+                                    TouchBlocks(self.namespace, names)))
         self._thread = threading.Thread(target=self._client_loop, name="engine-ssd", daemon=True)
         self._thread.start()
 
@@ -205,10 +205,6 @@ class SsdTier:
         entry.persisted = len(blocks) == len(todo)
         return len(blocks)
 
-    def _layout_list(self) -> list:
-        lay = self.layout
-        return [lay.n_layers, lay.kv_heads, lay.k_head_dim, lay.v_head_dim, lay.dtype]
-
     def _flatten(self, entry: Entry, start: int, end: int) -> Any:
         """The block as the slot holds it: per layer, keys then values, each
         (kv_heads, tokens, head_dim), as one lazy 1-D array."""
@@ -219,7 +215,7 @@ class SsdTier:
 
     def _copy(self, blocks: list[_Block]) -> StoreBlocks:
         """Storage thread: wait for each block's evaluation, copy it into its slot."""
-        raw = _RAW[self.layout.dtype]
+        raw = RAW_DTYPES[self.layout.dtype]
         for b in blocks:
             data = np.asarray(b.data)
             dst = np.ndarray(data.shape, dtype=raw, buffer=self._shm.buf,
@@ -227,7 +223,7 @@ class SsdTier:
             dst[...] = data
             b.data = None  # the MLX array (and the cache it views) is released here
         return StoreBlocks(self.engine_id, self.epoch, self.segment, self.slot_bytes,
-                           self.namespace, self._layout_list(), [b.write for b in blocks])
+                           self.namespace, self.layout, [b.write for b in blocks])
 
     def flush(self, run_on_mlx: Callable[[Callable[[], int]], int | None],
               entries: Callable[[], list[Entry]], timeout: float) -> FlushResult:
@@ -287,19 +283,27 @@ class SsdTier:
         with self._idle:
             return self.health.refused(time.monotonic())
 
-    def state(self) -> dict[str, float | int | str]:
-        """The tier's health for /stats: `ssd_state` "ok" or "degraded: <code>: <why>; ...",
-        the code, seconds until writes are tried again, blocks skipped meanwhile."""
+    def fill_stats(self, out: EngineStats) -> None:
+        """The tier's figures and health: `ssd_state` "ok" or "degraded: <code>: <why>; ...",
+        the code, seconds until writes are tried again."""
         now = time.monotonic()
         with self._idle:
             refusal, retry_in = self.health.refusal, self.health.retry_in(now)
-        if refusal is None:
-            return {"ssd_state": "ok", "ssd_error_code": "", "ssd_retry_in_s": 0.0,
-                    "ssd_skipped_degraded": self.stats.skipped_degraded}
-        when = f"next try in {retry_in:.1f} s" if retry_in > 0 else "next try with the next write"
-        return {"ssd_state": f"degraded: {refusal.code}: {refusal.message}; writes paused, {when}",
-                "ssd_error_code": refusal.code, "ssd_retry_in_s": round(retry_in, 1),
-                "ssd_skipped_degraded": self.stats.skipped_degraded}
+        st = self.stats
+        out.ssd_state = "ok"
+        if refusal is not None:
+            when = f"next try in {retry_in:.1f} s" if retry_in > 0 \
+                else "next try with the next write"
+            out.ssd_state = f"degraded: {refusal.code}: {refusal.message}; writes paused, {when}"
+            out.ssd_error_code, out.ssd_retry_in_s = refusal.code, round(retry_in, 1)
+        out.ssd_hits, out.ssd_misses = st.hits, st.misses
+        out.ssd_restored_tokens, out.ssd_blocks_queued = st.restored_tokens, st.blocks_queued
+        out.ssd_blocks_written, out.ssd_blocks_existed = st.blocks_written, st.blocks_existed
+        out.ssd_bytes_written, out.ssd_write_failures = st.bytes_written, st.write_failures
+        out.ssd_skipped_no_slot, out.ssd_skipped_degraded = st.skipped_no_slot, st.skipped_degraded
+        out.ssd_bad_blocks, out.ssd_evicted = st.bad_blocks, st.evicted
+        out.ssd_bytes, out.ssd_blocks = st.disk_bytes, st.disk_blocks
+        out.ssd_write_queue = self.queue_depth
 
     @property
     def queue_depth(self) -> int:
@@ -392,79 +396,35 @@ class SsdTier:
             self._done(StoreDone(stale, failed=len(stale), error="the storage worker died",
                                  error_code="worker_gone"))
 
-    # ------------------------------------------------------------------ restore (I/O thread)
 
-    def available(self, prompt: list[int]) -> int:
-        """How many prompt tokens the SSD tier could serve (file existence only)."""
-        return self._walk(prompt)[0]
+def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> SsdTier | None:
+    """The SSD tier for a loaded model, or None (off, a cache mlx-lm cannot slice into blocks,
+    or no shared memory). The namespace names everything a block's bytes depend on."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    def _walk(self, prompt: list[int]) -> tuple[int, list[tuple[bytes, int, bytes, list[int]]]]:
-        usable = prompt[:len(prompt) - 1]
-        found: list[tuple[bytes, int, bytes, list[int]]] = []
-        parent = self.namespace
-        B = self.block_tokens
-        for i, key in enumerate(chain_keys(self.namespace, usable, B)):
-            if not self._path(parent, B, key).exists():
-                break
-            found.append((parent, B, key, usable[i * B:(i + 1) * B]))
-            parent = key
-        n = len(found) * B
-        rest = usable[n:n + B - 1]
-        best = None
-        try:
-            names = os.listdir(self.ns_dir / parent.hex()[:2]) if rest else []
-        except OSError:  # gone, not a directory, unreadable: no tails
-            names = []
-        prefix = parent.hex() + "-"
-        for name in names:
-            if not name.startswith(prefix):
-                continue
-            parsed = parse_name(name)
-            if parsed is None or parsed[1] >= B or parsed[1] > len(rest):
-                continue
-            t = parsed[1]
-            if (best is None or t > best[1]) and block_key(parent, rest[:t]).hex() == parsed[2]:
-                best = (parent, t, bytes.fromhex(parsed[2]), rest[:t])
-        if best is not None:
-            found.append(best)
-            n += best[1]
-        return n, found
-
-    def restore(self, prompt: list[int], better_than: int) -> tuple[int, list] | None:
-        """Per-layer (k, v) numpy arrays (1, kv_heads, n, head_dim) for the longest verified
-        prefix on SSD, if it beats `better_than` tokens."""
-        n, found = self._walk(prompt)
-        if n <= better_than:
-            return None
-        lay = self.layout
-        raw = _RAW[lay.dtype]
-        parts: list[list[np.ndarray]] = [[] for _ in range(2 * lay.n_layers)]
-        got = 0
-        names = []
-        for parent, t, key, tokens in found:
-            path = self._path(parent, t, key)
-            try:
-                payload = read_block(path, lay, self.namespace, parent, key, tokens, self.verify)
-            except BadBlock as e:
-                log.warning("SSD block unusable, removed: %s", e)
-                self.stats.bad_blocks += 1
-                path.unlink(missing_ok=True)
-                break
-            flat = np.frombuffer(payload, dtype=raw)
-            off = 0
-            for i in range(lay.n_layers):
-                for j, hd in ((0, lay.k_head_dim), (1, lay.v_head_dim)):
-                    size = lay.kv_heads * t * hd
-                    parts[2 * i + j].append(flat[off:off + size].reshape(lay.kv_heads, t, hd))
-                    off += size
-            got += t
-            names.append(path.name)
-        if got <= better_than:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        self.stats.restored_tokens += got
-        self._out.put(TouchBlocks(self.namespace, names))
-        layers = [(np.concatenate(parts[2 * i], axis=1)[None],
-                   np.concatenate(parts[2 * i + 1], axis=1)[None]) for i in range(lay.n_layers)]
-        return got, layers
+    from mlxd.engine.model_loader import resolve_model_dir
+    from mlxd.protocol.models import model_id
+    if launch.ssd_root is None or not endpoint:
+        return None
+    probe = make_prompt_cache(model)
+    if not all(type(c) is KVCache for c in probe):
+        log.info("this model's cache is not a plain KV cache: no SSD tier")
+        return None
+    model(mx.array([[0]]), cache=probe)
+    k, v = probe[0].keys, probe[0].values
+    dtype = str(k.dtype).split(".")[-1]
+    layout = Layout(len(probe), k.shape[1], k.shape[3], v.shape[3], dtype)
+    block_tokens = launch.settings.block_tokens
+    digest = weights_digest(resolve_model_dir(launch.model, Path(launch.cache_dir)))
+    description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
+                   f"mlx {mx.__version__}|{layout}")
+    try:
+        return SsdTier(root=Path(launch.ssd_root), layout=layout, description=description,
+                       block_tokens=block_tokens, run_dir=Path(launch.run_dir),
+                       engine_id=launch.engine_id, epoch=launch.epoch,
+                       slots=launch.settings.kv_slots, verify=launch.settings.ssd_cache_verify,
+                       ctx=ctx, endpoint=endpoint)
+    except OSError as e:
+        log.error("no SSD tier: cannot create shared memory: %s", e)
+        return None

@@ -42,8 +42,14 @@ class Endpoints:
                 if ep.startswith("ipc://")]
 
 
+def identity(role: str, child_id: str, epoch: int) -> bytes:
+    """A child's ZeroMQ identity, on the control channel and (engines) the request channel:
+    the epoch makes every life of a child a different peer."""
+    return f"{role}:{child_id}:{epoch}".encode()
+
+
 def engine_identity(engine_id: str, epoch: int) -> bytes:
-    return f"engine:{engine_id}:{epoch}".encode()
+    return identity("engine", engine_id, epoch)
 
 
 def ensure_private_dir(path: Path) -> Path:

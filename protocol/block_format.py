@@ -1,5 +1,5 @@
-"""The SSD tier's block files: names, chained keys and the on-disk layout. Pure functions,
-used by the storage worker (which writes) and by the engine (which looks up and reads).
+"""The SSD tier's block files: names, chained keys and the on-disk layout. Pure functions, a
+contract between the storage worker (which writes) and the engine (which looks up and reads).
 
 A block holds every layer's K and V for a span of tokens. Its key is the chained hash
 blake3(parent_key || token ids as u32 LE), whose root is the model namespace, so identical
@@ -15,10 +15,11 @@ File: ROOT/<namespace>/<parent[:2]>/<parent>-<n_tokens>-<key>.blk
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import blake3
+import msgspec
 import numpy as np
 
 MAGIC = b"MLXDKV01"
@@ -32,13 +33,16 @@ class BadBlock(Exception):
     """A missing, torn or corrupt block file: a cache miss, never a wrong answer."""
 
 
-@dataclass(frozen=True)
-class Layout:
+KvDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class Layout(msgspec.Struct, frozen=True, array_like=True):
+    """The shape of a model's KV cache, as blocks store it (and `StoreBlocks` names it)."""
     n_layers: int
     kv_heads: int
     k_head_dim: int
     v_head_dim: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: KvDtype
 
     def layer_bytes(self, n_tokens: int) -> int:
         return self.kv_heads * n_tokens * (self.k_head_dim + self.v_head_dim) \

@@ -7,7 +7,17 @@ process carry the sender's epoch so that stale ones are dropped.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from mlxd.protocol.block_format import Layout
+
+Role = Literal["proxy", "engine", "storage"]
+# A child process as the supervisor sees it (supervisord-style states).
+ChildState = Literal["starting", "ready", "backoff", "failed", "stopping", "stopped"]
+# An engine as it reports itself.
+EngineState = Literal["loading", "ready", "failed", "stopping"]
 
 
 class _Msg(msgspec.Struct, array_like=True, tag=True, omit_defaults=False):
@@ -95,6 +105,46 @@ class StepOutput(_Msg, tag="step"):
     deltas: list[Delta]
 
 
+class EngineStats(msgspec.Struct, array_like=True):
+    """An engine's prompt, timing and KV-cache figures (RAM and SSD tiers): `/stats` shows them
+    under `cache` as they are named here, `/metrics` exports them."""
+    ram_bytes: int = 0
+    ram_entries: int = 0
+    ram_capacity_bytes: int = 0
+    ram_hits: int = 0
+    ram_misses: int = 0
+    ram_evictions: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from either tier
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0  # MLX-thread time spent on generation checkpoints
+    step_s: float = 0.0  # MLX-thread time in generation steps
+    first_tokens: int = 0  # requests that produced a first token (for the two means below)
+    to_admit_s: float = 0.0  # sum: engine receipt -> inserted into the batch
+    to_first_token_s: float = 0.0  # sum: engine receipt -> first token sampled
+    mlx_active_bytes: int = 0  # MLX's allocator: arrays alive
+    mlx_cache_bytes: int = 0  # and freed buffers it keeps for reuse
+    ssd_state: str = "off"  # "off" | "ok" | "degraded: <code>: <why>; ..."
+    ssd_error_code: str = ""
+    ssd_retry_in_s: float = 0.0
+    ssd_hits: int = 0
+    ssd_misses: int = 0
+    ssd_restored_tokens: int = 0
+    ssd_blocks_queued: int = 0
+    ssd_blocks_written: int = 0
+    ssd_blocks_existed: int = 0
+    ssd_bytes_written: int = 0
+    ssd_write_failures: int = 0
+    ssd_skipped_no_slot: int = 0
+    ssd_skipped_degraded: int = 0
+    ssd_bad_blocks: int = 0
+    ssd_bytes: int = 0
+    ssd_blocks: int = 0
+    ssd_evicted: int = 0
+    ssd_write_queue: int = 0
+
+
 # A prompt's text is refused before tokenizing when it has more characters than
 # context_length * max_token_bytes * PROMPT_SIZE_SLACK: more than any tokenization could fit
 # (the slack leaves room for normalizers that shrink text).
@@ -109,7 +159,7 @@ class EngineStatus(_Msg, tag="status"):
     pid: int
     model_id: str
     model_names: list[str]
-    state: str  # "loading" | "ready" | "failed" | "stopping"
+    state: EngineState
     active: int = 0
     peak_batch: int = 0
     steps: int = 0
@@ -118,7 +168,7 @@ class EngineStatus(_Msg, tag="status"):
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     model_spec: str = ""
-    cache: dict[str, float | int | str] = {}  # RAM/SSD tier figures for /stats
+    stats: EngineStats = msgspec.field(default_factory=EngineStats)
     max_token_bytes: int = 0  # the longest token's text in bytes (0: unknown): lets the proxy
     # refuse a prompt that cannot fit the context without sending it
 
@@ -143,7 +193,7 @@ FromEngine = StepOutput | EngineStatus | CacheFlushed
 # ---------------------------------------------------------------- control (supervisor <-> child)
 
 class Hello(_Msg, tag="hello"):
-    role: str
+    role: Role
     child_id: str
     epoch: int
     pid: int
@@ -175,11 +225,11 @@ class Shutdown(_Msg, tag="shutdown"):
 
 class ChildInfo(msgspec.Struct, array_like=True):
     """The supervisor's view of one child, for /stats and for the proxy's routing."""
-    role: str
+    role: Role
     child_id: str
     model: str
     epoch: int
-    state: str  # starting | ready | backoff | failed | stopping | stopped
+    state: ChildState
     pid: int | None = None
     restarts: int = 0
     last_exit: str | None = None  # "code 1" | "signal 9"
@@ -236,7 +286,7 @@ class StoreBlocks(_Msg, tag="store"):
     segment: str  # shared-memory segment name
     slot_bytes: int
     namespace: bytes
-    layout: list  # [n_layers, kv_heads, k_head_dim, v_head_dim, dtype]
+    layout: Layout
     blocks: list[BlockWrite]
 
 

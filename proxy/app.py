@@ -72,7 +72,7 @@ async def stats(request: web.Request) -> web.Response:
             "prompt_tokens_total": st.prompt_tokens_total if st else 0,
             "generated_tokens_total": st.generated_tokens_total if st else 0,
             "error": rec.error, "restarts": rec.child.restarts if rec.child else 0,
-            "cache": dict(st.cache) if st else {},
+            "cache": msgspec.structs.asdict(st.stats) if st else {},
             "last_status_age_s": round(time.monotonic() - rec.last_seen, 3) if st else None})
     router: Router = request.app["router"]
     pool = None

@@ -43,9 +43,8 @@ async def health(request: web.Request) -> web.Response:
     for rec in client.engines.values():
         if rec.engine_id in resident:
             models[rec.model_id] = rec.state
-            cache = rec.status.cache if rec.status else {}
-            state = cache.get("ssd_state", "off") if isinstance(cache, dict) else "off"
-            if isinstance(state, str) and state.startswith("degraded"):
+            state = rec.status.stats.ssd_state if rec.status else "off"
+            if state.startswith("degraded"):
                 ssd_problem = f"{rec.model_id}: SSD tier {state}"
         else:
             listed[rec.model_id] = "failed" if rec.state == "failed" else "unloaded"

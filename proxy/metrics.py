@@ -23,12 +23,6 @@ from mlxd.proxy.errors import APIError
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5)
 STATES = ("starting", "loading", "ready", "backoff", "failed", "stopping", "stopped")
-# Engine cache figures exported as counters (monotonic per engine life) and as gauges.
-CACHE_COUNTERS = {
-    "ram_hits": ("ram", "hits"), "ram_misses": ("ram", "misses"),
-    "ram_evictions": ("ram", "evictions"), "ssd_hits": ("ssd", "hits"),
-    "ssd_misses": ("ssd", "misses"), "ssd_evicted": ("ssd", "evictions")}
-CACHE_GAUGES = {"ram_bytes": "ram", "ssd_bytes": "ssd"}
 
 
 class RequestMetrics:
@@ -104,22 +98,25 @@ class DaemonCollector(Collector):
                 continue
             active.add_metric([m], st.active)
             gen.add_metric([m], st.generated_tokens_total)
-            cache = st.cache
-            for key, (tier, event) in CACHE_COUNTERS.items():
-                if isinstance(cache.get(key), (int, float)):
-                    hits.add_metric([m, tier, event], cache[key])
-            for key, tier in CACHE_GAUGES.items():
-                if isinstance(cache.get(key), (int, float)):
-                    size.add_metric([m, tier], cache[key])
-            if isinstance(cache.get("ssd_restored_tokens"), (int, float)):
-                restored.add_metric([m], cache["ssd_restored_tokens"])
-                for outcome, key in (("written", "ssd_blocks_written"),
-                                     ("existed", "ssd_blocks_existed"),
-                                     ("failed", "ssd_write_failures"),
-                                     ("skipped", "ssd_skipped_no_slot")):
-                    writes.add_metric([m, outcome], cache.get(key, 0))
-                written.add_metric([m], cache.get("ssd_bytes_written", 0))
-                queue.add_metric([m], cache.get("ssd_write_queue", 0))
+            x = st.stats
+            for tier, event, value in (
+                    ("ram", "hits", x.ram_hits), ("ram", "misses", x.ram_misses),
+                    ("ram", "evictions", x.ram_evictions), ("ssd", "hits", x.ssd_hits),
+                    ("ssd", "misses", x.ssd_misses), ("ssd", "evictions", x.ssd_evicted)):
+                if tier == "ram" or x.ssd_state != "off":
+                    hits.add_metric([m, tier, event], value)
+            size.add_metric([m, "ram"], x.ram_bytes)
+            if x.ssd_state != "off":
+                size.add_metric([m, "ssd"], x.ssd_bytes)
+                restored.add_metric([m], x.ssd_restored_tokens)
+                for outcome, value in (("written", x.ssd_blocks_written),
+                                       ("existed", x.ssd_blocks_existed),
+                                       ("failed", x.ssd_write_failures),
+                                       ("skipped", x.ssd_skipped_no_slot),
+                                       ("skipped_degraded", x.ssd_skipped_degraded)):
+                    writes.add_metric([m, outcome], value)
+                written.add_metric([m], x.ssd_bytes_written)
+                queue.add_metric([m], x.ssd_write_queue)
         yield from (state, active, gen, hits, size, restored, writes, written, queue)
 
         restarts = CounterMetricFamily("mlxd_child_restarts", "Restarts of each supervised "

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from mlxd.protocol import codec, exit_codes, faults
-from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.addresses import Endpoints, identity
 from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, Shutdown,
                                     StopDaemon)
 from mlxd.protocol.settings import ProxyLaunch
@@ -40,7 +40,7 @@ class SupervisorLink:
     def __init__(self, ctx: zmq.asyncio.Context, endpoints: Endpoints, epoch: int) -> None:
         self.epoch = epoch
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"proxy:proxy:{epoch}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, identity("proxy", "proxy", epoch))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoints.control)
         self._enc = codec.to_supervisor()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.protocol import faults
-from mlxd.storage_worker.block_format import parse_name
+from mlxd.protocol.block_format import parse_name
 
 log = logging.getLogger("mlxd.storage")
 

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import msgspec
 import zmq
 
 from mlxd.protocol import codec, exit_codes, faults, shm
-from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.addresses import Endpoints, identity
+from mlxd.protocol.block_format import block_path, pack_header, parse_name
 from mlxd.protocol.messages import Heartbeat, Hello, Ready, Shutdown, StoreBlocks, StoreDone, TouchBlocks
 from mlxd.protocol.settings import StorageLaunch
-from mlxd.storage_worker.block_format import Layout, block_path, pack_header, parse_name
 from mlxd.storage_worker.block_store import BlockStore, refusal
 
 log = logging.getLogger("mlxd.storage")
@@ -52,7 +53,7 @@ class StorageWorker:
         parent = os.getppid()
         if self.control_ep:
             ctl = self.ctx.socket(zmq.DEALER)
-            ctl.setsockopt(zmq.IDENTITY, f"storage:storage:{self.epoch}".encode())
+            ctl.setsockopt(zmq.IDENTITY, identity("storage", "storage", self.epoch))
             ctl.setsockopt(zmq.LINGER, 1000)
             ctl.connect(self.control_ep)
             ctl.send(sup.encode(Hello("storage", "storage", self.epoch, os.getpid())))
@@ -66,15 +67,17 @@ class StorageWorker:
             while True:
                 events = dict(poller.poll(500))
                 if router in events:
-                    identity, data = router.recv_multipart()
-                    msg = dec.decode(data)
-                    if isinstance(msg, StoreBlocks):
-                        router.send_multipart([identity, enc.encode(self._store(msg))])
-                    elif isinstance(msg, TouchBlocks):
-                        for name in msg.names:
-                            parsed = parse_name(name)
-                            if parsed:
-                                self.store.touch(parsed[2])
+                    peer, data = router.recv_multipart()
+                    try:
+                        msg = dec.decode(data)
+                    except msgspec.DecodeError as e:
+                        log.warning("dropped an undecodable message: %s", e)
+                        continue
+                    match msg:
+                        case StoreBlocks():
+                            router.send_multipart([peer, enc.encode(self._store(msg))])
+                        case TouchBlocks(names=names):
+                            self._touch(names)
                 if ctl is not None:
                     if ctl in events and isinstance(ctl_dec.decode(ctl.recv()), Shutdown):
                         log.info("shutdown requested")
@@ -95,6 +98,12 @@ class StorageWorker:
             for seg in self._segments.values():
                 seg.close()
 
+    def _touch(self, names: list[str]) -> None:
+        for name in names:
+            parsed = parse_name(name)
+            if parsed:
+                self.store.touch(parsed[2])
+
     def _segment(self, msg: StoreBlocks) -> Any:
         seg = self._segments.get(msg.segment)
         if seg is None:
@@ -108,7 +117,7 @@ class StorageWorker:
 
     def _store(self, msg: StoreBlocks) -> StoreDone:
         done = StoreDone(slots=[b.slot for b in msg.blocks])
-        layout = Layout(*msg.layout)
+        layout = msg.layout
         ns_dir = self.store.root / msg.namespace.hex()[:16]
         try:
             seg = self._segment(msg)

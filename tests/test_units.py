@@ -219,7 +219,7 @@ def test_faults_fire_at_the_nth_hit_of_the_right_epoch():
 
 import numpy as np  # noqa: E402
 
-from mlxd.storage_worker.block_format import (BadBlock, Layout, block_key,  # noqa: E402
+from mlxd.protocol.block_format import (BadBlock, Layout, block_key,  # noqa: E402
                                               block_path, namespace_key, pack_header,
                                               read_block)
 from mlxd.storage_worker.block_store import BlockStore  # noqa: E402

@@ -1,0 +1,124 @@
+"""Reading the SSD tier back, on an admission lane (before a request reaches the MLX thread):
+walk the prompt's chained keys while block files exist, then the best tail; read and verify
+each file; decide whether that beats what the RAM tier holds. A bad file is a miss (logged and
+removed), never an error; whatever else goes wrong with the disk is a miss too."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mlxd.engine.prefix_cache import RestoredPrefix
+from mlxd.protocol.block_format import (BadBlock, Layout, block_key, block_path, chain_keys,
+                                        parse_name, read_block)
+
+log = logging.getLogger("mlxd.engine")
+
+RAW_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+Found = list[tuple[bytes, int, bytes, list[int]]]  # (parent, n_tokens, key, tokens) per block
+
+
+class SsdReader:
+    def __init__(self, namespace: bytes, ns_dir: Path, layout: Layout, block_tokens: int,
+                 verify: bool, stats: Any, touch: Callable[[list[str]], None]) -> None:
+        self.namespace, self.ns_dir = namespace, ns_dir
+        self.layout, self.block_tokens, self.verify = layout, block_tokens, verify
+        self.stats = stats  # ssd_tier.SsdStats: hits, misses, restored_tokens, bad_blocks
+        self.touch = touch  # the blocks just read are the most recently used
+
+    def better_than_ram(self, prompt: list[int], in_ram: int) -> RestoredPrefix | None:
+        """KV for the prompt's longest prefix on SSD, if it beats the `in_ram` tokens the RAM
+        tier would give; files are read only then."""
+        try:
+            on_ssd, found = self._walk(prompt)
+            if on_ssd > in_ram:
+                return self._read(found, in_ram)
+            if on_ssd == 0:
+                self.stats.misses += 1
+        except Exception as e:  # noqa: BLE001 - a disk problem is a miss, never an error
+            log.warning("SSD lookup failed, serving without it: %s", e)
+            self.stats.misses += 1
+        return None
+
+    def available(self, prompt: list[int]) -> int:
+        """How many prompt tokens the SSD tier could serve (file existence only)."""
+        return self._walk(prompt)[0]
+
+    def _path(self, parent: bytes, n: int, key: bytes) -> Path:
+        return block_path(self.ns_dir, parent, n, key)
+
+    def _walk(self, prompt: list[int]) -> tuple[int, Found]:
+        usable = prompt[:len(prompt) - 1]  # one token is always fed
+        found: Found = []
+        parent = self.namespace
+        B = self.block_tokens
+        for i, key in enumerate(chain_keys(self.namespace, usable, B)):
+            if not self._path(parent, B, key).exists():
+                break
+            found.append((parent, B, key, usable[i * B:(i + 1) * B]))
+            parent = key
+        n = len(found) * B
+        tail = self._best_tail(parent, usable[n:n + B - 1])
+        if tail is not None:
+            found.append(tail)
+            n += tail[1]
+        return n, found
+
+    def _best_tail(self, parent: bytes, rest: list[int]) -> tuple[bytes, int, bytes, list[int]] | None:
+        """The longest tail block (a partial span) after `parent` that matches `rest`."""
+        if not rest:
+            return None
+        try:
+            names = os.listdir(self.ns_dir / parent.hex()[:2])
+        except OSError:  # gone, not a directory, unreadable: no tails
+            return None
+        best = None
+        prefix = parent.hex() + "-"
+        for name in names:
+            parsed = parse_name(name) if name.startswith(prefix) else None
+            if parsed is None or parsed[1] >= self.block_tokens or parsed[1] > len(rest):
+                continue
+            t = parsed[1]
+            if (best is None or t > best[1]) and block_key(parent, rest[:t]).hex() == parsed[2]:
+                best = (parent, t, bytes.fromhex(parsed[2]), rest[:t])
+        return best
+
+    def _read(self, found: Found, better_than: int) -> RestoredPrefix | None:
+        """Per-layer (k, v) host arrays (1, kv_heads, n, head_dim) for the verified blocks."""
+        lay = self.layout
+        raw = RAW_DTYPES[lay.dtype]
+        parts: list[list[np.ndarray]] = [[] for _ in range(2 * lay.n_layers)]
+        got = 0
+        names = []
+        for parent, t, key, tokens in found:
+            path = self._path(parent, t, key)
+            try:
+                payload = read_block(path, lay, self.namespace, parent, key, tokens, self.verify)
+            except BadBlock as e:
+                log.warning("SSD block unusable, removed: %s", e)
+                self.stats.bad_blocks += 1
+                path.unlink(missing_ok=True)
+                break
+            flat = np.frombuffer(payload, dtype=raw)
+            off = 0
+            for i in range(lay.n_layers):
+                for j, hd in ((0, lay.k_head_dim), (1, lay.v_head_dim)):
+                    size = lay.kv_heads * t * hd
+                    parts[2 * i + j].append(flat[off:off + size].reshape(lay.kv_heads, t, hd))
+                    off += size
+            got += t
+            names.append(path.name)
+        if got <= better_than:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.restored_tokens += got
+        self.touch(names)
+        layers = [(np.concatenate(parts[2 * i], axis=1)[None],
+                   np.concatenate(parts[2 * i + 1], axis=1)[None]) for i in range(lay.n_layers)]
+        return RestoredPrefix(got, layers, lay.dtype)

@@ -1,0 +1,109 @@
+"""Admission lanes (engine/admission_lanes.py) and /health's verdict (proxy/health.py): pure
+logic and real threads, no processes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from mlxd.engine.admission import Answered
+from mlxd.engine.admission_lanes import LARGE_PROMPT_CHARS, AdmissionLanes
+from mlxd.protocol.messages import Delta, Generate, SamplingParams
+from mlxd.proxy.health import verdict
+
+
+def gen(rid: str, chars: int = 10) -> Generate:
+    return Generate(rid, SamplingParams(), messages=[{"role": "user", "content": "x" * chars}])
+
+
+class Recorder:
+    """prepare() blocks on a per-request gate; deliver/dropped record what happened."""
+
+    def __init__(self) -> None:
+        self.gates: dict[str, threading.Event] = {}
+        self.started: dict[str, threading.Event] = {}
+        self.events: "queue.Queue[tuple[str, str]]" = queue.Queue()
+
+    def gate(self, rid: str) -> threading.Event:
+        self.started.setdefault(rid, threading.Event())
+        return self.gates.setdefault(rid, threading.Event())
+
+    def prepare(self, msg: Generate) -> Answered:
+        self.started.setdefault(msg.request_id, threading.Event()).set()
+        gate = self.gates.get(msg.request_id)
+        if gate is not None:
+            assert gate.wait(10)
+        return Answered([Delta(msg.request_id)])
+
+    def deliver(self, result: Answered) -> None:
+        self.events.put(("delivered", result.deltas[0].request_id))
+
+    def dropped(self, msg: Generate) -> None:
+        self.events.put(("dropped", msg.request_id))
+
+    def next(self) -> tuple[str, str]:
+        return self.events.get(timeout=10)
+
+
+@pytest.fixture
+def lanes():
+    r = Recorder()
+    lanes = AdmissionLanes(r.prepare, r.deliver, r.dropped)
+    yield lanes, r
+    for g in r.gates.values():
+        g.set()
+    lanes.stop()
+
+
+def test_a_large_prompt_never_holds_up_a_small_one(lanes):
+    lanes, r = lanes
+    gate = r.gate("big")
+    lanes.submit(gen("big", LARGE_PROMPT_CHARS + 1))
+    assert r.started["big"].wait(10)
+    lanes.submit(gen("small"))
+    assert r.next() == ("delivered", "small")
+    gate.set()
+    assert r.next() == ("delivered", "big")
+
+
+def test_a_request_cancelled_while_prepared_is_dropped_never_delivered(lanes):
+    lanes, r = lanes
+    gate = r.gate("a")
+    lanes.submit(gen("a"))
+    assert r.started["a"].wait(10)
+    lanes.cancel(["a"])
+    gate.set()
+    assert r.next() == ("dropped", "a")
+    lanes.submit(gen("b"))
+    assert r.next() == ("delivered", "b")
+
+
+def test_cancel_all_drops_waiting_and_running_requests_only(lanes):
+    lanes, r = lanes
+    gate = r.gate("first")
+    lanes.submit(gen("first"))
+    assert r.started["first"].wait(10)
+    lanes.submit(gen("queued"))  # waits behind "first" on the small lane
+    lanes.cancel(["*"])
+    gate.set()
+    assert {r.next(), r.next()} == {("dropped", "first"), ("dropped", "queued")}
+    lanes.cancel(["unknown"])  # nothing pending: nothing to drop later
+    lanes.submit(gen("later"))
+    assert r.next() == ("delivered", "later")
+
+
+@pytest.mark.parametrize("models,draining,ssd,expected", [
+    ({}, False, None, ("ok", 200)),  # nothing resident: a request loads a model
+    ({"a": "ready", "b": "ready"}, False, None, ("ok", 200)),
+    ({"a": "loading"}, False, None, ("loading", 503)),
+    ({"a": "ready", "b": "starting"}, False, None, ("ok", 200)),
+    ({"a": "ready", "b": "backoff"}, False, None, ("degraded", 200)),
+    ({"a": "failed"}, False, None, ("degraded", 503)),
+    ({"a": "unresponsive"}, False, None, ("degraded", 503)),
+    ({"a": "ready"}, False, "a: SSD tier degraded: disk_full", ("degraded", 200)),
+    ({"a": "ready"}, True, None, ("draining", 503)),
+])
+def test_health_verdict(models, draining, ssd, expected):
+    assert verdict(models, draining, ssd) == expected
