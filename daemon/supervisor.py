@@ -303,39 +303,41 @@ class Supervisor:
                 log.exception("handling %s from %r failed", type(msg).__name__, identity[:80])
 
     async def _on_control(self, msg: object) -> None:
-        if isinstance(msg, StartEngine):
-            await self._start_engine(msg.engine_id, msg.model)
-        elif isinstance(msg, StopEngine):
-            await self._stop_engine(msg.engine_id)
-        elif isinstance(msg, StopDaemon):
-            self._stop(msg.reason)
-        elif isinstance(msg, ResetChild):
-            child = self.children.get(msg.child_id)
-            if child is not None and child.state == "failed":
-                await self._reset(child)
-        else:
-            self._on_child_message(msg)
+        match msg:
+            case StartEngine(engine_id=eid, model=spec):
+                await self._start_engine(eid, spec)
+            case StopEngine(engine_id=eid):
+                await self._stop_engine(eid)
+            case StopDaemon(reason=reason):
+                self._stop(reason)
+            case ResetChild(child_id=cid):
+                child = self.children.get(cid)
+                if child is not None and child.state == "failed":
+                    await self._reset(child)
+            case Hello() | Ready() | Heartbeat() | ChildFailed():
+                self._on_child_message(msg)
 
     def _on_child_message(self, msg: Hello | Ready | Heartbeat | ChildFailed) -> None:
         child = self.children.get(msg.child_id)
         if child is None or msg.epoch != child.epoch:
             return  # from an earlier life of the child
-        child.last_heartbeat = time.monotonic()
-        if isinstance(msg, Heartbeat):
-            self.watchdog.beat(child.child_id, msg.progress, msg.busy, child.last_heartbeat)
-        elif isinstance(msg, Ready):
-            child.state = "ready"
-            self.watchdog.watch(child.child_id, child.last_heartbeat,
-                                probed=child.role == "proxy" and probes_proxy(self.cfg))
-            self._announce_ready(child, msg.detail)
-            self._broadcast()
-        elif isinstance(msg, ChildFailed):
-            child.reason = shorten(msg.reason, REASON_CAP)
-            if child.role != "proxy":  # the proxy's reason is the daemon's last line
-                print(f"mlxd: {child.role} {child.child_id} failed: {child.reason}",
-                      file=sys.stderr, flush=True)
-        elif isinstance(msg, Hello) and child.role == "proxy":
-            self._broadcast()
+        child.last_heartbeat = now = time.monotonic()
+        match msg:
+            case Heartbeat(progress=progress, busy=busy):
+                self.watchdog.beat(child.child_id, progress, busy, now)
+            case Ready(detail=detail):
+                child.state = "ready"
+                self.watchdog.watch(child.child_id, now,
+                                    probed=child.role == "proxy" and probes_proxy(self.cfg))
+                self._announce_ready(child, detail)
+                self._broadcast()
+            case ChildFailed(reason=reason):
+                child.reason = shorten(reason, REASON_CAP)
+                if child.role != "proxy":  # the proxy's reason is the daemon's last line
+                    print(f"mlxd: {child.role} {child.child_id} failed: {child.reason}",
+                          file=sys.stderr, flush=True)
+            case Hello() if child.role == "proxy":
+                self._broadcast()
 
     def _announce_ready(self, child: Child, detail: str) -> None:
         if child.role == "proxy":

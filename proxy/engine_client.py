@@ -287,21 +287,25 @@ class EngineClient:
             except Exception:  # noqa: BLE001
                 log.warning("dropped an undecodable engine message")
                 continue
-            if isinstance(msg, StepOutput):
-                for d in msg.deltas:
-                    stream = self.streams.get(d.request_id)
-                    if stream is None or stream.epoch != msg.epoch:
-                        continue
-                    if d.finish_reason is not None:
-                        stream.finished = True
-                        del self.streams[d.request_id]
-                    stream.queue.put_nowait(d)
-            elif isinstance(msg, EngineStatus):
-                self._on_status(msg)
-            elif isinstance(msg, CacheFlushed):
-                fut = self._flushes.pop(msg.token, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            match msg:
+                case StepOutput(epoch=epoch, deltas=deltas):
+                    self._on_deltas(epoch, deltas)
+                case EngineStatus():
+                    self._on_status(msg)
+                case CacheFlushed(token=token):
+                    fut = self._flushes.pop(token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+
+    def _on_deltas(self, epoch: int, deltas: list[Delta]) -> None:
+        for d in deltas:
+            stream = self.streams.get(d.request_id)
+            if stream is None or stream.epoch != epoch:
+                continue
+            if d.finish_reason is not None:
+                stream.finished = True
+                del self.streams[d.request_id]
+            stream.queue.put_nowait(d)
 
     def _on_status(self, st: EngineStatus) -> None:
         rec = self.engines.get(st.engine_id)

@@ -85,11 +85,12 @@ class SupervisorLink:
         except msgspec.DecodeError as e:
             log.warning("dropped an undecodable control message: %s", e)
             return
-        if isinstance(msg, Shutdown):
-            log.info("shutdown requested: %s", msg.reason)
-            stop.set()
-        elif isinstance(msg, ChildStates):
-            client.apply_children(msg)
+        match msg:
+            case Shutdown(reason=reason):
+                log.info("shutdown requested: %s", reason)
+                stop.set()
+            case ChildStates():
+                client.apply_children(msg)
 
 
 async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: ProxyLaunch,
