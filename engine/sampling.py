@@ -33,8 +33,8 @@ def make_request_sampler(p: SamplingParams, start_position: int = 0) -> Callable
         methods.append(lambda x: apply_top_p(x, p.top_p))
     if p.min_p > 0:
         methods.append(lambda x: apply_min_p(x, p.min_p, 1))
-    if p.top_k > 0:
-        methods.append(lambda x: apply_top_k(x, p.top_k))
+    if p.top_k > 0:  # a top_k of the vocabulary or more keeps every token: no filter
+        methods.append(lambda x: apply_top_k(x, p.top_k) if p.top_k < x.shape[-1] else x)
     inv_temp = 1.0 / p.temperature
     position = [start_position]
 

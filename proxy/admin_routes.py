@@ -7,20 +7,21 @@ import msgspec
 from aiohttp import web
 
 from mlxd.proxy import lifecycle
-from mlxd.proxy.errors import bad_request
+from mlxd.proxy.bounds import ModelName, Seconds, decode_body
+from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.lifecycle import flush_all
 from mlxd.proxy.router import Router
 
 
 class ModelBody(msgspec.Struct):
-    model: str
+    model: ModelName
 
 
 async def _model(request: web.Request) -> str:
     try:
-        return msgspec.json.decode(await request.read(), type=ModelBody).model
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise bad_request(f'expected {{"model": "..."}}: {e}') from e
+        return decode_body(await request.read(), ModelBody).model
+    except APIError as e:
+        raise bad_request(f'expected {{"model": "..."}}: {e.message}', param=e.param) from e
 
 
 async def load(request: web.Request) -> web.Response:
@@ -52,7 +53,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
-    timeout: float | None = None
+    timeout: Seconds | None = None
 
 
 async def drain(request: web.Request) -> web.Response:
@@ -60,9 +61,10 @@ async def drain(request: web.Request) -> web.Response:
     drained. The daemon keeps running, refusing new work with 503 until /admin/undrain."""
     raw = await request.read()
     try:
-        body = msgspec.json.decode(raw, type=DrainBody) if raw.strip() else DrainBody()
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise bad_request(f'expected {{"timeout": seconds}} or no body: {e}') from e
+        body = decode_body(raw, DrainBody) if raw.strip() else DrainBody()
+    except APIError as e:
+        raise bad_request(f'expected {{"timeout": seconds}} or no body: {e.message}',
+                          param=e.param) from e
     if body.timeout is not None and body.timeout < 0:
         raise bad_request("timeout must be >= 0", param="timeout")
     timeout = request.app["shutdown_timeout"] if body.timeout is None else body.timeout

@@ -8,29 +8,30 @@ from typing import Any
 import msgspec
 
 from mlxd.protocol.messages import SamplingParams
+from mlxd.proxy.bounds import MAX_IDENT_CHARS, Ident, ModelName, StopString, TokenCount, TopK
 from mlxd.proxy.constraints import Tool, forced_tools, parse_tools
 from mlxd.proxy.errors import bad_request
 from mlxd.proxy.openai_schema import Defaults, _Sampling, sampling_params
 
 
 class Block(msgspec.Struct, kw_only=True):
-    type: str
+    type: Ident
     text: str | None = None
-    id: str | None = None
-    name: str | None = None
+    id: Ident | None = None
+    name: Ident | None = None
     input: Any = None
-    tool_use_id: str | None = None
+    tool_use_id: Ident | None = None
     content: Any = None
     thinking: str | None = None
 
 
 class Message(msgspec.Struct, kw_only=True):
-    role: str
+    role: Ident
     content: str | list[Block]
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     messages: list[Message]
     system: str | list[Block] | None = None
     tools: list[dict] | None = None
@@ -38,15 +39,15 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(_Common, kw_only=True):
-    max_tokens: int
-    stop_sequences: list[str] | None = None
+    max_tokens: TokenCount
+    stop_sequences: list[StopString] | None = None
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     metadata: dict | None = None
     thinking: dict | None = None
-    service_tier: str | None = None
+    service_tier: Ident | None = None
 
 
 class CountTokensRequest(_Common, kw_only=True):
@@ -57,8 +58,8 @@ def _result_text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         for b in content):
-        return "".join(b.get("text") or "" for b in content)
+                                         and isinstance(b.get("text"), str) for b in content):
+        return "".join(b["text"] for b in content)
     raise bad_request(f"{where}: tool_result content must be a string or text blocks")
 
 
@@ -131,15 +132,20 @@ def tools_and_choice(req: _Common) -> tuple[list[Tool], list[Tool] | None, bool]
     """(tools, the tools a call is forced among or None, whether tools are offered at all)."""
     tools = []
     for i, t in enumerate(req.tools or []):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or \
-                t.get("type") not in (None, "custom"):
+        if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
             raise bad_request(f"tools.{i}: only custom tools ({{\"name\", \"input_schema\"}}) "
                               "are supported")
+        name, description = t.get("name"), t.get("description", "")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_IDENT_CHARS:
+            raise bad_request(f"tools.{i}.name: a string of 1 to {MAX_IDENT_CHARS} characters "
+                              "is required")
+        if not isinstance(description, str):
+            raise bad_request(f"tools.{i}.description: must be a string")
         schema = t.get("input_schema")
         if not isinstance(schema, dict):
             raise bad_request(f"tools.{i}.input_schema: a JSON schema object is required")
         tools.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), "parameters": schema}})
+            "name": name, "description": description, "parameters": schema}})
     parsed = parse_tools(tools, "tools")
     choice = req.tool_choice or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mlxd.proxy.bounds import MAX_IDENT_CHARS, clip
 from mlxd.proxy.errors import bad_request
 
 ANY_OBJECT: dict = {"type": "object"}
@@ -23,11 +24,13 @@ def schema_grammar(schema: Any, param: str) -> str:
         # Compact JSON: free whitespace lets a weak model pad forever instead of answering.
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults={
             "whitespace_flexible": False})
-    except (ValueError, TypeError) as e:
-        raise bad_request(f"`{param}` is not a usable JSON schema: {e}", param=param) from e
+    except Exception as e:  # noqa: BLE001 - whatever the compiler makes of client input is a 400
+        raise bad_request(f"`{param}` is not a usable JSON schema: {clip(str(e), 500)}",
+                          param=param) from e
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise bad_request(f"`{param}` is not a usable JSON schema: {error}", param=param)
+        raise bad_request(f"`{param}` is not a usable JSON schema: {clip(error, 500)}",
+                          param=param)
     return grammar
 
 
@@ -67,12 +70,16 @@ def parse_tools(raw: list[Any] | None, param: str = "tools") -> list[Tool]:
     tools = []
     for i, t in enumerate(raw or []):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if not isinstance(fn, dict) or not _is_name(fn.get("name")):
             raise bad_request(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": "
-                              "{\"name\": ..., \"parameters\": {...}}}", param=param)
+                              "{\"name\": ..., \"parameters\": {...}}} with a name of at most "
+                              f"{MAX_IDENT_CHARS} characters", param=param)
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise bad_request(f"{param}[{i}].function.description must be a string", param=param)
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         schema_grammar(params, f"{param}[{i}].function.parameters")  # validated up front
-        tools.append(Tool(fn["name"], fn.get("description") or "", params))
+        tools.append(Tool(fn["name"], description, params))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request(f"`{param}` holds two functions of one name", param=param)
@@ -90,9 +97,10 @@ def forced_tools(tools: list[Tool], choice: Any) -> list[Tool] | None:
         return tools
     name = None
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" \
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) \
             else choice.get("name") if choice.get("type") == "tool" else None
-    if not name:
+    if not _is_name(name):
         raise bad_request("`tool_choice` must be auto, none, required or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}",
                           param="tool_choice")
@@ -101,6 +109,10 @@ def forced_tools(tools: list[Tool], choice: Any) -> list[Tool] | None:
         raise bad_request(f"`tool_choice` names {name!r}, which is not among `tools`",
                           param="tool_choice")
     return chosen
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_IDENT_CHARS
 
 
 def call_grammar(tools: list[Tool]) -> str:

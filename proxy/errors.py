@@ -4,8 +4,15 @@ raise to produce them. Which envelope a request gets follows from its path."""
 from __future__ import annotations
 
 import json
+import logging
+import traceback
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+log = logging.getLogger("mlxd.proxy")
+
+MAX_LOGGED_TRACEBACK = 4000  # characters of one unhandled error's log record
 
 
 class APIError(Exception):
@@ -66,7 +73,12 @@ _STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    """Every error a handler raises becomes a JSON response in the endpoint's own dialect:
+    never aiohttp's plain-text pages, never a traceback to the client."""
     try:
+        length, limit = request.content_length, request.app["max_body"]
+        if length is not None and length > limit:  # refused before waiting for the bytes
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
         return await handler(request)
     except APIError as e:
         return e.response(dialect_of(request.path))
@@ -74,8 +86,29 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
         if e.status < 400:
             raise
         message = {413: f"request body is too large (limit {request.app['max_body']} bytes)",
-                   404: f"no route for {request.method} {request.path}",
-                   405: f"method {request.method} is not allowed on {request.path}"}.get(
+                   404: f"no route for {request.method} {request.path[:200]}",
+                   405: f"method {request.method} is not allowed on {request.path[:200]}"}.get(
             e.status, e.reason)
         return APIError(e.status, message, type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
                         code=None).response(dialect_of(request.path))
+    except (HttpProcessingError, web.RequestPayloadError) as e:  # a cut-off or ill-framed body
+        return APIError(400, f"the request body could not be read: {_clip(str(e), 200)}",
+                        code="bad_body").response(dialect_of(request.path))
+    except Exception as e:  # noqa: BLE001 - a bug: one bounded log record, a JSON 500
+        transport = request.transport
+        if isinstance(e, ConnectionError) and (transport is None or transport.is_closing()):
+            log.debug("client gone during %s %s: %s", request.method, request.path[:200], e)
+        else:
+            log.error("unhandled error in %s %s: %s", request.method, request.path[:200],
+                      _clip("".join(traceback.format_exception(e)), MAX_LOGGED_TRACEBACK))
+        if request.writer.output_size > 0 and transport is not None:
+            # The response has started: no status can be sent any more, so the connection
+            # ends (the response below then fails to send, quietly).
+            transport.close()
+        return APIError(500, f"internal error ({type(e).__name__}); the server log has "
+                        "details", type="server_error", code="internal_error").response(
+            dialect_of(request.path))
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit // 2] + "\n...\n" + text[-limit // 2:]

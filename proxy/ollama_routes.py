@@ -8,38 +8,42 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
 from mlxd.proxy import constraints
+from mlxd.proxy.bounds import (MAX_COUNT, MAX_IDENT_CHARS, Duration, Ident, ModelName, Seconds,
+                               Seed, StopString, TokenId, TopK, decode_body)
 from mlxd.proxy.engine_client import EngineRecord
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation
 from mlxd.proxy.model_pool import model_weight_bytes
-from mlxd.proxy.openai_schema import _Sampling, decode_body, sampling_params
+from mlxd.proxy.openai_schema import _Sampling, sampling_params
 from mlxd.proxy.router import Router
 from mlxd.proxy.run import generation, keep_alive_seconds
 
 API_VERSION = "0.12.0"  # the Ollama API level these routes follow
 
+NumPredict = Annotated[int, msgspec.Meta(ge=-2, le=MAX_COUNT)]  # -1: until done, -2: fill context
+
 
 class Options(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
-    num_predict: int | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
+    num_predict: NumPredict | None = None
+    stop: list[StopString] | None = None
+    seed: Seed | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: Ident
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[dict] | None = None
@@ -47,11 +51,11 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     stream: bool = True
     format: Any = None
     options: Options | None = None
-    keep_alive: float | str | None = None
+    keep_alive: Seconds | Duration | None = None
     think: Any = None
 
 
@@ -67,12 +71,12 @@ class GenerateRequest(_Common, kw_only=True):
     suffix: str | None = None
     images: list[str] | None = None
     template: str | None = None
-    context: list[int] | None = None
+    context: list[TokenId] | None = None
 
 
 class ModelRequest(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    name: str | None = None  # older clients
+    model: ModelName | None = None
+    name: ModelName | None = None  # older clients
 
 
 def _now() -> str:
@@ -87,6 +91,17 @@ def _model_name(name: str, router: Router) -> str:
         except APIError:
             return name[:-len(":latest")]
     return name
+
+
+def _template_call(call: Any, i: int) -> dict:
+    """An earlier assistant tool call ({"function": {"name", "arguments": {...}}})."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    name = fn.get("name", "") if isinstance(fn, dict) else None
+    args = (fn.get("arguments") or {}) if isinstance(fn, dict) else None
+    if not isinstance(name, str) or len(name) > MAX_IDENT_CHARS or not isinstance(args, dict):
+        raise bad_request(f"messages[{i}].tool_calls: each needs `function` with a `name` (at "
+                          f"most {MAX_IDENT_CHARS} characters) and an `arguments` object")
+    return {"type": "function", "function": {"name": name, "arguments": args}}
 
 
 def format_grammar(fmt: Any) -> str | None:
@@ -128,10 +143,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             raise bad_request(f"messages[{i}]: images are not supported")
         msg: dict = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            msg["tool_calls"] = [{"type": "function", "function": {
-                "name": (c.get("function") or {}).get("name", ""),
-                "arguments": (c.get("function") or {}).get("arguments") or {}}}
-                for c in m.tool_calls if isinstance(c, dict)]
+            msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
         msgs.append(msg)
     name = _model_name(req.model, router)
     if not msgs:  # Ollama: a chat without messages loads (or with keep_alive 0, unloads)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -10,22 +9,24 @@ from typing import Any
 import msgspec
 
 from mlxd.protocol.messages import SamplingParams
+from mlxd.proxy.bounds import (MAX_IDENT_CHARS, Duration, Ident, ModelName, Seconds, Seed,
+                               SmallInt, StopString, TokenCount, TokenId, TopK, decode_body, loads)
 from mlxd.proxy.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
 
 
 class ContentPart(msgspec.Struct):
-    type: str
+    type: Ident
     text: str | None = None
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    role: Ident
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Ident | None = None
     tool_calls: list[dict] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: Ident | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -33,41 +34,41 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
-    model: str | None = None
+    model: ModelName | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: TokenCount | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    user: str | None = None
-    keep_alive: float | str | None = None  # seconds or "5m"; 0 unloads after, -1 pins
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    n: SmallInt = 1
+    user: Ident | None = None
+    keep_alive: Seconds | Duration | None = None  # seconds or "5m"; 0 unloads after, -1 pins
 
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Ident | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: SmallInt | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str | int]
+    prompt: str | list[str | TokenId]
     echo: bool = False
-    best_of: int | None = None
+    best_of: SmallInt | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: SmallInt | None = None
 
 
 @dataclass
@@ -76,17 +77,6 @@ class Defaults:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 512
-
-
-def decode_body(body: bytes, kind: type) -> object:
-    if not body.strip():
-        raise bad_request("the request body is empty; expected a JSON object")
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        raise bad_request(f"invalid request: {e}") from e
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from e
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
@@ -133,19 +123,22 @@ def chat_messages(req: ChatRequest) -> list[dict]:
 
 def _template_call(call: Any, i: int) -> dict:
     """An assistant tool call, with its arguments as an object (what chat templates expect)."""
+    where = f"messages[{i}].tool_calls"
     fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-            or not isinstance(call.get("id"), str):
-        raise bad_request(f"messages[{i}].tool_calls: each needs `id` and `function.name`",
-                          param=f"messages[{i}].tool_calls")
+    if not isinstance(fn, dict) or not _is_ident(fn.get("name")) \
+            or not _is_ident(call.get("id"), empty=True):
+        raise bad_request(f"{where}: each needs `id` and `function.name` (strings of at most "
+                          f"{MAX_IDENT_CHARS} characters)", param=where)
     args = fn.get("arguments") or "{}"
-    try:
-        parsed = json.loads(args) if isinstance(args, str) else args
-    except ValueError as e:
-        raise bad_request(f"messages[{i}].tool_calls: `arguments` is not JSON: {e}",
-                          param=f"messages[{i}].tool_calls") from e
+    parsed = loads(args, f"{where}: `arguments`") if isinstance(args, str) else args
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{where}: `arguments` must be a JSON object", param=where)
     return {"id": call["id"], "type": "function",
             "function": {"name": fn["name"], "arguments": parsed}}
+
+
+def _is_ident(value: Any, empty: bool = False) -> bool:
+    return isinstance(value, str) and (empty or bool(value)) and len(value) <= MAX_IDENT_CHARS
 
 
 def check_max_tokens(max_tokens: int | None, context_length: int) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import Awaitable, Callable
 
 import psutil
 
 from mlxd.protocol.messages import ResetChild, StartEngine, StopEngine
-from mlxd.protocol.models import canonical_spec, engine_id_for
+from mlxd.protocol.models import canonical_spec, engine_id_for, local_model_dir
+from mlxd.proxy.bounds import MAX_REPO_PART, clip
 from mlxd.proxy.engine_client import EngineClient, EngineRecord
 from mlxd.proxy.errors import APIError, unavailable
 from mlxd.proxy.model_pool import (ModelPool, NotEnoughMemory, PoolBusy, kv_budget_bytes,
@@ -58,15 +58,16 @@ class Router:
         if name in self.aliases:
             return canonical_spec(self.aliases[name])
         if self.pool is not None:
-            path = Path(name).expanduser()
-            if (path / "config.json").exists():
-                return canonical_spec(name)
-            if looks_like_repo_id(name):
+            path = local_model_dir(name)
+            if path is not None:
+                return str(path)
+            if looks_like_repo_id(name) and all(
+                    len(part) <= MAX_REPO_PART for part in name.split("/")):
                 return name
         known = sorted({n for r in self.client.engines.values() for n in r.names}
                        | set(self.aliases))
-        raise APIError(404, f"the model {name!r} does not exist; available: "
-                       f"{', '.join(known)}", code="model_not_found", param="model")
+        raise APIError(404, f"the model {clip(name)!r} does not exist; available: "
+                       f"{clip(', '.join(known), 2000)}", code="model_not_found", param="model")
 
     # ------------------------------------------------------------------ acquire / release
 
