@@ -17,8 +17,11 @@ from mlxd.proxy.engine_client import EngineClient, EngineRecord
 from mlxd.proxy.errors import APIError, unavailable
 from mlxd.proxy.model_pool import (ModelPool, NotEnoughMemory, PoolBusy, kv_budget_bytes,
                                    looks_like_repo_id, model_weight_bytes)
+from mlxd.proxy.model_resolution import LoadableCache
 
 log = logging.getLogger("mlxd.proxy")
+
+FAILED_TTL = 300.0  # seconds a failed on-demand model stays listed (with its reason)
 
 Send = Callable[[object], Awaitable[None]]
 
@@ -42,6 +45,7 @@ class Router:
         self.draining = False
         self._none_active = asyncio.Event()
         self._none_active.set()
+        self.loadable = LoadableCache()
         if pool is not None:
             now = time.monotonic()
             for eid, rec in client.engines.items():
@@ -82,6 +86,7 @@ class Router:
         self._none_active.clear()
         if self.pool is not None and eid not in self.pool.resident:
             try:
+                await self.loadable.check(spec)  # before anyone is evicted for it
                 await self._load(eid, spec)
             except BaseException:
                 self._leave()
@@ -130,11 +135,32 @@ class Router:
                               "engine_loading", retry_after=5)
         if rec.state == "failed":
             if self.pool is not None and rec.engine_id not in self.configured:
-                self.pool.remove(rec.engine_id)  # an on-demand load that failed frees its slot
+                await self._drop_failed(rec)
             raise unavailable(f"the model {rec.model_id} failed: {rec.error}", "model_failed",
                               retry_after=30)
         if rec.state != "ready":
             raise unavailable(f"the model {rec.model_id} is {rec.state}", "engine_unavailable")
+
+    async def _drop_failed(self, rec: EngineRecord) -> None:
+        """An on-demand load that failed frees its pool slot and its supervisor entry; the
+        record stays listed as failed (with the reason) for FAILED_TTL."""
+        assert self.pool is not None and self.send is not None
+        if rec.engine_id in self.pool.resident:
+            self.pool.remove(rec.engine_id)
+            self.loadable.forget(rec.spec)
+            rec.failed_reason = rec.error
+            rec.failed_at = time.monotonic()
+            await self.send(StopEngine(rec.engine_id))
+
+    def _clear_failed(self, rec: EngineRecord) -> None:
+        """Forget a failed model: it is listed as unloaded, or not at all if on demand."""
+        if rec.engine_id in self.configured:
+            if rec.child is not None:
+                rec.min_epoch = rec.child.epoch + 1
+            rec.child, rec.status, rec.failed_at, rec.failed_reason = None, None, None, None
+            rec.ready.clear()
+        else:
+            self.client.forget(rec.engine_id)
 
     async def _load(self, eid: str, spec: str) -> None:
         assert self.pool is not None and self.send is not None
@@ -159,6 +185,10 @@ class Router:
             rec = self.client.record(eid, spec)
             rec.ready.clear()
             rec.status = None
+            if rec.child is not None:  # the supervisor sends the new child's state; the
+                rec.min_epoch = rec.child.epoch + 1  # old one's, arriving late, is ignored
+                rec.child = None
+            rec.failed_at = rec.failed_reason = None
             for victim in plan.evict:
                 log.info("evicting %s to load %s", self.client.engines[victim].model_id, spec)
                 await self.send(StopEngine(victim))
@@ -199,6 +229,13 @@ class Router:
         eid = engine_id_for(spec)
         rec = self.client.record(eid, spec)
         r = self.pool.resident.get(eid)
+        if rec.state == "failed" and not (r and r.in_flight):
+            # A failed model can always be cleared, resident or not.
+            self.pool.remove(eid)
+            assert self.send is not None
+            await self.send(StopEngine(eid))
+            self._clear_failed(rec)
+            return rec
         if r is None:
             raise APIError(409, f"the model {rec.model_id} is not loaded", code="not_loaded")
         if r.in_flight:
@@ -232,6 +269,10 @@ class Router:
         while True:
             await asyncio.sleep(1.0)  # the idle-unload timer's tick
             if self.pool is not None:
-                expired = self.pool.expired(time.monotonic())
+                now = time.monotonic()
+                expired = self.pool.expired(now)
                 if expired:
                     await self.unload_idle(expired)
+                for rec in list(self.client.engines.values()):
+                    if rec.failed_at is not None and now - rec.failed_at > FAILED_TTL:
+                        self._clear_failed(rec)
