@@ -84,8 +84,10 @@ class SoakDaemon:
         self._ready = threading.Event()
 
     def start(self) -> None:
+        from harness import TAG_ENV
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
         env.update(PYTHONUNBUFFERED="1", MLXD_CONFIG=os.devnull)
+        env[TAG_ENV] = str(self.run_dir)  # so leftovers() finds every process of this daemon
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, env=env)
         threading.Thread(target=self._pump, daemon=True).start()
@@ -354,7 +356,7 @@ def main() -> int:
     c = soak.counts
     from harness import RUN_DIRS, leftovers
     RUN_DIRS.append(d.run_dir)
-    segments, procs = leftovers()
+    segments, procs, _ = leftovers()
     summary = {"minutes": args.minutes, "streams": args.streams, "kill_every_s": args.kill_every,
                "kinds": args.kinds, "started": started, **asdict(c),
                "supervisor_survived": supervisor_alive, "exit_code": code,

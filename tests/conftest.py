@@ -12,9 +12,10 @@ from mlxd.engine.random_model import write_random_model
 def nothing_left_behind():
     """The whole suite leaves no process and no shared-memory segment of a daemon behind."""
     yield
-    segments, procs = leftovers()
+    segments, procs, sockets = leftovers()
     assert not procs, f"daemon processes outlived the tests: {procs}"
     assert not segments, f"shared memory left: {segments}"
+    assert not sockets, f"sockets left: {sockets}"
 
 
 @pytest.fixture(scope="session")

@@ -22,19 +22,25 @@ from mlxd.protocol import shm
 RUN_DIRS: list[Path] = []  # every run dir a Daemon of this test session used
 
 
-def leftovers() -> tuple[list[str], list[int]]:
-    """Shared-memory segments and live processes of this session's daemons (found by their
-    run dirs, so concurrent test sessions on one machine do not count)."""
+TAG_ENV = "PYTEST_MLXD_RUN_DIR"  # every process of a test daemon inherits its run dir here
+
+
+def leftovers() -> tuple[list[str], list[int], list[str]]:
+    """Shared-memory segments, live processes and socket files of this session's daemons
+    (found by their run dirs, so concurrent test sessions on one machine do not count)."""
     tags = {shm.segment_name(d, "", 0)[:8] for d in RUN_DIRS}
     segments = [n for n in os.listdir("/dev/shm") if n[:8] in tags] \
         if os.path.isdir("/dev/shm") else []
     dirs = {str(d) for d in RUN_DIRS}
     procs = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = p.info["cmdline"] or []
-        if p.info["status"] != psutil.STATUS_ZOMBIE and any(a in dirs for a in cmd):
-            procs.append(p.info["pid"])
-    return segments, procs
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.environ().get(TAG_ENV) in dirs:
+                procs.append(p.info["pid"])
+        except psutil.Error:
+            continue
+    sockets = [str(f) for d in RUN_DIRS if d.is_dir() for f in d.glob("*.sock")]
+    return segments, procs, sockets
 
 
 class Daemon:
@@ -55,7 +61,8 @@ class Daemon:
             self.argv.append("--isolate")
         # Hermetic: no MLXD_* setting or config file of the developer's leaks in.
         clean = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
-        self.env = {**clean, "PYTHONUNBUFFERED": "1", "MLXD_CONFIG": os.devnull, **(env or {})}
+        self.env = {**clean, "PYTHONUNBUFFERED": "1", "MLXD_CONFIG": os.devnull,
+                    TAG_ENV: str(self.run_dir), **(env or {})}
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.proc: subprocess.Popen | None = None
