@@ -23,11 +23,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import SHAPES, Server, free_port  # noqa: E402
+from throughput import SHAPES, Server, free_port
 
 WORDS = ("lighthouse keeper sea storm harbour ship lantern night rock wave gull tide rope "
          "anchor sail compass map island fog bell").split()
@@ -68,13 +69,14 @@ def mlxd_server(model: str, run_dir: str, cache_dir: str, ssd: str | None, port:
     return Server(argv, f"http://127.0.0.1:{port}/health")
 
 
-async def tier_latency(model: str, lengths: list[int], work: Path) -> list[dict]:
-    rows = []
+async def tier_latency(model: str, lengths: list[int], work: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     ssd = str(work / "kv")
     cache_dir = str(work / "cache")
     texts = {n: prompt_of(n, n) for n in lengths}
     port = free_port()
-    srv = mlxd_server(model, tempfile.mkdtemp(prefix="mlxd-bc-", dir="/tmp"), cache_dir, ssd, port)
+    run_dir = tempfile.mkdtemp(prefix="mlxd-bc-", dir="/tmp")
+    srv = mlxd_server(model, run_dir, cache_dir, ssd, port)
     base = f"http://127.0.0.1:{port}"
     try:
         await srv.wait()
@@ -84,9 +86,8 @@ async def tier_latency(model: str, lengths: list[int], work: Path) -> list[dict]
             hit = await ttft(base, model, texts[n])
             rows.append({"target": "mlxd", "words": n, "prompt_tokens": miss[1],
                          "miss_s": miss[0], "ram_hit_s": hit[0], "ram_cached": hit[2]})
-        run_dir = srv.proc.args[srv.proc.args.index("--run-dir") + 1]  # /admin/*: Unix socket
         async with aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=f"{run_dir}/mlxd.sock")) as s:
+                connector=aiohttp.UnixConnector(path=f"{run_dir}/mlxd.sock")) as s:  # /admin/*
             async with s.post("http://localhost/admin/cache/flush") as r:
                 flushed = await r.json()
         print("flushed", flushed, flush=True)
@@ -124,8 +125,8 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
 
     from mlxd.protocol import codec, shm
     from mlxd.protocol.addresses import Endpoints
+    from mlxd.protocol.block_format import Layout, namespace_key
     from mlxd.protocol.messages import BlockWrite, StoreBlocks
-    from mlxd.protocol.block_format import namespace_key
 
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-bw-", dir="/tmp"))
     root = work / "worker-kv"
@@ -139,8 +140,10 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
     slots = 16
     name = shm.segment_name(run_dir, "bench", 0)
     seg = shm.create(run_dir, name, real_block * slots)
+    buf = seg.buf
+    assert buf is not None
     import numpy as np
-    np.frombuffer(seg.buf, dtype=np.uint8)[:] = np.random.default_rng(0).integers(
+    np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(0).integers(
         0, 255, real_block * slots, dtype=np.uint8)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -155,7 +158,8 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
             slot = free.pop()
             key = sent.to_bytes(32, "little")
             sock.send(enc.encode(StoreBlocks("bench", 0, name, real_block, ns,
-                                             [layers, kv_heads, head_dim, head_dim, "float32"],
+                                             Layout(layers, kv_heads, head_dim, head_dim,
+                                                    "float32"),
                                              [BlockWrite(slot, ns, key,
                                                          list(range(tokens_per_block)))])))
             sent += 1
@@ -167,7 +171,7 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
     proc.wait()
     # the reference: one file, sequential writes of the same bytes, fsync at the end
     ref = work / "plain.bin"
-    payload = bytes(seg.buf[:real_block])
+    payload = bytes(buf[:real_block])
     t0 = time.perf_counter()
     fd = os.open(ref, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for _ in range(blocks):
@@ -188,7 +192,7 @@ async def decode_while_writing(model: str, work: Path, stream_tokens: int,
                                side_requests: int) -> dict:
     """One long stream's decode rate while short requests finish (and, with the SSD tier on,
     are written behind), against the same traffic with the tier off."""
-    out = {}
+    rates: dict[str, float] = {}
     for label, ssd in (("ssd_off", None), ("ssd_on", str(work / "kv-dw"))):
         port = free_port()
         srv = mlxd_server(model, tempfile.mkdtemp(prefix="mlxd-bd-", dir="/tmp"),
@@ -199,7 +203,7 @@ async def decode_while_writing(model: str, work: Path, stream_tokens: int,
             await ttft(base, model, "warm up")
             gaps: list[float] = []
 
-            async def long_stream() -> None:
+            async def long_stream(base: str, gaps: list[float]) -> None:
                 body = {"model": model, "max_tokens": stream_tokens, "stream": True,
                         "messages": [{"role": "user", "content": "Tell a long story."}]}
                 last = None
@@ -212,20 +216,21 @@ async def decode_while_writing(model: str, work: Path, stream_tokens: int,
                                     gaps.append(now - last)
                                 last = now
 
-            async def side() -> None:
+            async def side(base: str) -> None:
                 for i in range(side_requests):
                     await ttft(base, model, prompt_of(40, 1000 + i))
 
-            await asyncio.gather(long_stream(), side())
-            out[label] = {"decode_tok_s": 1 / statistics.mean(gaps) if gaps else 0.0}
+            await asyncio.gather(long_stream(base, gaps), side(base))
+            rates[label] = 1 / statistics.mean(gaps) if gaps else 0.0
         finally:
             srv.stop()
-    out["slowdown"] = 1 - out["ssd_on"]["decode_tok_s"] / out["ssd_off"]["decode_tok_s"]
-    return out
+    return {**{label: {"decode_tok_s": rate} for label, rate in rates.items()},
+            "slowdown": 1 - rates["ssd_on"] / rates["ssd_off"]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
     ap.add_argument("--lengths", default="64,256", help="prompt lengths in words")

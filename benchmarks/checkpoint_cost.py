@@ -26,12 +26,22 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
+from typing import TypedDict
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402  (the harness next to this file)
+import throughput  # the harness next to this file
+
+
+class Cost(TypedDict):
+    """One checkpoint interval's figures, over every rep."""
+    tok_s: list[float]
+    checkpoint_s: float
+    step_s: float
+    checkpoints: int
 
 
 async def engine_counters(base: str) -> tuple[float, float, int]:
@@ -40,7 +50,7 @@ async def engine_counters(base: str) -> tuple[float, float, int]:
     return cache.get("checkpoint_s", 0.0), cache.get("step_s", 0.0), cache.get("checkpoints", 0)
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+async def main_async(args: argparse.Namespace) -> dict[int, Cost]:
     model_dir = throughput.model_for(args)
     ns = [0, *[int(n) for n in args.n.split(",") if int(n) > 0]]
     servers = {}
@@ -52,8 +62,7 @@ async def main_async(args: argparse.Namespace) -> dict:
                                                  args.dtype, extra)
         for server, _, _ in servers.values():
             await server.wait()
-        results = {n: {"tok_s": [], "checkpoint_s": 0.0, "step_s": 0.0, "checkpoints": 0}
-                   for n in ns}
+        results = {n: Cost(tok_s=[], checkpoint_s=0.0, step_s=0.0, checkpoints=0) for n in ns}
         for n, (_, base, name) in servers.items():  # warm-up: compile every shape once
             throughput.PROMPTS[:] = [f"warm-up {n} {i}: tell a story" for i in range(256)]
             await throughput.run_http("warm", base, name, args.concurrency, args.max_tokens)
@@ -81,12 +90,12 @@ async def main_async(args: argparse.Namespace) -> dict:
             server.stop()
 
 
-def report(results: dict, args: argparse.Namespace) -> str:
+def report(results: dict[int, Cost], args: argparse.Namespace) -> str:
     base = statistics.median(results[0]["tok_s"])
     import mlx.core as mx
     lines = [f"# Checkpoint cost: {args.shape} shape ({args.model_dtype}), {args.concurrency} "
              f"streams x {args.max_tokens} tokens, {args.reps} interleaved reps",
-             "", f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {mx.__version__}, "
+             "", f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
              f"device {mx.default_device()}", "",
              "| N | median tok/s | min..max | ratio to N=0 (medians) | checkpoints | "
              "MLX-thread share spent on checkpoints |", "|---|---|---|---|---|---|"]

@@ -15,12 +15,13 @@ import platform
 import statistics
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402
+import throughput
 
 SCHEMA = {"type": "object", "required": ["values"], "additionalProperties": False,
           "properties": {"values": {"type": "array", "minItems": 4096,
@@ -74,7 +75,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     import mlx.core as mx
     lines = [f"# Constrained decoding cost: {args.model or args.shape} ({args.model_dtype}), "
              f"{args.max_tokens} tokens per request, {args.reps} interleaved reps", "",
-             f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {mx.__version__}, "
+             f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
              f"device {mx.default_device()}", "",
              "| batch | free tok/s (median) | JSON-schema tok/s (median) | ratio |",
              "|---|---|---|---|"]

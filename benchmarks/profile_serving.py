@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import model_for, run_http, start_target  # noqa: E402
+from throughput import model_for, run_http, start_target
 
 
 async def main_async(args: argparse.Namespace) -> None:

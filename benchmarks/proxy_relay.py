@@ -1,11 +1,11 @@
 """Proxy relay capacity: how many streamed tokens per second one proxy process relays to many
 SSE clients, when the engine is never the bottleneck.
 
-A real proxy process (`python -m mlxd.proxy`) is fed by `fake_engine.py`, which speaks the real
-protocol over the real sockets and emits one token per request per step as fast as the proxy
-takes them. Clients run in separate processes (so that parsing SSE does not compete with the
-proxy for one interpreter), each holding several streaming chat completions; the figure is
-content chunks received per second across all clients, after a warm-up round.
+A real proxy process (`python -m mlxd.proxy`) is fed by `tests/support/fake_engine.py`, which
+speaks the real protocol over the real sockets and emits one token per request per step as fast
+as the proxy takes them. Clients run in separate processes (so that parsing SSE does not compete
+with the proxy for one interpreter), each holding several streaming chat completions; the figure
+is content chunks received per second across all clients, after a warm-up round.
 
     python benchmarks/proxy_relay.py --streams 64 --tokens 2000 --client-procs 4
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-HERE = Path(__file__).resolve().parent
+FAKE_ENGINE = Path(__file__).resolve().parents[1] / "tests" / "support" / "fake_engine.py"
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, tokens: int) -> int:
@@ -42,7 +42,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, tokens: int) -> int:
     return n
 
 
-def _client(url: str, streams: int, tokens: int, start_at: float, q: "mp.Queue") -> None:
+def _client(url: str, streams: int, tokens: int, start_at: float, q: mp.Queue) -> None:
     async def run() -> tuple[int, float, float]:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn,
@@ -94,7 +94,7 @@ def main() -> None:
                               settings=ProxySettings(port=port, max_tokens=100000),
                               engine=EngineSettings(batch=256)),
                   env=env, start_new_session=True)
-    engine = subprocess.Popen([sys.executable, str(HERE / "fake_engine.py"), "--run-dir",
+    engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--run-dir",
                                str(run_dir), "--engine-id", eid], env=env,
                               start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"

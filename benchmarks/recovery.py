@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import SHAPES, free_port, model_for  # noqa: E402
+from throughput import SHAPES, free_port, model_for
 
 CHAT = [{"role": "user", "content": "Tell me a long story about the sea."}]
 
@@ -113,7 +114,7 @@ def resume_pause(model: str, max_tokens: int, kill_after: int) -> dict:
                     n += 1
                     if n == kill_after:
                         os.kill(d.stats()["engines"][0]["pid"], signal.SIGKILL)
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
         pause = max(gaps)
         # running the same request again from scratch, to the same point
         t0 = time.perf_counter()
@@ -128,12 +129,12 @@ def resume_pause(model: str, max_tokens: int, kill_after: int) -> dict:
 def routing_overhead(iterations: int = 20000) -> dict:
     """The pool router's acquire + release for a resident model: what routing between two
     resident models costs per request in the proxy."""
-    from mlxd.proxy.engine_client import EngineClient
-    from mlxd.proxy.model_pool import ModelPool
-    from mlxd.proxy.router import Router
     from mlxd.protocol.addresses import Endpoints
     from mlxd.protocol.messages import EngineStatus
     from mlxd.protocol.models import engine_id_for
+    from mlxd.proxy.engine_client import EngineClient
+    from mlxd.proxy.model_pool import ModelPool
+    from mlxd.proxy.router import Router
 
     async def run() -> float:
         import zmq.asyncio
@@ -155,7 +156,8 @@ def routing_overhead(iterations: int = 20000) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -3,10 +3,11 @@ SIGKILL / SIGSTOP of its children, for as long as asked.
 
 Every stream's text is compared with the answer the same prompt got before any chaos (greedy
 and seeded sampling are deterministic per request, so a resumed stream must match); fuzzed
-requests (tests/fuzz_requests.py) must never get a 5xx or hang. Each round (one kill) records
-the RSS of every process, and the engine's RSS outside its RAM prefix cache.
+requests (tests/support/fuzz_requests.py) must never get a 5xx or hang. Each round (one kill)
+records the RSS of every process, and the engine's RSS outside its RAM prefix cache.
 
-    python benchmarks/soak.py --minutes 30 --streams 32 --kill-every 20 --out benchmarks/results/soak
+    python benchmarks/soak.py --minutes 30 --streams 32 --kill-every 20 \
+        --out benchmarks/results/soak
     python benchmarks/soak.py --minutes 10 --kinds proxy,storage   # the engine lives throughout
 
 Exits 0 when there were no wrong texts, no hung requests, no 5xx to a fuzzed request and the
@@ -84,7 +85,7 @@ class SoakDaemon:
         self._ready = threading.Event()
 
     def start(self) -> None:
-        from harness import TAG_ENV
+        from support.harness import TAG_ENV
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
         env.update(PYTHONUNBUFFERED="1", MLXD_CONFIG=os.devnull)
         env[TAG_ENV] = str(self.run_dir)  # so leftovers() finds every process of this daemon
@@ -189,12 +190,13 @@ class Soak:
             try:
                 text, usage, errors = await _stream(s, self.d.url, _body(i, self.args.max_tokens),
                                                     self.args.request_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 c.hangs += 1
                 c.note(f"stream {i} hung for {self.args.request_timeout} s")
                 continue
             except (aiohttp.ClientError, ConnectionError) as e:
-                if started <= self.proxy_killed_at + 1 or time.monotonic() - self.proxy_killed_at < 5:
+                since_kill = time.monotonic() - self.proxy_killed_at
+                if started <= self.proxy_killed_at + 1 or since_kill < 5:
                     c.dropped_by_proxy_death += 1
                 else:
                     c.stream_errors += 1
@@ -220,7 +222,7 @@ class Soak:
     async def _fuzzer(self, s: aiohttp.ClientSession, deadline: float) -> None:
         if self.args.fuzz_per_s <= 0:
             return
-        import fuzz_requests  # tests/fuzz_requests.py: the generators the fuzz tests use
+        from support import fuzz_requests  # the generators the fuzz tests use
         c = self.counts
         unix = aiohttp.ClientSession(connector=aiohttp.UnixConnector(
             path=str(self.d.run_dir / "mlxd.sock")))
@@ -238,7 +240,7 @@ class Soak:
                                                timeout=aiohttp.ClientTimeout(total=60)) as r:
                         body = await r.read()
                         status, headers = r.status, {k.lower(): v for k, v in r.headers.items()}
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     c.fuzz_hangs += 1
                     c.note(f"fuzz hang: {req.method} {req.path} {req.body[:100]!r}")
                     continue
@@ -339,7 +341,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None, help="default: a tiny random model")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from mlxd.engine.random_model import write_random_model
+    from support.random_model import write_random_model
     work = Path(tempfile.mkdtemp(prefix="mlxd-soak-"))
     model = args.model or write_random_model(work / "tiny-llama", context=512)
     d = SoakDaemon(model, work, ["--hang-timeout", str(args.hang_timeout),
@@ -354,7 +356,7 @@ def main() -> int:
     finally:
         code = d.stop()
     c = soak.counts
-    from harness import RUN_DIRS, leftovers
+    from support.harness import RUN_DIRS, leftovers
     RUN_DIRS.append(d.run_dir)
     segments, procs, _ = leftovers()
     summary = {"minutes": args.minutes, "streams": args.streams, "kill_every_s": args.kill_every,
@@ -376,18 +378,20 @@ def main() -> int:
 def _markdown(s: dict, rounds: list[RoundRecord]) -> str:
     lines = [f"# Soak: {s['minutes']} min, {s['streams']} streams, a kill of one of "
              f"[{s['kinds']}] every {s['kill_every_s']} s", "",
-             "| stream requests | ok | wrong text | stream errors | dropped with a killed proxy | hangs "
-             "| resumes | kills | fuzzed requests | fuzz 5xx | fuzz other problems | fuzz hangs "
-             "| supervisor survived |",
+             "| stream requests | ok | wrong text | stream errors | dropped with a killed proxy "
+             "| hangs | resumes | kills | fuzzed requests | fuzz 5xx | fuzz other problems "
+             "| fuzz hangs | supervisor survived |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| {s['stream_requests']} | {s['streams_ok']} | {s['wrong_text']} | {s['stream_errors']} | "
+             f"| {s['stream_requests']} | {s['streams_ok']} | {s['wrong_text']} | "
+             f"{s['stream_errors']} | "
              f"{s['dropped_by_proxy_death']} | {s['hangs']} | {s['resumes']} | {s['kills']} | "
              f"{s['fuzz_requests']} | {s['fuzz_5xx']} | "
              f"{s['fuzz_problems'] - s['fuzz_5xx']} | {s['fuzz_hangs']} | "
              f"{s['supervisor_survived']} |", "",
              f"Engine RSS outside the prefix cache: {json.dumps(s['engine_rss'])}", "",
-             "| t | killed | signal | engine epoch | RSS MB (supervisor / proxy / engine / storage) "
-             "| engine outside cache MB |", "|---|---|---|---|---|---|"]
+             "| t | killed | signal | engine epoch "
+             "| RSS MB (supervisor / proxy / engine / storage) | engine outside cache MB |",
+             "|---|---|---|---|---|---|"]
     t0 = rounds[0].t if rounds else 0
     for r in rounds:
         rss = " / ".join(str(r.rss_mb.get(k, "-")) for k in

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import free_port  # noqa: E402
+from throughput import free_port
 
 
 def start_to_first_token(cache_dir: str, isolate: bool) -> float:

@@ -27,7 +27,9 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -73,7 +75,8 @@ def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str)
     from mlxd.engine.model_loader import load_model
     global _LOADED
     if _LOADED is None or _LOADED[0] != model_dir:
-        model, tok, _ = load_model(model_dir, Path(tempfile.gettempdir()) / "mlxd-bench-cache", dtype)
+        cache_dir = Path(tempfile.gettempdir()) / "mlxd-bench-cache"
+        model, tok, _ = load_model(model_dir, cache_dir, dtype)
         _LOADED = (model_dir, model, tok)
     _, model, tok = _LOADED
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -115,7 +118,7 @@ def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str)
                  engine_ttft=statistics.mean(first.values()) if first else None)
 
 
-_LOADED = None
+_LOADED: tuple[str, Any, Any] | None = None  # (model dir, model, tokenizer) last loaded
 
 
 # ---------------------------------------------------------------- HTTP targets
@@ -218,7 +221,8 @@ def start_target(target: str, model_dir: str, batch: int, dtype: str,
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port),
                 "--decode-concurrency", str(batch), "--prompt-concurrency", str(batch),
                 "--prompt-cache-bytes", "0" , "--log-level", "WARNING"]
-        return Server(argv, f"http://127.0.0.1:{port}/health"), f"http://127.0.0.1:{port}", model_dir
+        base = f"http://127.0.0.1:{port}"
+        return Server(argv, f"{base}/health"), base, model_dir
     run_dir = tempfile.mkdtemp(prefix="mlxd-b-", dir="/tmp")
     argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", model_dir, "--port", str(port),
             "--run-dir", run_dir, "--batch", str(batch), "--dtype", dtype,
@@ -237,12 +241,14 @@ def model_for(args: argparse.Namespace) -> str:
         if args.model == "default":
             return "default"
         return args.model
-    from mlxd.engine.random_model import write_random_model
-    h, l, nh, kv, inter, vocab = SHAPES[args.shape]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.random_model import write_random_model  # tests/support: shared with the tests
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[args.shape]
     out = Path(tempfile.gettempdir()) / f"mlxd-bench-{args.shape}-{args.model_dtype}"
     if not (out / "config.json").exists():
-        write_random_model(out, hidden=h, layers=l, heads=nh, kv_heads=kv, intermediate=inter,
-                           vocab=vocab, context=4096, dtype=args.model_dtype)
+        write_random_model(out, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                           intermediate=inter, vocab=vocab, context=4096,
+                           dtype=args.model_dtype)
     return str(out)
 
 
@@ -294,12 +300,13 @@ def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
     import mlx.core as mx
     ref = {r.concurrency: r.tok_s for r in rounds if r.target == "inprocess"}
     lines = [f"Model: {args.model or 'random ' + args.shape + ' (' + args.model_dtype + ')'}; "
-             f"{args.max_tokens} generated tokens per request, greedy; device {mx.default_device()}; "
-             f"mlx {mx.__version__}; {platform.machine()} {os.cpu_count()} cores; "
+             f"{args.max_tokens} generated tokens per request, greedy; "
+             f"device {mx.default_device()}; "
+             f"mlx {version('mlx')}; {platform.machine()} {os.cpu_count()} cores; "
              f"{time.strftime('%Y-%m-%d')}.", "",
-             "| target | concurrency | tok/s | ratio to in-process | first text p50 (s) | first text p90 (s) "
-             "| ITL p50 (ms) | ITL p90 (ms) | engine: to batch, mean (s) | engine: to first "
-             "token, mean (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| target | concurrency | tok/s | ratio to in-process | first text p50 (s) "
+             "| first text p90 (s) | ITL p50 (ms) | ITL p90 (ms) | engine: to batch, mean (s) "
+             "| engine: to first token, mean (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rounds:
         ratio = r.tok_s / ref[r.concurrency] if ref.get(r.concurrency) else float("nan")
         lines.append(f"| {r.target} | {r.concurrency} | {r.tok_s:.1f} | {ratio:.2f} | "
@@ -333,7 +340,8 @@ def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="'default', a model dir, or omit for --shape")
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--model-dtype", default="float32", help="dtype of the random weights")

@@ -8,26 +8,23 @@ from dataclasses import dataclass, field
 
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.protocol.addresses import identity
-from mlxd.protocol.messages import ChildInfo
-
-STATES = ("starting", "ready", "backoff", "failed", "stopping", "stopped")
+from mlxd.protocol.messages import ChildInfo, ChildState, Role
 
 
 @dataclass
 class Child:
-    role: str  # "proxy" | "engine"
+    role: Role
     child_id: str
     model: str  # the model spec, for engines
     argv: list[str]  # `python -m mlxd.<role>`; the launch struct goes on its stdin
     epoch: int = 0
-    state: str = "starting"
+    state: ChildState = "starting"
     proc: asyncio.subprocess.Process | None = None
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     reason: str | None = None
     last_exit: str | None = None
     last_error: str | None = None
     last_heartbeat: float | None = None
-    started_at: float = 0.0
     restarts: int = 0
     removed: bool = False  # unloaded on purpose: not restarted when it exits
 
@@ -36,8 +33,13 @@ class Child:
         return identity(self.role, self.child_id, self.epoch)
 
     @property
+    def running(self) -> asyncio.subprocess.Process | None:
+        """The child's process while it runs, else None."""
+        return self.proc if self.proc is not None and self.proc.returncode is None else None
+
+    @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.running is not None
 
     def info(self, now: float) -> ChildInfo:
         return ChildInfo(

@@ -6,15 +6,24 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import platformdirs
 
 from mlxd.daemon.paths import default_cache_dir, default_run_dir
-from mlxd.daemon.settings import (BY_KEY, ENV_NAMES, OTHER_ENV, SETTINGS, ConfigError,
-                                  parse_text, parse_toml, validate)
+from mlxd.daemon.settings import (
+    BY_KEY,
+    ENV_NAMES,
+    OTHER_ENV,
+    SETTINGS,
+    ConfigError,
+    parse_text,
+    parse_toml,
+    validate,
+)
 from mlxd.protocol.models import engine_id_for
 from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings, StorageSettings
 
@@ -159,12 +168,13 @@ def _check_together(values: dict[str, Any], sources: dict[str, str]) -> None:
         raise ConfigError(f"api_key ({sources['api_key']}): use at least 8 characters")
 
 
-def _path_or_off(text: str | None) -> Path | None | str:
-    if text is None:
-        return None
-    if text == "off":
-        return "off"
-    return Path(text).expanduser().absolute()
+def _path(text: str | None) -> Path | None:
+    return None if text is None else Path(text).expanduser().absolute()
+
+
+def _path_or_off(text: str | None, default: Path) -> Path | None:
+    """None where the user said `off`, the default where they said nothing."""
+    return None if text == "off" else (_path(text) or default)
 
 
 def _section(struct: type[S], v: dict[str, Any]) -> S:
@@ -173,16 +183,14 @@ def _section(struct: type[S], v: dict[str, Any]) -> S:
 
 def _build(v: dict[str, Any]) -> ServeConfig:
     """The one place flat resolved values become the section Structs."""
-    run_dir = _path_or_off(v["run_dir"]) or default_run_dir().absolute()
-    cache_dir = _path_or_off(v["cache_dir"]) or default_cache_dir().absolute()
-    socket = _path_or_off(v["socket"])
-    ssd = _path_or_off(v["ssd_cache"])
+    run_dir = _path(v["run_dir"]) or default_run_dir().absolute()
+    cache_dir = _path(v["cache_dir"]) or default_cache_dir().absolute()
     return ServeConfig(
         daemon=_section(DaemonSettings, v), proxy=_section(ProxySettings, v),
         engine=_section(EngineSettings, v), storage=_section(StorageSettings, v),
         run_dir=run_dir, cache_dir=cache_dir,
-        socket=None if socket == "off" else (socket or run_dir / "mlxd.sock"),
-        ssd_cache=None if ssd == "off" else (ssd or cache_dir / "kv"))
+        socket=_path_or_off(v["socket"], run_dir / "mlxd.sock"),
+        ssd_cache=_path_or_off(v["ssd_cache"], cache_dir / "kv"))
 
 
 def describe(resolved: Resolved) -> list[tuple[str, Any, str, str]]:

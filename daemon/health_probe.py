@@ -41,7 +41,7 @@ async def probe(address: ProbeAddress, timeout: float) -> int | None:
     """The HTTP status of `GET /health`, or None when no answer came within `timeout`."""
     try:
         return await asyncio.wait_for(_ask(address), timeout)
-    except (OSError, asyncio.TimeoutError, ValueError, EOFError):
+    except (TimeoutError, OSError, ValueError, EOFError):
         return None
 
 

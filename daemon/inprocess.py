@@ -8,13 +8,13 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from mlxd.daemon.config import ServeConfig
-from mlxd.daemon.launch import (command, engine_launch, proxy_launch, storage_launch,
-                               write_launch)
+from mlxd.daemon.launch import command, engine_launch, proxy_launch, storage_launch, write_launch
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
@@ -48,7 +48,8 @@ async def _serve(cfg: ServeConfig) -> int:
     from mlxd.engine.service import EngineService
 
     actx = zmq.asyncio.Context()
-    sync_ctx = zmq.Context.shadow(actx.underlying)  # inproc needs one shared context
+    # inproc needs one shared context
+    sync_ctx: zmq.Context[zmq.Socket] = zmq.Context.shadow(actx.underlying)
     eps = Endpoints.inproc("mlxd", cfg.run_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -81,14 +82,19 @@ async def _serve(cfg: ServeConfig) -> int:
         elif state == "failed":
             print(f"mlxd: model {model_id(spec)} failed: {error}", file=sys.stderr, flush=True)
 
+    def announcer(spec: str) -> Callable[[str, str | None], None]:
+        """An engine thread's state changes, announced from the event loop."""
+        def on_state(state: str, error: str | None) -> None:
+            loop.call_soon_threadsafe(announce, spec, state, error)
+        return on_state
+
     def start_engines(where: str) -> None:
         print(f"mlxd: listening on {where}", file=sys.stderr, flush=True)
         notifier.notify(READY=1, STATUS=f"listening on {where}")
         for eid, spec in cfg.engines().items():
             service = EngineService(
                 engine_launch(cfg, eid, spec, epoch=0), eps, sync_ctx, supervised=False,
-                on_state=lambda state, error, spec=spec: loop.call_soon_threadsafe(
-                    announce, spec, state, error))
+                on_state=announcer(spec))
             t = threading.Thread(target=service.run, name=f"engine-{eid}", daemon=True)
             t.start()
             engines.append((service, t))
@@ -157,7 +163,7 @@ class StorageWorkerProcess:
             self.proc.terminate()
             try:
                 await asyncio.wait_for(self.proc.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
         if self._watch is not None:

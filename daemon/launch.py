@@ -11,14 +11,16 @@ from typing import Any
 
 from mlxd.daemon.config import ServeConfig
 from mlxd.protocol import codec
+from mlxd.protocol.messages import Role
 from mlxd.protocol.settings import EngineLaunch, Launch, ProxyLaunch, StorageLaunch
 
-MODULES = {"proxy": "mlxd.proxy", "engine": "mlxd.engine", "storage": "mlxd.storage_worker"}
-ROLES: dict[type, str] = {ProxyLaunch: "proxy", EngineLaunch: "engine",
-                          StorageLaunch: "storage"}
+MODULES: dict[Role, str] = {"proxy": "mlxd.proxy", "engine": "mlxd.engine",
+                            "storage": "mlxd.storage_worker"}
+ROLES: dict[type, Role] = {ProxyLaunch: "proxy", EngineLaunch: "engine",
+                           StorageLaunch: "storage"}
 
 
-def command(role: str) -> list[str]:
+def command(role: Role) -> list[str]:
     return [sys.executable, "-m", MODULES[role]]
 
 

@@ -51,7 +51,8 @@ class RunDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SystemExit(f"mlxd: another mlxd is already running with run dir {self.run_dir}")
+            raise SystemExit(
+                f"mlxd: another mlxd is already running with run dir {self.run_dir}") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd

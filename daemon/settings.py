@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import inspect as mi
@@ -19,7 +19,7 @@ from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings
 #   onoff    bool; --key on|off; otherwise as switch
 #   list     repeatable flag; env comma-separated; TOML array of strings
 #   map      repeatable NAME=VALUE flag; env comma-separated NAME=VALUE; TOML table
-KINDS = ("str", "int", "float", "path", "switch", "onoff", "list", "map")
+Kind = Literal["str", "int", "float", "path", "switch", "onoff", "list", "map"]
 
 # Section name (the `ServeConfig` attribute holding it) -> its Struct.
 SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -36,8 +36,9 @@ SHOWN_ORDER = (
     "pool_queue", "restart_backoff", "resume", "prompt_cache", "ssd_cache", "ssd_cache_max",
     "ssd_cache_verify", "block_tokens", "kv_slots", "generation_checkpoint")
 
-_KIND_OF = {mi.IntType: "int", mi.FloatType: "float", mi.BoolType: "switch", mi.StrType: "str",
-            mi.LiteralType: "str", mi.ListType: "list", mi.DictType: "map"}
+_KIND_OF: dict[type, Kind] = {
+    mi.IntType: "int", mi.FloatType: "float", mi.BoolType: "switch", mi.StrType: "str",
+    mi.LiteralType: "str", mi.ListType: "list", mi.DictType: "map"}
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _num(n: float | None) -> str | None:
 class Setting:
     key: str
     section: str  # the SECTIONS name whose Struct declares it
-    kind: str
+    kind: Kind
     default: Any
     help: str
     type: Any  # the field's annotated type: converting with it applies the bounds
@@ -165,10 +166,12 @@ def parse_text(s: Setting, text: str, where: str) -> Any:
         raise ConfigError(f"{s.key} ({where}): bad value {text!r}: {e}") from None
 
 
+_TOML_TYPES: dict[Kind, type | tuple[type, ...]] = {
+    "str": str, "path": str, "int": int, "float": (int, float), "switch": bool, "onoff": bool}
+
+
 def parse_toml(s: Setting, value: Any, where: str) -> Any:
     """A value as TOML gives it: native types, checked strictly (no silent coercion)."""
-    want = {"str": str, "path": str, "int": int, "float": (int, float),
-            "switch": bool, "onoff": bool}.get(s.kind)
     if s.kind == "list":
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
@@ -180,7 +183,8 @@ def parse_toml(s: Setting, value: Any, where: str) -> Any:
                           f"got {value!r}")
     if isinstance(value, bool) and s.kind in ("int", "float"):
         raise ConfigError(f"{s.key} ({where}): expected a number, got {value!r}")
-    if not isinstance(value, want):  # type: ignore[arg-type]
+    native = isinstance(value, _TOML_TYPES[s.kind])  # a flag: `value` keeps its Any type
+    if not native:
         raise ConfigError(f"{s.key} ({where}): expected {s.kind}, got {value!r}")
     return float(value) if s.kind == "float" else value
 

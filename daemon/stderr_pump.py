@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 LINE_CAP = 8192  # bytes of one forwarded line
 TAIL = 1024  # bytes kept from the end of a line that is cut
@@ -88,13 +88,13 @@ async def drain(read_fd: int, on_line: Callable[[str], None], what: str) -> None
                 chunk = await reader.read(CHUNK)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001  the pipe itself broke: nothing more to drain
+            except Exception:  # the pipe itself broke: nothing more to drain
                 log.exception("reading the stderr of %s failed", what)
                 chunk = b""
             for line in splitter.feed(chunk) if chunk else splitter.close():
                 try:
                     on_line(line)
-                except Exception:  # noqa: BLE001  that line is lost, the pipe still drains
+                except Exception:  # that line is lost, the pipe still drains
                     log.exception("forwarding a line of %s's stderr failed", what)
             if not chunk:
                 return

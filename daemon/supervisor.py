@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 import zmq
@@ -23,8 +25,7 @@ import zmq.asyncio
 from mlxd.daemon import health_probe
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
-from mlxd.daemon.launch import (command, engine_launch, proxy_launch, storage_launch,
-                               write_launch)
+from mlxd.daemon.launch import command, engine_launch, proxy_launch, storage_launch, write_launch
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
@@ -33,8 +34,20 @@ from mlxd.daemon.watchdog import HangWatchdog, probe_timing
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.logs import setup_logging, shorten
-from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, ResetChild,
-                                    Shutdown, StartEngine, StopDaemon, StopEngine)
+from mlxd.protocol.messages import (
+    ChildFailed,
+    ChildStates,
+    Heartbeat,
+    Hello,
+    Ready,
+    ResetChild,
+    Role,
+    Shutdown,
+    StartEngine,
+    StopDaemon,
+    StopEngine,
+    ToChild,
+)
 from mlxd.protocol.models import model_id
 
 log = logging.getLogger("mlxd.supervisor")
@@ -53,7 +66,7 @@ class Supervisor:
         self.exit_code = exit_codes.OK
         self.watchdog = HangWatchdog(cfg.daemon.hang_timeout)
         self._ctx = zmq.asyncio.Context()
-        self._ctl: zmq.asyncio.Socket | None = None
+        self._ctl: zmq.asyncio.Socket  # the control ROUTER, bound by run()
         self._tasks: set[asyncio.Task] = set()
         self._enc = codec.to_child()
         self._last_epoch: dict[str, int] = {}  # of engines that were unloaded
@@ -61,7 +74,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ launch
 
-    def _child(self, role: str, child_id: str, model: str) -> Child:
+    def _child(self, role: Role, child_id: str, model: str) -> Child:
         return Child(role, child_id, model, command(role),
                      policy=RestartPolicy(base_delay=self.cfg.daemon.restart_backoff))
 
@@ -110,7 +123,7 @@ class Supervisor:
             print(f"mlxd: {reason}", file=sys.stderr, flush=True)
         return self.exit_code
 
-    def _spawn_task(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
+    def _spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -120,8 +133,8 @@ class Supervisor:
         if self.stopping:
             log.warning("second signal: killing children now")
             for child in self.children.values():
-                if child.alive:
-                    child.proc.kill()
+                if (proc := child.running) is not None:
+                    proc.kill()
             return
         self._stop("signal")
 
@@ -162,7 +175,6 @@ class Supervisor:
         finally:
             os.close(write_fd)
         await write_launch(child.proc, self._launch(child))
-        child.started_at = time.monotonic()
         self.watchdog.forget(child.child_id)
         log.info("started %s %s (pid %d, epoch %d)", child.role, child.child_id,
                  child.proc.pid, child.epoch)
@@ -254,7 +266,8 @@ class Supervisor:
             await asyncio.sleep(0.5)  # the watchdog's tick
             now = time.monotonic()
             for child in list(self.children.values()):
-                if child.role not in ("engine", "proxy") or not child.alive \
+                proc = child.running
+                if child.role not in ("engine", "proxy") or proc is None \
                         or child.state != "ready":
                     continue
                 action = self.watchdog.check(child.child_id, now)
@@ -263,10 +276,10 @@ class Supervisor:
                     log.error("%s %s is hung (%s): SIGABRT (stack dump follows), then SIGKILL",
                               child.role, child.child_id, why)
                     child.last_error = f"hung: {why}"
-                    child.proc.send_signal(signal.SIGABRT)
-                    child.proc.send_signal(signal.SIGCONT)  # a stopped child dumps too
+                    proc.send_signal(signal.SIGABRT)
+                    proc.send_signal(signal.SIGCONT)  # a stopped child dumps too
                 elif action == "kill":
-                    child.proc.kill()
+                    proc.kill()
 
     async def _probe_proxy(self) -> None:
         """The proxy's heartbeats say its control loop runs; this says it answers HTTP."""
@@ -299,7 +312,7 @@ class Supervisor:
                 continue
             try:
                 await self._on_control(msg)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("handling %s from %r failed", type(msg).__name__, identity[:80])
 
     async def _on_control(self, msg: object) -> None:
@@ -392,7 +405,7 @@ class Supervisor:
         self._broadcast()
         await self._send(child, Shutdown("unloaded"))
 
-    async def _send(self, child: Child, msg: object) -> bool:
+    async def _send(self, child: Child, msg: ToChild) -> bool:
         try:
             await self._ctl.send_multipart([child.identity, self._enc.encode(msg)])
             return True
@@ -419,26 +432,25 @@ class Supervisor:
         shm.remove_leftovers(self.cfg.run_dir)
 
     async def _stop_group(self, children: list[Child], timeout: float) -> None:
-        live = [c for c in children if c.alive]
-        for child in live:
+        live = [(c, proc) for c in children if (proc := c.running) is not None]
+        for child, proc in live:
             child.state = "stopping"
             if not await self._send(child, Shutdown("daemon stopping")):
-                child.proc.terminate()
+                proc.terminate()
         try:
-            await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in live)), timeout)
-        except asyncio.TimeoutError:
-            for child in live:
-                if child.proc.returncode is None:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for _, p in live)), timeout)
+        except TimeoutError:
+            for child, proc in live:
+                if proc.returncode is None:
                     log.warning("%s %s did not stop in time; killing it", child.role,
                                 child.child_id)
-                    child.proc.kill()
+                    proc.kill()
             try:
-                await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in live)),
-                                       EXIT_WAIT)
-            except asyncio.TimeoutError:  # unkillable (stuck in the kernel): not our wait
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for _, p in live)), EXIT_WAIT)
+            except TimeoutError:  # unkillable (stuck in the kernel): not our wait
                 log.error("could not reap %s", ", ".join(
-                    f"{c.role} {c.child_id} (pid {c.proc.pid})" for c in live
-                    if c.proc.returncode is None))
+                    f"{c.role} {c.child_id} (pid {p.pid})" for c, p in live
+                    if p.returncode is None))
 
 
 def run_supervisor(cfg: ServeConfig) -> int:

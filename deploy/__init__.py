@@ -1,1 +1,2 @@
-"""Service templates (launchd user agent, systemd user unit), filled in by `mlxd service install`."""
+"""Service templates (launchd user agent, systemd user unit), filled in by
+`mlxd service install`."""

@@ -8,11 +8,17 @@ arrays or sockets."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from mlxd.engine.output import (THINK_CLOSE, THINK_OPEN, RequestOutput, ThinkSplitter,
-                                ToolCallSplitter)
+from mlxd.engine.output import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    RequestOutput,
+    ThinkSplitter,
+    ToolCallSplitter,
+)
 from mlxd.engine.prefix_cache import RestoredPrefix
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol import faults
@@ -46,7 +52,7 @@ def prepare(msg: Generate, model: LoadedModel | None,
         return _prepare(msg, model, restore, received_at)
     except ClientError as e:
         return Answered([Delta(rid, finish_reason="error", error=str(e), error_code=e.code)])
-    except Exception as e:  # noqa: BLE001 - a bad request must never hurt the engine
+    except Exception as e:  # a bad request must never hurt the engine
         log.exception("request %s could not be prepared", rid)
         return Answered([Delta(rid, finish_reason="error", error=f"invalid request: "
                                f"{str(e)[:500]}", error_code="invalid_request")])
@@ -139,7 +145,7 @@ def prompt_tokens(tok: Any, msg: Generate) -> list[int]:
             prompt = list(tok.apply_chat_template(
                 msg.messages, add_generation_prompt=msg.add_generation_prompt, tokenize=True,
                 **extra))
-        except Exception as e:  # noqa: BLE001 - template errors are the client's messages
+        except Exception as e:  # template errors are the client's messages
             raise ClientError(f"the chat template rejected the messages: {e}",
                               "invalid_messages") from e
     else:

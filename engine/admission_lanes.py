@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from mlxd.engine.admission import Admitted, Answered, prompt_chars
 from mlxd.protocol.messages import Generate
@@ -55,7 +55,7 @@ class AdmissionLanes:
         for q in self._queues.values():
             q.put(None)
 
-    def _lane(self, q: "queue.Queue[Generate | None]") -> None:
+    def _lane(self, q: queue.Queue[Generate | None]) -> None:
         while (msg := q.get()) is not None:
             rid = msg.request_id
             result = None if rid in self._cancelled else self._prepare(msg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -61,7 +61,7 @@ class GrammarProcessor:
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         if self._calls:
-            self.matcher.consume_token(int(context[-1].item()))
+            self.matcher.consume_token(cast(int, context[-1].item()))  # token ids: an int
         self._calls += 1
         vocab = logits.shape[-1]
         if self._bitmask is None:

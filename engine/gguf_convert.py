@@ -12,8 +12,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -114,7 +115,7 @@ def _tokenizer_json(meta: dict[str, Any]) -> dict[str, Any]:
     special = [
         {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True}
-        for i, (t, kind) in enumerate(zip(tokens, types)) if kind == 3
+        for i, (t, kind) in enumerate(zip(tokens, types, strict=False)) if kind == 3
     ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": True}
@@ -163,7 +164,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path,
     if (out_dir / "config.json").exists():
         return out_dir
     say(f"mlxd: converting {gguf_path.name} into an MLX model at {out_dir} (once)...")
-    weights, meta = mx.load(str(gguf_path), return_metadata=True)
+    # mx.load's annotation is one union for every format; a GGUF with its metadata is a pair
+    weights, meta = cast(tuple[dict[str, mx.array], dict[str, Any]],
+                         mx.load(str(gguf_path), return_metadata=True))
     config = _model_config(meta, weights)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     converted: dict[str, mx.array] = {}
@@ -181,7 +184,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path,
         (tmp / "tokenizer.json").write_text(json.dumps(_tokenizer_json(meta), ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta), indent=2))
         (tmp / "generation_config.json").write_text(
-            json.dumps({"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}))
+            json.dumps({"eos_token_id": config["eos_token_id"],
+                        "bos_token_id": config["bos_token_id"]}))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

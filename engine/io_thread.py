@@ -8,8 +8,9 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -17,8 +18,15 @@ import zmq
 from mlxd.engine.state import Channels
 from mlxd.protocol import codec, exit_codes
 from mlxd.protocol.addresses import Endpoints, identity
-from mlxd.protocol.messages import (Abort, ChildStates, FlushCache, Generate, Heartbeat, Hello,
-                                    Shutdown)
+from mlxd.protocol.messages import (
+    Abort,
+    ChildStates,
+    FlushCache,
+    Generate,
+    Heartbeat,
+    Hello,
+    Shutdown,
+)
 
 log = logging.getLogger("mlxd.engine")
 

@@ -48,7 +48,7 @@ def resolve_model_dir(spec: str, cache_dir: Path) -> Path:
     try:
         from mlx_lm.utils import _download  # resolves a repo id the way mlx_lm.load does
         return Path(_download(spec))
-    except Exception as e:  # noqa: BLE001 - any failure here means the model cannot load
+    except Exception as e:  # any failure here means the model cannot load
         raise ModelLoadError(f"cannot resolve model {spec!r}: {e}") from e
 
 
@@ -71,8 +71,9 @@ def load_model(spec: str, cache_dir: Path, dtype: str = "auto") -> tuple[Any, An
     import mlx_lm
     model_dir = resolve_model_dir(spec, cache_dir)
     try:
-        model, tokenizer = mlx_lm.load(str(model_dir))
-    except Exception as e:  # noqa: BLE001
+        # two items: mlx_lm.load's annotation also covers return_config=True
+        model, tokenizer = mlx_lm.load(str(model_dir))[:2]
+    except Exception as e:
         raise ModelLoadError(f"cannot load model from {model_dir}: {e}") from e
     _cast_for_device(model, dtype)
     mx.eval(model.parameters())

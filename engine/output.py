@@ -77,7 +77,8 @@ class ToolCallSplitter:
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(answer text that can be sent now, calls completed now)."""
         self.buf += text
-        out, calls = "", []
+        out = ""
+        calls: list[dict] = []
         while True:
             if not self.in_call:
                 i = self.buf.find(self.start)

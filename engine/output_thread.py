@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from mlxd.engine.output import RequestOutput
-from mlxd.engine.runner import AbortRequest, RequestStarted, RequestsRemoved, StepTokens
+from mlxd.engine.runner import AbortRequest, RequestsRemoved, RequestStarted, StepTokens
 from mlxd.engine.state import Channels, Registered, StatusTick
 from mlxd.protocol import codec
 from mlxd.protocol.messages import CacheFlushed, Delta, EngineStatus, StepOutput, TokenLogprob
@@ -26,7 +27,7 @@ STATUS_INTERVAL = 0.5
 class OutputThread:
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, epoch: int,
                  channels: Channels, status: Callable[[], EngineStatus],
-                 runner_inbox: Callable[[], "queue.Queue[Any] | None"],
+                 runner_inbox: Callable[[], queue.Queue[Any] | None],
                  token_text: Callable[[int], str]) -> None:
         self.ctx, self.endpoint = ctx, endpoint
         self.engine_id, self.epoch = engine_id, epoch
@@ -85,14 +86,14 @@ class OutputThread:
                 self.outputs[rid] = out
                 deltas.append(notice)
             case RequestStarted(request_id=rid, cached_tokens=cached):
-                if (out := self.outputs.get(rid)) is not None:
-                    out.cached_tokens = cached
+                if (started := self.outputs.get(rid)) is not None:
+                    started.cached_tokens = cached
             case RequestsRemoved(request_ids=rids, error=error):
                 for rid in rids:
-                    if (out := self.outputs.pop(rid, None)) is not None:
+                    if (removed := self.outputs.pop(rid, None)) is not None:
                         deltas.append(Delta(rid, finish_reason="error" if error else "abort",
-                                            prompt_tokens=out.prompt_tokens,
-                                            completion_tokens=out.completion_tokens,
+                                            prompt_tokens=removed.prompt_tokens,
+                                            completion_tokens=removed.completion_tokens,
                                             error=error,
                                             error_code="engine_error" if error else None))
             case Delta():

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(eq=False)
@@ -35,7 +36,7 @@ class RestoredPrefix:
 
 @dataclass
 class _Node:
-    children: dict[int, "_Node"] = field(default_factory=dict)
+    children: dict[int, _Node] = field(default_factory=dict)
     entry: Entry | None = None
     any_entry: Entry | None = None  # some entry in this subtree: it can be trimmed to here
 
@@ -44,7 +45,6 @@ class _Node:
 class CacheStats:
     hits: int = 0
     misses: int = 0
-    tokens_served: int = 0
     evictions: int = 0
 
 
@@ -94,7 +94,6 @@ class PrefixCache:
                 return None
             self._lru.move_to_end(entry.tokens)
             self.stats.hits += 1
-            self.stats.tokens_served += n
             if n == len(entry.tokens):
                 return list(entry.layers), n
             return [(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], n

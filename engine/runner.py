@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -50,7 +51,7 @@ class StopRunner:
 @dataclass
 class Call:
     """Run `fn(runner)` on the MLX thread (flushes, cache maintenance)."""
-    fn: Callable[["Runner"], None]
+    fn: Callable[[Runner], None]
 
 
 @dataclass
@@ -92,12 +93,11 @@ class RunnerCounters:
     step_s: float = 0.0  # MLX-thread time in generation steps, checkpoints included
     active: int = 0
     busy: bool = False
-    last_step_at: float = field(default_factory=time.monotonic)
 
 
 class Runner:
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
-                 outbox: "queue.Queue[Any]", stream: Any = None, cache_bytes: int = 0,
+                 outbox: queue.Queue[Any], stream: Any = None, cache_bytes: int = 0,
                  on_entry: Callable[[Entry], None] | None = None,
                  on_evict: Callable[[Entry], None] | None = None,
                  checkpoint_every: int = 0,
@@ -107,7 +107,7 @@ class Runner:
         self._prefill_step = prefill_step
         self._stream = stream
         self._stop_sequences = StopSequences([[e] for e in eos_ids])
-        self.inbox: "queue.Queue[Any]" = queue.Queue()
+        self.inbox: queue.Queue[Any] = queue.Queue()
         self._outbox = outbox
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
@@ -290,7 +290,7 @@ class Runner:
         faults.hit("engine.step")
         try:
             prompt_responses, responses = self._gen.next()
-        except Exception as e:  # noqa: BLE001 - a failed step must not take the engine down
+        except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
             self._fail_all(f"generation step failed: {e}")
             self._gen.close()
@@ -298,7 +298,6 @@ class Runner:
             return
         c = self.counters
         c.steps += 1
-        c.last_step_at = time.monotonic()
         if self._prefilling:
             for pr in prompt_responses:
                 if pr.end_of_prompt and self._prefilling.pop(pr.uid, None) is not None \
@@ -362,15 +361,19 @@ class Runner:
         top_ids = mx.take_along_axis(part, order, axis=-1)
         top_lp = mx.take_along_axis(part_lp, order, axis=-1)
         mx.eval(chosen, top_ids, top_lp)
-        chosen_l, ids_l, lps_l = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
-        return {self._uid_to_rid[r.uid]: (chosen_l[i][0], list(zip(ids_l[i][:n], lps_l[i][:n])))
+        # tolist() of 2-D arrays: nested lists (its annotation covers every rank)
+        chosen_l = cast(list[list[float]], chosen.tolist())
+        ids_l = cast(list[list[int]], top_ids.tolist())
+        lps_l = cast(list[list[float]], top_lp.tolist())
+        return {self._uid_to_rid[r.uid]:
+                (chosen_l[i][0], list(zip(ids_l[i][:n], lps_l[i][:n], strict=True)))
                 for i, (r, n) in enumerate(wanted)}
 
     def _checkpoint(self, uids: list[int]) -> None:
         """--generation-checkpoint: a running request's boundary (prompt and generated so far)
         goes to the SSD tier only (not RAM: it is still live here). Only blocks the disk lacks
         are copied."""
-        for uid, (cache, tokens) in self._gen.extract_cache(uids).items():
+        for cache, tokens in self._gen.extract_cache(uids).values():
             if any(type(c) is not KVCache or c.keys is None for c in cache):
                 continue
             n = min(len(tokens), cache[0].offset)

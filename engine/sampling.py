@@ -6,11 +6,16 @@ continued from position k samples what the uninterrupted one would have.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, greedy_sampler,
-                                 make_logits_processors)
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
 
 from mlxd.protocol.messages import SamplingParams
 
@@ -25,7 +30,8 @@ def _mix(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def make_request_sampler(p: SamplingParams, start_position: int = 0) -> Callable[[mx.array], mx.array]:
+def make_request_sampler(p: SamplingParams,
+                         start_position: int = 0) -> Callable[[mx.array], mx.array]:
     if p.temperature <= 0:
         return greedy_sampler  # one shared object: greedy rows are sampled in one batched call
     methods: list[Callable[[mx.array], mx.array]] = []

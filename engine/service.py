@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -26,8 +27,17 @@ from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
 from mlxd.engine.status import engine_status
 from mlxd.protocol import exit_codes, faults
 from mlxd.protocol.addresses import Endpoints
-from mlxd.protocol.messages import (CacheFlushed, ChildFailed, ChildStates, Delta, EngineState,
-                                    EngineStatus, FlushCache, Generate, Ready)
+from mlxd.protocol.messages import (
+    CacheFlushed,
+    ChildFailed,
+    ChildStates,
+    Delta,
+    EngineState,
+    EngineStatus,
+    FlushCache,
+    Generate,
+    Ready,
+)
 from mlxd.protocol.models import model_id
 from mlxd.protocol.settings import EngineLaunch
 
@@ -155,7 +165,11 @@ class EngineService:
         def run_on_mlx(fn: Callable[[], int]) -> int | None:
             box: list[int] = []
             done = threading.Event()
-            runner.inbox.put(Call(lambda r: (box.append(fn()), done.set())))
+            def call(_: Runner) -> None:
+                box.append(fn())
+                done.set()
+
+            runner.inbox.put(Call(call))
             done.wait(max(0.0, deadline - time.monotonic()))
             return box[0] if box else None
 

@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from mlxd.engine.prefix_cache import RestoredPrefix
-from mlxd.protocol.block_format import (BadBlock, Layout, block_key, block_path, chain_keys,
-                                        parse_name, read_block)
+from mlxd.protocol.block_format import (
+    BadBlock,
+    Layout,
+    block_key,
+    block_path,
+    chain_keys,
+    parse_name,
+    read_block,
+)
 
 log = logging.getLogger("mlxd.engine")
 
@@ -69,7 +77,8 @@ class SsdReader:
             n += tail[1]
         return n, found
 
-    def _best_tail(self, parent: bytes, rest: list[int]) -> tuple[bytes, int, bytes, list[int]] | None:
+    def _best_tail(self, parent: bytes,
+                   rest: list[int]) -> tuple[bytes, int, bytes, list[int]] | None:
         """The longest tail block (a partial span) after `parent` that matches `rest`."""
         if not rest:
             return None

@@ -21,9 +21,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -32,7 +33,7 @@ from mlxd.engine.prefix_cache import Entry
 from mlxd.engine.ssd_health import Admit, Change, Refusal, WriteHealth
 from mlxd.engine.ssd_restore import RAW_DTYPES, SsdReader
 from mlxd.protocol import codec, shm
-from mlxd.protocol.block_format import Layout, block_key, block_path, namespace_key
+from mlxd.protocol.block_format import KvDtype, Layout, block_key, block_path, namespace_key
 from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
 
 log = logging.getLogger("mlxd.engine")
@@ -113,12 +114,12 @@ class SsdTier:
         self.slot_bytes = layout.payload_bytes(block_tokens)
         self.segment = shm.segment_name(run_dir, engine_id, epoch)
         self._shm = shm.create(run_dir, self.segment, self.slot_bytes * slots)
-        self._free: "queue.Queue[int]" = queue.Queue()
+        self._free: queue.Queue[int] = queue.Queue()
         for i in range(slots):
             self._free.put(i)
         self._pending: dict[int, _Pending] = {}
         self._queued_keys: set[bytes] = set()
-        self._out: "queue.Queue[Any]" = queue.Queue()
+        self._out: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Condition()  # guards _pending and health; notified on answers
         self.health = WriteHealth()
         self.stats = SsdStats()
@@ -139,7 +140,8 @@ class SsdTier:
 
     # ------------------------------------------------------------------ keys
 
-    def _blocks_of(self, tokens: tuple[int, ...] | list[int]) -> list[tuple[int, int, bytes, bytes]]:
+    def _blocks_of(self,
+                   tokens: tuple[int, ...] | list[int]) -> list[tuple[int, int, bytes, bytes]]:
         """(start, end, parent, key) for every full block and the tail of `tokens`."""
         out = []
         parent = self.namespace
@@ -327,7 +329,7 @@ class SsdTier:
                     if isinstance(msg, list):
                         try:
                             msg = self._copy(msg)
-                        except Exception as e:  # noqa: BLE001 - a failed copy fails its blocks
+                        except Exception as e:  # a failed copy fails its blocks
                             log.exception("copying KV blocks to shared memory failed")
                             self._done(StoreDone([b.slot for b in msg], failed=len(msg),
                                                  error=f"copy failed: {e}",
@@ -413,12 +415,18 @@ def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> S
         return None
     model(mx.array([[0]]), cache=probe)
     k, v = probe[0].keys, probe[0].values
-    dtype = str(k.dtype).split(".")[-1]
+    kv_dtypes: dict[Any, KvDtype] = {mx.float32: "float32", mx.float16: "float16",
+                                    mx.bfloat16: "bfloat16"}
+    dtype = kv_dtypes.get(k.dtype)
+    if dtype is None:
+        log.info("this model's KV dtype %s has no block format: no SSD tier", k.dtype)
+        return None
     layout = Layout(len(probe), k.shape[1], k.shape[3], v.shape[3], dtype)
     block_tokens = launch.settings.block_tokens
     digest = weights_digest(resolve_model_dir(launch.model, Path(launch.cache_dir)))
+    mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
     description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
-                   f"mlx {mx.__version__}|{layout}")
+                   f"mlx {mlx_version}|{layout}")
     try:
         return SsdTier(root=Path(launch.ssd_root), layout=layout, description=description,
                        block_tokens=block_tokens, run_dir=Path(launch.run_dir),

@@ -61,6 +61,6 @@ class StatusTick:
 
 @dataclass
 class Channels:
-    outq: "queue.Queue[Any]" = field(default_factory=queue.Queue)
-    control_out: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    outq: queue.Queue[Any] = field(default_factory=queue.Queue)
+    control_out: queue.Queue[Any] = field(default_factory=queue.Queue)
     stop: threading.Event = field(default_factory=threading.Event)

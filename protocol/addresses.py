@@ -18,7 +18,7 @@ class Endpoints:
     storage: str = ""
 
     @classmethod
-    def ipc(cls, run_dir: Path) -> "Endpoints":
+    def ipc(cls, run_dir: Path) -> Endpoints:
         eps = cls(
             control=f"ipc://{run_dir}/ctl.sock",
             requests=f"ipc://{run_dir}/req.sock",
@@ -31,15 +31,11 @@ class Endpoints:
         return eps
 
     @classmethod
-    def inproc(cls, tag: str, run_dir: Path) -> "Endpoints":
+    def inproc(cls, tag: str, run_dir: Path) -> Endpoints:
         """Proxy and engine in one process; the storage worker is still its own process."""
         return cls(control=f"inproc://{tag}-ctl", requests=f"inproc://{tag}-req",
                    outputs=f"inproc://{tag}-out", storage=f"ipc://{run_dir}/store.sock")
 
-    def socket_files(self) -> list[Path]:
-        return [Path(ep[len("ipc://"):])
-                for ep in (self.control, self.requests, self.outputs, self.storage)
-                if ep.startswith("ipc://")]
 
 
 def identity(role: str, child_id: str, epoch: int) -> bytes:

@@ -98,8 +98,9 @@ def pack_header(layout: Layout, namespace: bytes, parent: bytes, key: bytes, tok
 
 
 def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key: bytes,
-               tokens: list[int], verify: bool = True) -> bytes:
-    """The payload of a block file, after checking everything that can be checked."""
+               tokens: list[int], verify: bool = True) -> memoryview:
+    """The payload of a block file (a view of the bytes read), after checking everything that
+    can be checked."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -125,4 +126,4 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
     payload = memoryview(data)[start:]
     if verify and blake3.blake3(payload).digest() != phash:
         raise BadBlock(f"{path.name}: payload hash mismatch")
-    return payload  # type: ignore[return-value]
+    return payload

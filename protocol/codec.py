@@ -9,8 +9,14 @@ from typing import Any, BinaryIO, Generic, TypeVar
 import msgspec
 
 from mlxd.protocol import exit_codes
-from mlxd.protocol.messages import (FromEngine, FromStorage, ToChild, ToEngine, ToStorage,
-                                    ToSupervisor)
+from mlxd.protocol.messages import (
+    FromEngine,
+    FromStorage,
+    ToChild,
+    ToEngine,
+    ToStorage,
+    ToSupervisor,
+)
 from mlxd.protocol.settings import EngineLaunch, Launch, ProxyLaunch, StorageLaunch
 
 T = TypeVar("T")

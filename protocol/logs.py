@@ -11,6 +11,7 @@ import faulthandler
 import logging
 import signal
 import sys
+from types import TracebackType
 
 MESSAGE_CAP = 4096  # characters of one record's message
 TRACEBACK_LINE_CAP = 1024  # characters of one line of a traceback or stack
@@ -32,6 +33,9 @@ def _shorten_lines(text: str) -> str:
                    TRACEBACK_CAP)
 
 
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
+
 class BoundedFormatter(logging.Formatter):
     """A Formatter whose every record is bounded: message, traceback and stack alike."""
 
@@ -39,7 +43,7 @@ class BoundedFormatter(logging.Formatter):
         record.message = shorten(record.message, MESSAGE_CAP)
         return super().formatMessage(record)
 
-    def formatException(self, ei) -> str:  # type: ignore[no-untyped-def]
+    def formatException(self, ei: ExcInfo) -> str:
         return _shorten_lines(super().formatException(ei))
 
     def formatStack(self, stack_info: str) -> str:

@@ -7,13 +7,12 @@ a later start can remove leftovers listed in the run dir's manifest.
 
 from __future__ import annotations
 
+import _posixshmem  # the same module multiprocessing.shared_memory uses
 import hashlib
 import os
 import sys
 import threading
 from multiprocessing import resource_tracker, shared_memory
-
-import _posixshmem  # the same module multiprocessing.shared_memory uses
 from pathlib import Path
 
 MAX_NAME = 30
@@ -37,11 +36,11 @@ def _open(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
         return shared_memory.SharedMemory(name=name, create=create, size=size, track=False)
     with _patch_lock:
         register = resource_tracker.register
-        resource_tracker.register = lambda *a, **k: None  # type: ignore[assignment]
+        resource_tracker.register = lambda *a, **k: None
         try:
             return shared_memory.SharedMemory(name=name, create=create, size=size)
         finally:
-            resource_tracker.register = register  # type: ignore[assignment]
+            resource_tracker.register = register
 
 
 def create(run_dir: Path, name: str, size: int) -> shared_memory.SharedMemory:

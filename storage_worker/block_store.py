@@ -102,7 +102,9 @@ class BlockStore:
 
     def write(self, path: Path, parts: list[bytes | memoryview]) -> int:
         """Write one block durably; return bytes written (0 if it already existed)."""
-        key = parse_name(path.name)[2]  # type: ignore[index]
+        name = parse_name(path.name)
+        assert name is not None, f"not a block file name: {path.name}"
+        parent, _, key = name
         if key in self.blocks and path.exists():
             self.blocks[key].used = time.time()
             return 0
@@ -136,7 +138,6 @@ class BlockStore:
             tmp.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
             raise
-        parent, _, key = parse_name(path.name)  # type: ignore[misc]
         self._add(path, size, time.time(), parent, key)
         return size
 

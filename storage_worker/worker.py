@@ -18,7 +18,15 @@ import zmq
 from mlxd.protocol import codec, exit_codes, faults, shm
 from mlxd.protocol.addresses import Endpoints, identity
 from mlxd.protocol.block_format import block_path, pack_header, parse_name
-from mlxd.protocol.messages import Heartbeat, Hello, Ready, Shutdown, StoreBlocks, StoreDone, TouchBlocks
+from mlxd.protocol.messages import (
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    StoreBlocks,
+    StoreDone,
+    TouchBlocks,
+)
 from mlxd.protocol.settings import StorageLaunch
 from mlxd.storage_worker.block_store import BlockStore, refusal
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import Daemon, leftovers
-from mlxd.engine.random_model import write_random_model
+from support.harness import Daemon, leftovers
+from support.random_model import write_random_model
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,7 +55,6 @@ def stop_and_check(d: Daemon) -> None:
 @pytest.fixture(scope="module", params=["inprocess", "isolate"])
 def daemon(request, tiny_model):
     d = start_daemon(tiny_model, "--batch", "8", isolate=request.param == "isolate")
-    d.mode = request.param
     yield d
     try:
         code = d.stop()

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mlxd.engine.admission import Answered
+from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.admission_lanes import LARGE_PROMPT_CHARS, AdmissionLanes
 from mlxd.protocol.messages import Delta, Generate, SamplingParams
 from mlxd.proxy.health import verdict
@@ -24,7 +24,7 @@ class Recorder:
     def __init__(self) -> None:
         self.gates: dict[str, threading.Event] = {}
         self.started: dict[str, threading.Event] = {}
-        self.events: "queue.Queue[tuple[str, str]]" = queue.Queue()
+        self.events: queue.Queue[tuple[str, str]] = queue.Queue()
 
     def gate(self, rid: str) -> threading.Event:
         self.started.setdefault(rid, threading.Event())
@@ -37,7 +37,8 @@ class Recorder:
             assert gate.wait(10)
         return Answered([Delta(msg.request_id)])
 
-    def deliver(self, result: Answered) -> None:
+    def deliver(self, result: Admitted | Answered) -> None:
+        assert isinstance(result, Answered)  # prepare() answers every request itself
         self.events.put(("delivered", result.deltas[0].request_id))
 
     def dropped(self, msg: Generate) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import configparser
 import json
-import re
 import os
 import plistlib
+import re
 import shutil
 import socket
 import subprocess
@@ -24,7 +24,7 @@ from mlxd.daemon.config import add_serve_arguments, resolve
 from mlxd.daemon.sd_notify import Notifier
 from mlxd.daemon.settings import SECTIONS, SETTINGS, ConfigError
 from mlxd.protocol import codec, exit_codes
-from mlxd.protocol.settings import EngineLaunch
+from mlxd.protocol.settings import EngineLaunch, ProxyLaunch, StorageLaunch
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -59,6 +59,10 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     assert r2.config.socket == tmp_path / "run" / "mlxd.sock"
     assert r2.config.ssd_cache == tmp_path / "c" / "kv"
     assert resolve(_args("--socket", "off", "--ssd-cache", "off"), {}).config.socket is None
+    # `off` is a word only for the socket and the SSD tier; for the dirs it is a folder name
+    r3 = resolve(_args("--run-dir", "off", "--cache-dir", "off"), {}).config
+    assert (r3.run_dir, r3.cache_dir) == (Path("off").absolute(), Path("off").absolute())
+    assert r3.socket == Path("off").absolute() / "mlxd.sock"
 
 
 def test_every_section_field_is_a_setting_users_can_set():
@@ -111,8 +115,9 @@ def test_launch_structs_round_trip_through_the_codec(tmp_path):
     engine = launch.engine_launch(cfg, eid, spec, epoch=4)
     proxy = launch.proxy_launch(cfg, epoch=2)
     storage = launch.storage_launch(cfg, epoch=1, supervised=True)
-    for sent in (engine, proxy, storage):
-        assert codec.decode_launch(codec.encode_launch(sent), type(sent)) == sent
+    assert codec.decode_launch(codec.encode_launch(engine), EngineLaunch) == engine
+    assert codec.decode_launch(codec.encode_launch(proxy), ProxyLaunch) == proxy
+    assert codec.decode_launch(codec.encode_launch(storage), StorageLaunch) == storage
     assert (engine.epoch, engine.model, engine.run_dir) == (4, spec, str(tmp_path / "run"))
     assert engine.settings == cfg.engine and engine.settings.batch == 3
     assert (engine.settings.dtype, engine.settings.ssd_cache_verify) == ("float16", False)
@@ -217,6 +222,13 @@ def _sections(dry_run: str) -> tuple[str, list[str]]:
     return "\n".join(body), commands
 
 
+class CaseSensitiveParser(configparser.ConfigParser):
+    """systemd unit keys are case-sensitive; ConfigParser lowercases them by default."""
+
+    def optionxform(self, optionstr: str) -> str:
+        return optionstr
+
+
 def test_service_install_dry_run_launchd():
     out = _mlxd("service", "install", "--dry-run", "--platform", "macos", "--port", "9400",
                 "--model-pool", "2", "--shutdown-timeout", "30")
@@ -243,8 +255,7 @@ def test_service_install_dry_run_systemd(tmp_path):
     out = _mlxd("service", "install", "--dry-run", "--platform", "linux", "--port", "9400")
     assert out.returncode == 0, out.stderr
     content, commands = _sections(out.stdout)
-    unit = configparser.ConfigParser(interpolation=None, strict=False)
-    unit.optionxform = str  # systemd keys are case-sensitive
+    unit = CaseSensitiveParser(interpolation=None, strict=False)
     unit.read_string(content)
     svc = unit["Service"]
     assert svc["Type"] == "notify" and svc["Restart"] == "on-failure"

@@ -218,7 +218,7 @@ THINKING_TEMPLATE = (
 def thinker(tmp_path_factory):
     """A model whose template opens a <think> block: its random output is all thinking."""
     from conftest import start_daemon, stop_and_check
-    from mlxd.engine.random_model import write_random_model
+    from support.random_model import write_random_model
     model = write_random_model(tmp_path_factory.mktemp("models") / "thinker", context=256,
                                chat_template=THINKING_TEMPLATE)
     d = start_daemon(model)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from conftest import start_daemon, stop_and_check
-from fuzz_requests import FuzzRequest, endpoints, problems
+from support.fuzz_requests import FuzzRequest, endpoints, problems
 
 EXAMPLES = int(os.environ.get("MLXD_FUZZ_EXAMPLES", "260"))
 ENDPOINTS = sorted(endpoints("tiny"))

@@ -13,8 +13,9 @@ import threading
 
 import pytest
 
-from conftest import start_daemon, stop_and_check as stop
-from mlxd.engine.random_model import write_random_model
+from conftest import start_daemon
+from conftest import stop_and_check as stop
+from support.random_model import write_random_model
 
 CHAT = [{"role": "user", "content": "Tell me a long story about the sea and the lighthouse."}]
 SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<3"}  # 50 ms steps in epochs 0-2: time to aim

@@ -93,7 +93,7 @@ def test_sigterm_lets_streams_finish_then_exits_0(tiny_model, tmp_path, isolate)
             s.join(60)
             assert s.error is None, s.error
             assert s.events[-1] == "[DONE]" and s.finish == "length"
-            assert s.usage["completion_tokens"] == 40
+            assert s.usage is not None and s.usage["completion_tokens"] == 40
         assert d.proc.wait(60) == 0, d.log()
         sent = "\n".join(_messages(notify))
         assert "READY=1" in sent and "STOPPING=1" in sent

@@ -7,10 +7,16 @@ import asyncio
 
 import openai
 import pytest
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionMessageParam,
+    ChatCompletionSystemMessageParam,
+)
 
 from conftest import start_daemon
 
-SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 4}
+SYSTEM: ChatCompletionSystemMessageParam = {"role": "system",
+                                            "content": "You are a careful assistant. " * 4}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +32,14 @@ def cached(tiny_model):
 
 def cache_stats(d):
     return d.stats()["engines"][0]["cache"]
+
+
+def prompt_and_cached(r: ChatCompletion) -> tuple[int, int]:
+    """A response's prompt tokens, and how many of them the cache served."""
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    return r.usage.prompt_tokens, cached
 
 
 def chat(d, messages, **kw):
@@ -66,15 +80,16 @@ async def test_concurrent_requests_sharing_a_system_prompt_prefill_it_once(tiny_
     d = start_daemon(tiny_model)
     try:
         ac = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
-        msgs = [[SYSTEM, {"role": "user", "content": f"Question {i}?"}] for i in range(6)]
+        msgs: list[list[ChatCompletionMessageParam]] = [
+            [SYSTEM, {"role": "user", "content": f"Question {i}?"}] for i in range(6)]
         rs = await asyncio.gather(*(ac.chat.completions.create(
             model="tiny-llama", messages=m, max_tokens=4) for m in msgs))
         await ac.close()
-        cached_counts = sorted(r.usage.prompt_tokens_details.cached_tokens for r in rs)
+        cached_counts = sorted(prompt_and_cached(r)[1] for r in rs)
         assert cached_counts[0] == 0  # the leader prefilled the shared prefix
         assert all(n >= 90 for n in cached_counts[1:]), cached_counts
         c = cache_stats(d)
-        prompt_total = sum(r.usage.prompt_tokens for r in rs)
+        prompt_total = sum(prompt_and_cached(r)[0] for r in rs)
         assert c["prefilled_tokens"] < prompt_total / 3
     finally:
         d.stop()

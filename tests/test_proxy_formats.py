@@ -1,6 +1,6 @@
 """How the proxy renders what an engine parsed (tool calls in the model's own format,
 reasoning text) in each dialect, with the official clients. A real proxy process is fed by
-`benchmarks/fake_engine.py`, which speaks the real protocol and replays a scripted answer."""
+`tests/support/fake_engine.py`, which speaks the real protocol and replays a scripted answer."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def proxy():
                          engines={eid: "fake"}, settings=ProxySettings(port=port),
                          engine=EngineSettings())
     procs = [popen(launch, env=env),
-             subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fake_engine.py"),
+             subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "fake_engine.py"),
                                "--run-dir", str(run_dir), "--engine-id", eid,
                                "--reply", json.dumps(SCRIPT)], env=env)]
     url = f"http://127.0.0.1:{port}"

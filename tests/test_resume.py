@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from conftest import start_daemon, stop_and_check as stop
+from conftest import start_daemon
+from conftest import stop_and_check as stop
 
 CHAT = [{"role": "user", "content": "Tell me a long story about the sea and the lighthouse."}]
 SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<2"}  # 50 ms steps in epochs 0 and 1: time to aim
@@ -95,10 +96,13 @@ def test_non_streaming_request_resumes_too(tiny_model):
         with d.http() as c:
             reference = c.post("/v1/chat/completions", json=body).json()
         pid = engine_pid(d)
-        killer = threading.Thread(target=lambda: (
+
+        def kill_once_running() -> None:
             d.wait_until(lambda s: s["engines"][0]["active_requests"] == 1
-                         or s["proxy"]["in_flight"] == 1, what="request running"),
-            os.kill(pid, signal.SIGKILL)))
+                         or s["proxy"]["in_flight"] == 1, what="request running")
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_running)
         killer.start()
         with d.http() as c:
             r = c.post("/v1/chat/completions", json=body)

@@ -32,7 +32,7 @@ def run(runner, outq, add):
             if isinstance(item, RequestStarted):
                 started = item
             if isinstance(item, StepTokens):
-                for rid, tok, fin in item.rows:
+                for _rid, tok, fin in item.rows:
                     tokens.append(tok)
                     if fin:
                         return tokens, started

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import psutil
 
-from conftest import start_daemon, stop_and_check as stop
+from conftest import start_daemon
+from conftest import stop_and_check as stop
 
 BLOCK = 16
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 2}
@@ -20,6 +21,10 @@ def chat(d, user, max_tokens=8, system=SYSTEM):
             "messages": [system, {"role": "user", "content": user}], "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def text_of(answer: dict) -> str:
+    return answer["choices"][0]["message"]["content"]
 
 
 def blocks(root: Path) -> list[Path]:
@@ -68,7 +73,7 @@ def test_flush_kill_9_everything_restart_and_hit_ssd(tiny_model, tmp_path):
         prompt = again["usage"]["prompt_tokens"]
         # the whole prompt but the one token that is always fed: full blocks and the boundary
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
-        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert text_of(again) == text_of(first)
         c = cache(d2)
         assert c["ssd_hits"] == 1 and c["prefilled_tokens"] == 1
     finally:
@@ -112,8 +117,9 @@ def test_flipped_and_truncated_blocks_are_misses_not_errors(tiny_model, tmp_path
     d2 = serve(tiny_model, ssd)
     try:
         again = chat(d2, "Numbers: 1 2 3, and then?")
-        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] < again["usage"]["prompt_tokens"] - BLOCK
+        assert text_of(again) == text_of(first)
+        usage = again["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] - BLOCK
         assert cache(d2)["ssd_bad_blocks"] >= 1  # found, logged, removed; then a miss
         assert chat(d2, "Numbers: 1 2 3, and then?")["choices"] == again["choices"]
     finally:

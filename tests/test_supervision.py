@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from conftest import start_daemon, stop_and_check as finish
+from conftest import start_daemon
+from conftest import stop_and_check as finish
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 FAST = ["--restart-backoff", "0.1"]
@@ -72,9 +73,12 @@ def test_kill_9_before_first_byte_gives_503_with_retry_after(tiny_model):
                      env={"MLXD_FAULTS": "engine.step=delay@1#0"})  # 50 ms steps: time to aim
     try:
         pid = engine(d)["pid"]
-        killer = threading.Thread(target=lambda: (
-            d.wait_until(lambda s: s["proxy"]["in_flight"] == 1, what="request running"),
-            os.kill(pid, signal.SIGKILL)))
+
+        def kill_once_running() -> None:
+            d.wait_until(lambda s: s["proxy"]["in_flight"] == 1, what="request running")
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_running)
         killer.start()
         with d.http() as c:
             r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 200})

@@ -1,6 +1,7 @@
-"""Pure logic of the hardening work (issue 12): the hang watchdog's proxy liveness, the stderr
-line splitter, the bounded log formatter, the health probe's parsing, and, on real pipes and
-sockets but without processes, the stderr pump, the probe and the Unix-socket claim."""
+"""Pure logic of the hardening work (issue 12): the hang watchdog (busy engines without
+progress, silent children, the proxy's liveness), the stderr line splitter, the bounded log
+formatter, the health probe's parsing, and, on real pipes and sockets but without processes,
+the stderr pump, the probe and the Unix-socket claim."""
 
 from __future__ import annotations
 
@@ -71,6 +72,26 @@ def test_unprobed_engine_is_not_judged_on_answers_and_zero_disables():
 def test_several_probes_fit_in_one_hang_timeout(timeout):
     interval, per_probe = probe_timing(timeout)
     assert interval + per_probe < timeout and per_probe <= 5.0 and interval <= 5.0
+
+
+def test_watchdog_aborts_a_busy_engine_without_progress_then_kills():
+    w = HangWatchdog(timeout=5)
+    w.beat("e", 10, True, 0)
+    w.beat("e", 11, True, 4)  # progress moved at t=4
+    assert w.check("e", 8) is None
+    w.beat("e", 11, True, 9.5)
+    assert w.check("e", 9.5) == "abort"
+    assert w.check("e", 9.5 + KILL_GRACE - 0.1) is None
+    assert w.check("e", 9.5 + KILL_GRACE) == "kill"
+
+
+def test_watchdog_ignores_idle_engines_but_not_silent_ones():
+    w = HangWatchdog(timeout=5)
+    w.beat("e", 3, False, 0)
+    w.beat("e", 3, False, 100)
+    assert w.check("e", 100) is None  # idle, no progress expected
+    assert w.check("e", 106) == "abort"  # no heartbeat at all for > 5 s
+
 
 # ------------------------------------------------------------------ bounded lines
 

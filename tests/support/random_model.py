@@ -2,7 +2,7 @@
 (config.json, model.safetensors, tokenizer.json, a ChatML chat template) that loads through
 the same code as any model. Used by the tests and the benchmarks; no weights are downloaded.
 
-    python -m mlxd.engine.random_model OUT_DIR [--hidden 64 --layers 2 ...]
+    python tests/support/random_model.py OUT_DIR [--hidden 64 --layers 2 ...]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def write_random_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: i
     real_vocab = write_tokenizer(out, vocab, chat_template)
     from tokenizers import Tokenizer
     eos = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("<|im_end|>")
+    assert eos is not None, "the tokenizer lacks <|im_end|>"
     config = {
         "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
         "intermediate_size": intermediate, "num_attention_heads": heads,
@@ -80,7 +81,8 @@ def write_random_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)

@@ -2,7 +2,7 @@
 one token per active request per step, as fast as the protocol allows (or every --step-ms).
 It loads no model: it exists to measure what the proxy can relay.
 
-    python benchmarks/fake_engine.py --run-dir DIR --engine-id e1 --model fake
+    python tests/support/fake_engine.py --run-dir DIR --engine-id e1 --model fake
 """
 
 from __future__ import annotations

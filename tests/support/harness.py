@@ -18,7 +18,6 @@ import psutil
 
 from mlxd.protocol import shm
 
-
 RUN_DIRS: list[Path] = []  # every run dir a Daemon of this test session used
 
 
@@ -65,13 +64,19 @@ class Daemon:
                     TAG_ENV: str(self.run_dir), **(env or {})}
         self.lines: list[str] = []
         self._cond = threading.Condition()
-        self.proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | None = None
         self.descendants: dict[int, psutil.Process] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, timeout: float = 120.0) -> "Daemon":
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The `mlxd serve` process (the supervisor under --isolate), once started."""
+        assert self._proc is not None, "the daemon was never started"
+        return self._proc
+
+    def start(self, timeout: float = 120.0) -> Daemon:
+        self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=self.env)
         threading.Thread(target=self._pump, daemon=True).start()
         self.wait_for_line("mlxd: listening on", timeout)
@@ -83,7 +88,7 @@ class Daemon:
         return self
 
     def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             with self._cond:
                 self.lines.append(line.rstrip("\n"))
@@ -110,12 +115,10 @@ class Daemon:
         return "\n".join(self.lines[-80:])
 
     def record_descendants(self) -> None:
-        assert self.proc is not None
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             self.descendants[p.pid] = p
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        assert self.proc is not None
         if self.proc.poll() is None:
             self.record_descendants()
             self.proc.send_signal(sig)
@@ -124,7 +127,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError("daemon did not stop in time:\n" + self.log())
+            raise AssertionError("daemon did not stop in time:\n" + self.log()) from None
         finally:
             self._reap()
         return code
@@ -152,9 +155,9 @@ class Daemon:
         """Kill whatever is left. Unless the run dir is kept for a restart to find, the
         shared-memory segments its manifest lists go with it (a daemon killed with -9 cannot
         unlink its own)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
         self._reap()
         if keep_run_dir:
             return

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import math
 import string
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as seeded
@@ -387,9 +388,10 @@ def iter_requests(count: int, model: str, seed: int = 0, batch: int = 50
     names = sorted(endpoints(model))
     strategy = st.one_of(*(requests(n, model) for n in names))
     done = 0
+    drawn: list[FuzzRequest] = []
     while done < count:
         n = min(batch, count - done)
-        drawn: list[FuzzRequest] = []
+        drawn.clear()
 
         @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))

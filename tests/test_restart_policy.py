@@ -1,0 +1,26 @@
+"""The supervisor's restart policy (daemon/restart_policy.py): backoff, crash-loop breaker,
+config errors never retried."""
+
+from __future__ import annotations
+
+import random
+
+from mlxd.daemon.restart_policy import RestartPolicy
+from mlxd.protocol import exit_codes
+
+
+def test_restart_policy_backs_off_then_breaks_a_crash_loop():
+    p = RestartPolicy(base_delay=1, max_delay=8, jitter=0, loop_crashes=4, loop_window=60)
+    delays = [p.after_exit(1, t)[1] for t in (0, 1, 2)]
+    assert delays == [1, 2, 4]
+    assert p.after_exit(1, 3) == ("failed", 0.0)
+    p.reset()
+    assert p.after_exit(-9, 100)[0] == "restart"
+
+
+def test_restart_policy_forgets_old_crashes_and_never_retries_config_errors():
+    p = RestartPolicy(base_delay=1, jitter=0.2, loop_crashes=3, loop_window=10)
+    for t in (0, 20, 40, 60):
+        verdict, delay = p.after_exit(1, t, random.Random(t))
+        assert verdict == "restart" and 0.8 <= delay <= 1.2
+    assert p.after_exit(exit_codes.CONFIG_ERROR, 61) == ("failed", 0.0)
