@@ -1,5 +1,5 @@
-"""/admin/*: model load, unload and crash-loop reset; cache flush; drain and shutdown.
-Served on the Unix socket, or on TCP with the API key (see security.py)."""
+"""/admin/* (runs in the proxy): model load, unload and crash-loop reset; cache flush; drain and
+shutdown. Served on the Unix socket, or on TCP with the API key (see security.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mlxd.proxy import lifecycle
 from mlxd.proxy.bounds import ModelName, Seconds, decode_body
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.lifecycle import flush_all
-from mlxd.proxy.router import Router
+from mlxd.proxy.state import STATE
 
 
 class ModelBody(msgspec.Struct):
@@ -25,20 +25,17 @@ async def _model(request: web.Request) -> str:
 
 
 async def load(request: web.Request) -> web.Response:
-    router: Router = request.app["router"]
-    rec = await router.load(await _model(request))
+    rec = await request.app[STATE].router.load(await _model(request))
     return web.json_response({"model": rec.model_id, "state": rec.state})
 
 
 async def unload(request: web.Request) -> web.Response:
-    router: Router = request.app["router"]
-    rec = await router.unload(await _model(request))
+    rec = await request.app[STATE].router.unload(await _model(request))
     return web.json_response({"model": rec.model_id, "state": "unloading"})
 
 
 async def reset(request: web.Request) -> web.Response:
-    router: Router = request.app["router"]
-    rec = await router.reset(await _model(request))
+    rec = await request.app[STATE].router.reset(await _model(request))
     return web.json_response({"model": rec.model_id, "state": "resetting"})
 
 
@@ -46,7 +43,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """Returns once every queued KV write of every ready engine is durable (200), or promptly
     with 507 (the disk refused: full, read-only, gone) or 503 (timed out, no answer) and the
     counts, `error` and each engine's `error_code`."""
-    result = await flush_all(request.app["client"])
+    result = await flush_all(request.app[STATE].client)
     status = lifecycle.flush_status(result)
     return web.json_response(result, status=status,
                              headers={"Retry-After": "5"} if status == 503 else None)
@@ -67,19 +64,19 @@ async def drain(request: web.Request) -> web.Response:
                           param=e.param) from e
     if body.timeout is not None and body.timeout < 0:
         raise bad_request("timeout must be >= 0", param="timeout")
-    timeout = request.app["shutdown_timeout"] if body.timeout is None else body.timeout
-    return web.json_response(await lifecycle.drain(request.app, timeout, flush=True))
+    state = request.app[STATE]
+    timeout = state.shutdown_timeout if body.timeout is None else body.timeout
+    return web.json_response(await lifecycle.drain(state, timeout, flush=True))
 
 
 async def undrain(request: web.Request) -> web.Response:
-    router: Router = request.app["router"]
-    router.draining = False
+    request.app[STATE].router.draining = False
     return web.json_response({"draining": False})
 
 
 async def shutdown(request: web.Request) -> web.Response:
     """Stop the daemon as SIGTERM would (drain, flush, exit 0)."""
-    request.app["request_stop"]()
+    request.app[STATE].request_stop()
     return web.json_response({"stopping": True}, status=202)
 
 

@@ -1,4 +1,5 @@
-"""The aiohttp application and its listeners (loopback TCP and a Unix socket)."""
+"""The aiohttp application, its state and its listeners (loopback TCP and a Unix socket);
+runs in the proxy."""
 
 from __future__ import annotations
 
@@ -6,21 +7,25 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 from aiohttp import web
 
-from mlxd.proxy import (admin_routes, anthropic_routes, metrics, ollama_routes, openai_routes,
-                        security)
-from mlxd.proxy.health import health
+from mlxd.proxy import admin_routes, metrics, security
+from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
+from mlxd.proxy.dialects.ollama import routes as ollama_routes
+from mlxd.proxy.dialects.openai import routes as openai_routes
 from mlxd.proxy.engine_client import EngineClient
-from mlxd.proxy.router import Router
 from mlxd.proxy.errors import error_middleware
 from mlxd.proxy.generation import ResumeStats
-from mlxd.proxy.openai_schema import Defaults
+from mlxd.proxy.health import health
+from mlxd.proxy.listen_address import ListenError, claim_unix_path, describe_os_error, tcp_url
+from mlxd.proxy.router import Router
+from mlxd.proxy.sampling import Defaults
+from mlxd.proxy.state import STATE, ListeningAt, ProxyState
 
 
 @dataclass
@@ -34,21 +39,18 @@ class ListenSettings:
 
 
 def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: ListenSettings,
-             shutdown_timeout: float = 15.0,
+             *, resume: bool = False, shutdown_timeout: float = 15.0,
              request_stop: Callable[[], None] = lambda: None) -> web.Application:
+    """The app with every route, its state under STATE. `client_max_size` is the body limit
+    (the error middleware reads it from each request)."""
     app = web.Application(client_max_size=listen.max_body, middlewares=[
         error_middleware, metrics.middleware, security.middleware(listen.access)])
     app.on_response_prepare.append(security.cors_signal(listen.access))
-    app["client"] = client
-    app["router"] = router
-    app["defaults"] = defaults
-    app["max_body"] = listen.max_body
-    app["max_header"] = listen.max_header
-    app["started"] = int(time.time())
-    app["resume"] = False
-    app["resume_stats"] = ResumeStats()
-    app["shutdown_timeout"] = shutdown_timeout
-    app["request_stop"] = request_stop
+    registry = metrics.new_registry()
+    app[STATE] = ProxyState(client=client, router=router, defaults=defaults, listen=listen,
+                            metrics=metrics.RequestMetrics(registry), metrics_registry=registry,
+                            resume_stats=ResumeStats(), resume=resume,
+                            shutdown_timeout=shutdown_timeout, request_stop=request_stop)
     metrics.install(app)
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)
@@ -60,7 +62,8 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
 
 
 async def stats(request: web.Request) -> web.Response:
-    client: EngineClient = request.app["client"]
+    state = request.app[STATE]
+    client = state.client
     engines = []
     for rec in client.engines.values():
         st = rec.status
@@ -74,7 +77,7 @@ async def stats(request: web.Request) -> web.Response:
             "error": rec.error, "restarts": rec.child.restarts if rec.child else 0,
             "cache": msgspec.structs.asdict(st.stats) if st else {},
             "last_status_age_s": round(time.monotonic() - rec.last_seen, 3) if st else None})
-    router: Router = request.app["router"]
+    router = state.router
     pool = None
     if router.pool is not None:
         pool = {"size": router.pool.size,
@@ -82,19 +85,20 @@ async def stats(request: web.Request) -> web.Response:
                               "idle_s": round(time.monotonic() - r.last_used, 1),
                               "pinned": r.pinned} for r in router.pool.resident.values()]}
     children = [msgspec.structs.asdict(c) for c in client.children]
-    rs = request.app["resume_stats"]
     return web.json_response({"proxy": {"pid": os.getpid(), "in_flight": len(client.streams),
                                         "draining": router.draining,
-                                        "uptime_s": int(time.time()) - request.app["started"],
-                                        "resume": {"enabled": request.app["resume"],
-                                                   **dataclasses.asdict(rs)}},
+                                        "uptime_s": int(time.time()) - state.started,
+                                        "resume": {"enabled": state.resume,
+                                                   **dataclasses.asdict(state.resume_stats)}},
                               "engines": engines, "children": children, "pool": pool})
 
 
-async def start_listeners(app: web.Application, listen: ListenSettings) -> tuple[web.AppRunner, str]:
-    """Start TCP (and the Unix socket, mode 0600); return the runner and a description.
-    An address that cannot be used raises ListenError naming it, with nothing left open."""
-    from mlxd.proxy.listen_address import ListenError, claim_unix_path, describe_os_error, tcp_url
+async def start_listeners(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Start TCP (and the Unix socket, mode 0600) as the app's state asks; return the runner
+    and a description. An address that cannot be used raises ListenError naming it, with
+    nothing left open."""
+    state = app[STATE]
+    listen = state.listen
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            max_line_size=listen.max_header, max_field_size=listen.max_header)
     await runner.setup()
@@ -122,13 +126,13 @@ async def start_listeners(app: web.Application, listen: ListenSettings) -> tuple
     except BaseException:
         await runner.cleanup()
         raise
-    app["listening"] = {"port": port, "host": listen.host,
-                        "socket": str(listen.socket_path) if listen.socket_path else None}
+    state.listening = ListeningAt(port, listen.host,
+                                  str(listen.socket_path) if listen.socket_path else None)
     return runner, " ".join(where)
 
 
-def write_listen_file(run_dir: Path, app: web.Application) -> None:
+def write_listen_file(run_dir: Path, listening: ListeningAt) -> None:
     """Where clients (and `mlxd` client commands) find the running daemon."""
     tmp = run_dir / "listen.json.tmp"
-    tmp.write_text(json.dumps({**app["listening"], "pid": os.getpid()}))
+    tmp.write_text(json.dumps({**dataclasses.asdict(listening), "pid": os.getpid()}))
     os.replace(tmp, run_dir / "listen.json")

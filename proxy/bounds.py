@@ -1,4 +1,4 @@
-"""Bounds on request bodies, and the one place bodies are decoded.
+"""Bounds on request bodies, and the one place bodies are decoded (runs in the proxy).
 
 Every field of a request Struct has a type from here, so what reaches the file system (model
 names), the engine channel (msgpack carries integers in [-2**63, 2**64)) or MLX (int32 token
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -88,6 +89,7 @@ def check_json(value: Any, what: str = "the request body") -> None:
         if isinstance(v, (dict, list, tuple, msgspec.Struct)):
             if depth > MAX_JSON_DEPTH:
                 raise too_deep(what)
+            items: Iterable[Any]
             if isinstance(v, dict):
                 items = v.values()
             elif isinstance(v, msgspec.Struct):

@@ -24,7 +24,7 @@ def schema_grammar(schema: Any, param: str) -> str:
         # Compact JSON: free whitespace lets a weak model pad forever instead of answering.
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults={
             "whitespace_flexible": False})
-    except Exception as e:  # noqa: BLE001 - whatever the compiler makes of client input is a 400
+    except Exception as e:  # whatever the compiler makes of client input is a 400
         raise bad_request(f"`{param}` is not a usable JSON schema: {clip(str(e), 500)}",
                           param=param) from e
     error = LLMatcher.validate_grammar(grammar)

@@ -1,4 +1,5 @@
-"""The proxy's side of the engine channel: a ROUTER for requests, a PULL for outputs.
+"""The proxy's side of the engine channel (runs in the proxy): a ROUTER for requests, a PULL
+for outputs.
 
 Keeps a record per engine (learned from the engines' own periodic status, so a respawned proxy
 finds running engines without asking) and per in-flight request (its queue of deltas and what
@@ -17,8 +18,17 @@ import zmq.asyncio
 
 from mlxd.protocol import codec
 from mlxd.protocol.addresses import Endpoints, engine_identity
-from mlxd.protocol.messages import (Abort, CacheFlushed, ChildInfo, ChildStates, Delta,
-                                    EngineStatus, FlushCache, Generate, StepOutput)
+from mlxd.protocol.messages import (
+    Abort,
+    CacheFlushed,
+    ChildInfo,
+    ChildStates,
+    Delta,
+    EngineStatus,
+    FlushCache,
+    Generate,
+    StepOutput,
+)
 from mlxd.protocol.models import model_id, model_names
 
 log = logging.getLogger("mlxd.proxy")
@@ -86,7 +96,7 @@ class RequestStream:
     request_id: str
     engine: EngineRecord
     epoch: int
-    queue: "asyncio.Queue[Delta]" = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     finished: bool = False
 
 
@@ -124,6 +134,12 @@ class EngineClient:
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
         self._watcher = asyncio.create_task(self._watch_streams(), name="stream-watcher")
 
+    @property
+    def _requests(self) -> zmq.asyncio.Socket:
+        """The request ROUTER (bound by `start`)."""
+        assert self._router is not None, "EngineClient.start() was not called"
+        return self._router
+
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
@@ -151,7 +167,7 @@ class EngineClient:
         stream = RequestStream(msg.request_id, engine, engine.epoch)
         self.streams[msg.request_id] = stream
         try:
-            await self._router.send_multipart([engine.identity, self._enc.encode(msg)])
+            await self._requests.send_multipart([engine.identity, self._enc.encode(msg)])
         except zmq.ZMQError as e:
             del self.streams[msg.request_id]
             raise EngineGone(f"engine {engine.engine_id} is not reachable: {e}") from e
@@ -163,7 +179,7 @@ class EngineClient:
             return
         stream.finished = True
         try:
-            await self._router.send_multipart(
+            await self._requests.send_multipart(
                 [stream.engine.identity, self._enc.encode(Abort([stream.request_id]))])
         except zmq.ZMQError:
             pass  # the engine is gone; nothing runs to abort
@@ -213,7 +229,7 @@ class EngineClient:
             rec.child = info
             if info.state in DOWN_STATES:
                 self.fail_streams(rec, None, f"the engine serving {rec.model_id} stopped while "
-                                             f"running this request ({info.last_exit or info.state})")
+                                  f"running this request ({info.last_exit or info.state})")
             elif info.epoch > rec.epoch:
                 self.fail_streams(rec, info.epoch, f"the engine serving {rec.model_id} crashed "
                                                    "while running this request")
@@ -262,10 +278,10 @@ class EngineClient:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._flushes[token] = fut
         try:
-            await self._router.send_multipart(
+            await self._requests.send_multipart(
                 [rec.identity, self._enc.encode(FlushCache(token, timeout))])
             return await asyncio.wait_for(fut, timeout + 5)
-        except (zmq.ZMQError, asyncio.TimeoutError) as e:
+        except (TimeoutError, zmq.ZMQError) as e:
             return CacheFlushed(rec.engine_id, rec.epoch, token, 0, 0, 0,
                                 f"no answer from the engine: {e!r}")
         finally:
@@ -273,15 +289,17 @@ class EngineClient:
 
     async def _abort_all(self, rec: EngineRecord) -> None:
         try:
-            await self._router.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
+            await self._requests.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
         except zmq.ZMQError:
             pass
 
     # ---------------------------------------------------------------- outputs
 
     async def _read_outputs(self) -> None:
+        pull = self._pull
+        assert pull is not None
         while True:
-            data = await self._pull.recv()
+            data = await pull.recv()
             try:
                 msg = self._dec.decode(data)
             except Exception:  # noqa: BLE001
@@ -344,7 +362,7 @@ class EngineClient:
                 return False
             try:
                 await rec.changed(left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
 
     @staticmethod
@@ -352,13 +370,13 @@ class EngineClient:
         """Until the engine's state changes or `timeout` passes, whichever comes first."""
         try:
             await rec.changed(timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def wait_ready(self, rec: EngineRecord, timeout: float) -> bool:
         """Wait until the engine is ready or failed; False if `timeout` passed first."""
         try:
             await asyncio.wait_for(rec.ready.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True

@@ -1,5 +1,6 @@
 """Error envelopes (each API's own: OpenAI, Anthropic, Ollama) and the exception handlers
-raise to produce them. Which envelope a request gets follows from its path."""
+raise to produce them; runs in the proxy. Which envelope a request gets follows from its
+path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import traceback
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 
 log = logging.getLogger("mlxd.proxy")
 
@@ -72,11 +74,11 @@ _STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error a handler raises becomes a JSON response in the endpoint's own dialect:
     never aiohttp's plain-text pages, never a traceback to the client."""
     try:
-        length, limit = request.content_length, request.app["max_body"]
+        length, limit = request.content_length, request.client_max_size
         if length is not None and length > limit:  # refused before waiting for the bytes
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
         return await handler(request)
@@ -85,11 +87,12 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        message = {413: f"request body is too large (limit {request.app['max_body']} bytes)",
+        message = {413: f"request body is too large (limit {request.client_max_size} bytes)",
                    404: f"no route for {request.method} {request.path[:200]}",
                    405: f"method {request.method} is not allowed on {request.path[:200]}"}.get(
             e.status, e.reason)
-        return APIError(e.status, message, type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
+        return APIError(e.status, message,
+                        type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
                         code=None).response(dialect_of(request.path))
     except (HttpProcessingError, web.RequestPayloadError) as e:  # a cut-off or ill-framed body
         return APIError(400, f"the request body could not be read: {_clip(str(e), 200)}",

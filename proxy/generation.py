@@ -1,17 +1,26 @@
-"""Running one request on an engine: deltas in, errors mapped to the API's error envelope."""
+"""One generation, whatever the dialect (runs in the proxy): `started_generation` routes a
+`GenerationRequest` to an engine, starts it and releases the engine however the block exits;
+`Generation` is the run itself: deltas in, engine errors mapped to API errors, transparent
+resume after an engine death. Dialects check and translate their bodies first (bad input never
+reaches the router), then format what `Generation` yields."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
 
 import msgspec
 
-from mlxd.protocol.messages import Delta, Generate
+from mlxd.protocol.messages import Delta, Generate, TokenLogprob
 from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, bad_request, unavailable
+from mlxd.proxy.metrics import RequestMetrics
+from mlxd.proxy.sampling import CheckedSampling
+from mlxd.proxy.state import ProxyState
+from mlxd.proxy.validation import check_prompt_fits
 
 # Engine error codes that mean the client's request was at fault.
 CLIENT_ERROR_CODES = {"context_length_exceeded", "empty_prompt", "invalid_messages",
@@ -38,13 +47,60 @@ def _delta_error(d: Delta) -> APIError:
                     code=d.error_code or "engine_error")
 
 
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """A request in no dialect's words: which model, how to sample, and what to generate from
+    (chat `messages`, or a `prompt` or its token ids), with optional grammar and tools."""
+    model: str | None
+    sampling: CheckedSampling
+    id_prefix: str  # of the request id: "chatcmpl", "cmpl", "msg", "ollama", "count"
+    keep_alive: float | None = None  # seconds the model stays loaded after; None: the default
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    grammar: str | None = None
+    tools: list[dict] | None = None
+    count_only: bool = False
+
+    def engine_message(self, context_length: int) -> Generate:
+        """The engine's `Generate`, under a new request id, for an engine with that context
+        (an explicit max_tokens beyond it is refused here)."""
+        return Generate(request_id=new_request_id(self.id_prefix),
+                        sampling=self.sampling.params_for(context_length),
+                        messages=self.messages, prompt=self.prompt,
+                        prompt_token_ids=self.prompt_token_ids, count_only=self.count_only,
+                        grammar=self.grammar, tools=self.tools)
+
+
+@asynccontextmanager
+async def started_generation(state: ProxyState, req: GenerationRequest
+                             ) -> AsyncIterator[Generation]:
+    """A started Generation (the engine admitted the request: errors so far are HTTP
+    statuses); the engine is released when the block exits, however it exits."""
+    router = state.router
+    engine = await router.acquire(req.model)
+    gen = None
+    try:
+        msg = req.engine_message(engine.status.context_length if engine.status else 0)
+        check_prompt_fits(msg, engine.status)
+        gen = Generation(state.client, engine, msg, resume=state.resume,
+                         load_wait=router.load_wait, stats=state.resume_stats,
+                         metrics=None if req.count_only else state.metrics)
+        await gen.start()
+        yield gen
+    finally:
+        if gen is not None:
+            await gen.close()
+        await router.release(engine, req.keep_alive)
+
+
 @dataclass
 class Collected:
     """A whole (non-streamed) answer, gathered from its deltas."""
     text: str
     reasoning: str
     tool_calls: list[dict]
-    logprobs: list
+    logprobs: list[TokenLogprob]
     finish_reason: str | None
     stop_sequence: str | None
 
@@ -69,9 +125,10 @@ class Generation:
 
     def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
                  resume: bool = False, load_wait: float = 120.0,
-                 stats: ResumeStats | None = None, metrics: Any = None) -> None:
+                 stats: ResumeStats | None = None, metrics: RequestMetrics | None = None
+                 ) -> None:
         self.client = client
-        self.metrics = metrics  # metrics.RequestMetrics, or None
+        self.metrics = metrics
         self._t_last = time.monotonic()
         self._seen_token = False
         self.engine = engine
@@ -90,6 +147,7 @@ class Generation:
         self.delivered_ids: list[int] = []
         self.delivered_chars = 0
         self._pending: Delta | None = None
+        self._resumed_prompt: int | None = None  # tokens to prefill after the last resume
 
     async def start(self) -> None:
         first = await self._submit(self.msg)
@@ -183,9 +241,9 @@ class Generation:
                 raise _delta_error(d)
             self.completion_tokens = d.completion_tokens or self.completion_tokens
             self.prompt_tokens = d.prompt_tokens or self.prompt_tokens
-            if d.finish_reason is not None and hasattr(self, "_resumed_prompt"):
+            if d.finish_reason is not None and self._resumed_prompt is not None:
                 self.stats.recomputed_tokens += self._resumed_prompt - d.cached_tokens
-                del self._resumed_prompt
+                self._resumed_prompt = None
             elif not self.crashes:
                 self.cached_tokens = d.cached_tokens or self.cached_tokens
             if self.metrics is not None:
@@ -198,7 +256,10 @@ class Generation:
             d = None
 
     async def collect(self) -> Collected:
-        text, reasoning, calls, logprobs = [], [], [], []
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict] = []
+        logprobs: list[TokenLogprob] = []
         last = None
         async for d in self.deltas():
             text.append(d.text)
@@ -211,6 +272,7 @@ class Generation:
                          last.stop_sequence if last else None)
 
     def _observe(self, d: Delta) -> None:
+        assert self.metrics is not None
         now = time.monotonic()
         model = self.engine.model_id
         if d.token_ids:
@@ -229,7 +291,7 @@ class Generation:
             await self.client.abort(self.stream)
 
     def usage(self) -> dict:
-        u = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        u: dict = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
              "total_tokens": self.prompt_tokens + self.completion_tokens,
              "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if self.crashes:

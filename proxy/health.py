@@ -1,4 +1,5 @@
-"""`GET /health`: whether the daemon can serve, with every model's state beside it.
+"""`GET /health` (runs in the proxy): whether the daemon can serve, with every model's state
+beside it.
 
 - `ok` (200): the resident models are ready (or none is resident: a request loads one).
 - `degraded` (200 while something can serve, else 503): a resident model failed, is restarting
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
+
+from mlxd.proxy.state import STATE
 
 LOADING = ("starting", "loading")
 FAULTS = ("backoff", "failed", "unresponsive", "stopping", "stopped")
@@ -34,8 +37,8 @@ def verdict(models: dict[str, str], draining: bool, ssd_problem: str | None = No
 
 
 async def health(request: web.Request) -> web.Response:
-    app = request.app
-    client, router = app["client"], app["router"]
+    proxy = request.app[STATE]
+    client, router = proxy.client, proxy.router
     resident = router.pool.resident if router.pool is not None else client.engines
     models: dict[str, str] = {}
     listed: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Draining: stop taking requests, let the running ones finish (up to a deadline, then abort
 them with code `shutdown`), and make the KV cache durable. Used on SIGTERM and by
-`POST /admin/drain`."""
+`POST /admin/drain`. Runs in the proxy."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import asyncio
 import time
 from typing import Any
 
-from aiohttp import web
-
 from mlxd.proxy.engine_client import EngineClient
-from mlxd.proxy.router import Router
+from mlxd.proxy.state import ProxyState
 
 ABORT_MESSAGE = ("mlxd is shutting down and this request did not finish within the shutdown "
                  "timeout; it was aborted")
@@ -31,7 +29,7 @@ async def flush_all(client: EngineClient, timeout: float = 120.0) -> dict[str, A
     results = await asyncio.gather(*(client.flush(r, timeout) for r in ready))
     engines = []
     failures = []
-    for r, f in zip(ready, results):
+    for r, f in zip(ready, results, strict=True):
         # EngineClient.flush's own fallback (no answer in time) carries a reason but no code
         code = f.error_code or ("no_answer" if f.error else None)
         engines.append({"model": r.model_id, "written": f.written, "failed": f.failed,
@@ -59,9 +57,8 @@ def flush_status(result: dict[str, Any]) -> int:
     return 507 if codes & DISK_REFUSALS else 503
 
 
-async def drain(app: web.Application, timeout: float, flush: bool) -> dict[str, Any]:
-    router: Router = app["router"]
-    client: EngineClient = app["client"]
+async def drain(state: ProxyState, timeout: float, flush: bool) -> dict[str, Any]:
+    router, client = state.router, state.client
     router.draining = True
     started = time.monotonic()
     in_flight = router.active

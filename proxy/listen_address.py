@@ -1,6 +1,6 @@
 """Claiming the proxy's listening addresses: an address that cannot be used is one clear
 error (ListenError), never a traceback and never a retry, and a live daemon's Unix socket is
-never taken over."""
+never taken over. Runs in the proxy."""
 
 from __future__ import annotations
 

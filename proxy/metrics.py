@@ -1,4 +1,4 @@
-"""`GET /metrics` in Prometheus text format through prometheus-client.
+"""`GET /metrics` in Prometheus text format through prometheus-client (runs in the proxy).
 
 The proxy sees every request, so request, latency and token figures are counted here. Engine,
 cache-tier and child-process figures live in other processes: each scrape reads them from the
@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client import disable_created_metrics, generate_latest
+from aiohttp.typedefs import Handler
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mlxd.proxy.errors import APIError
+from mlxd.proxy.state import STATE, ProxyState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5)
@@ -66,11 +74,11 @@ class RequestMetrics:
 class DaemonCollector(Collector):
     """Figures read at scrape time from the engines' and the supervisor's reports."""
 
-    def __init__(self, app: web.Application) -> None:
-        self.app = app
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
 
     def collect(self) -> Iterator:
-        client, router = self.app["client"], self.app["router"]
+        client, router = self.state.client, self.state.router
         state = GaugeMetricFamily("mlxd_engine_state", "1 for the state each engine is in",
                                   labels=["model", "engine_id", "state"])
         active = GaugeMetricFamily("mlxd_engine_active_requests", "Rows in the engine's batch",
@@ -136,33 +144,37 @@ class DaemonCollector(Collector):
         waiting.add_metric([], router.waiting)
         draining = GaugeMetricFamily("mlxd_draining", "1 while mlxd takes no new requests")
         draining.add_metric([], 1.0 if router.draining else 0.0)
-        rs = self.app["resume_stats"]
+        rs = self.state.resume_stats
         resumes = CounterMetricFamily("mlxd_resumes", "Requests resumed after an engine crash")
         resumes.add_metric([], rs.resumes)
         poison = CounterMetricFamily("mlxd_poison_rejections",
                                      "Requests failed after crashing their engine twice")
         poison.add_metric([], rs.poison_rejections)
         uptime = GaugeMetricFamily("mlxd_uptime_seconds", "Seconds since the proxy started")
-        uptime.add_metric([], time.time() - self.app["started"])
+        uptime.add_metric([], time.time() - self.state.started)
         yield from (in_flight, waiting, draining, resumes, poison, uptime)
 
 
-def install(app: web.Application) -> None:
+def new_registry() -> CollectorRegistry:
+    """A registry of this app's own (several apps may live in one process: the tests)."""
     disable_created_metrics()  # the *_created series only double the page
-    registry = CollectorRegistry()
-    app["metrics"] = RequestMetrics(registry)
-    registry.register(DaemonCollector(app))
-    app["metrics_registry"] = registry
+    return CollectorRegistry()
+
+
+def install(app: web.Application) -> None:
+    """`GET /metrics`, with the daemon-wide figures read from the app's state."""
+    state = app[STATE]
+    state.metrics_registry.register(DaemonCollector(state))
     app.router.add_get("/metrics", serve_metrics)
 
 
 async def serve_metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app["metrics_registry"])
+    body = generate_latest(request.app[STATE].metrics_registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 @web.middleware
-async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Counts every request once, with the status it got (errors included)."""
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
@@ -179,4 +191,4 @@ async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-
         raise
     finally:
         if route != "/metrics":
-            request.app["metrics"].requests.labels(route, request.method, str(status)).inc()
+            request.app[STATE].metrics.requests.labels(route, request.method, str(status)).inc()

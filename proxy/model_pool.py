@@ -1,4 +1,4 @@
-"""Which engines stay resident: the LRU model pool. Pure logic, no sockets.
+"""Which engines stay resident: the LRU model pool (runs in the proxy). Pure logic, no sockets.
 
 It lives in the proxy, not the supervisor, because eviction must be decided atomically with
 routing: the proxy knows which engines have requests in flight, and once it has picked a victim
@@ -148,6 +148,7 @@ def kv_budget_bytes(spec: str, batch: int, tokens: int = 4096) -> int:
         return 0
     layers = cfg.get("num_hidden_layers", 0)
     kv_heads = cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0))
-    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads", 1), 1))
+    heads = max(cfg.get("num_attention_heads", 1), 1)
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads)
     context = min(cfg.get("max_position_embeddings", tokens), tokens)
     return 2 * layers * kv_heads * head_dim * 2 * context * batch

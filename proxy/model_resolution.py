@@ -1,6 +1,7 @@
 """Whether a model spec can be loaded, decided before the pool evicts anyone for it: a local
 directory must hold a model, a Hugging Face repo id must be in the local cache or on the Hub.
-A typo'd or unreachable name costs the caller an error, never a resident model."""
+A typo'd or unreachable name costs the caller an error, never a resident model. Runs in the
+proxy."""
 
 from __future__ import annotations
 

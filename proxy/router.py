@@ -1,29 +1,35 @@
 """From a request's `model` to a ready engine: names, aliases, on-demand loading through the
-supervisor, the LRU pool, keep_alive and idle unloading."""
+supervisor, the LRU pool, keep_alive and idle unloading. Runs in the proxy."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import psutil
 
-from mlxd.protocol.messages import ResetChild, StartEngine, StopEngine
+from mlxd.protocol.messages import ResetChild, StartEngine, StopEngine, ToSupervisor
 from mlxd.protocol.models import canonical_spec, engine_id_for, local_model_dir
 from mlxd.proxy.bounds import MAX_REPO_PART, clip
 from mlxd.proxy.engine_client import EngineClient, EngineRecord
 from mlxd.proxy.errors import APIError, unavailable
-from mlxd.proxy.model_pool import (ModelPool, NotEnoughMemory, PoolBusy, kv_budget_bytes,
-                                   looks_like_repo_id, model_weight_bytes)
+from mlxd.proxy.model_pool import (
+    ModelPool,
+    NotEnoughMemory,
+    PoolBusy,
+    kv_budget_bytes,
+    looks_like_repo_id,
+    model_weight_bytes,
+)
 from mlxd.proxy.model_resolution import LoadableCache
 
 log = logging.getLogger("mlxd.proxy")
 
 FAILED_TTL = 300.0  # seconds a failed on-demand model stays listed (with its reason)
 
-Send = Callable[[object], Awaitable[None]]
+Send = Callable[[ToSupervisor], Awaitable[None]]
 
 
 class Router:
@@ -116,7 +122,7 @@ class Router:
         try:
             await asyncio.wait_for(self._none_active.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def release(self, rec: EngineRecord, keep_alive: float | None) -> None:
@@ -208,7 +214,7 @@ class Router:
         try:
             async with self._idle:
                 await asyncio.wait_for(self._idle.wait(), left)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise unavailable("every resident model stayed busy; retry shortly", "pool_busy",
                               retry_after=5) from None
         finally:

@@ -1,4 +1,4 @@
-"""Local security for the HTTP listeners.
+"""Local security for the HTTP listeners (runs in the proxy).
 
 The Unix socket (mode 0600) is trusted: only its owner can connect and no browser can reach it.
 On TCP, a request must name a loopback Host (against DNS rebinding, where a web page's own
@@ -12,10 +12,12 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from mlxd.proxy.errors import APIError
 
@@ -106,9 +108,9 @@ def check(request: web.Request, settings: AccessSettings) -> None:
                        type="permission_error", code="admin_not_allowed")
 
 
-def middleware(settings: AccessSettings):  # type: ignore[no-untyped-def]
+def middleware(settings: AccessSettings) -> Middleware:
     @web.middleware
-    async def access_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         check(request, settings)
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and origin is not None:
@@ -127,7 +129,8 @@ def _cors_headers(request: web.Request, origin: str, preflight: bool = False) ->
     return headers
 
 
-def cors_signal(settings: AccessSettings):  # type: ignore[no-untyped-def]
+def cors_signal(settings: AccessSettings
+                ) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
     async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
         """on_response_prepare: an allowed Origin may read the response (streams included)."""
         origin = request.headers.get("Origin")

@@ -1,4 +1,5 @@
-"""Run the proxy: engine channel, HTTP listeners, and (when supervised) the control channel."""
+"""Run the proxy (the proxy process, or the serving process without `--isolate`): engine
+channel, HTTP listeners, and (when supervised) the control channel."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import asyncio
 import logging
 import math
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import msgspec
 import zmq
@@ -15,17 +16,26 @@ import zmq.asyncio
 
 from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints, identity
-from mlxd.protocol.messages import (ChildFailed, ChildStates, Heartbeat, Hello, Ready, Shutdown,
-                                    StopDaemon)
+from mlxd.protocol.messages import (
+    ChildFailed,
+    ChildStates,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    StopDaemon,
+    ToSupervisor,
+)
 from mlxd.protocol.settings import ProxyLaunch
 from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
-from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.engine_client import EngineClient
+from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.model_pool import ModelPool
-from mlxd.proxy.openai_schema import Defaults
 from mlxd.proxy.router import Router
+from mlxd.proxy.sampling import Defaults
 from mlxd.proxy.security import AccessSettings
+from mlxd.proxy.state import STATE
 
 log = logging.getLogger("mlxd.proxy")
 
@@ -45,7 +55,7 @@ class SupervisorLink:
         self.sock.connect(endpoints.control)
         self._enc = codec.to_supervisor()
 
-    async def send(self, msg: object) -> None:
+    async def send(self, msg: ToSupervisor) -> None:
         await self.sock.send(self._enc.encode(msg))
 
     async def fail(self, reason: str) -> None:
@@ -53,7 +63,7 @@ class SupervisorLink:
         try:
             await asyncio.wait_for(self.send(ChildFailed("proxy", self.epoch, reason)),
                                    FAILURE_DELIVERY_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass  # the supervisor still sees the exit code
         self.sock.close(linger=int(FAILURE_DELIVERY_S * 1000))
 
@@ -66,7 +76,7 @@ class SupervisorLink:
         next_beat = loop.time()
         while True:  # cancelled when the proxy closes; runs on while it drains
             wait_ms = max(0, math.ceil((next_beat - loop.time()) * 1000))
-            if await self.sock.poll(wait_ms, zmq.POLLIN):
+            if await self.sock.poll(wait_ms):  # flags: POLLIN
                 self._handle(dec, await self.sock.recv(), client, stop)
             if loop.time() < next_beat:
                 continue
@@ -119,17 +129,20 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
             asyncio.ensure_future(link.send(StopDaemon("POST /admin/shutdown")))
     else:
         request_stop = stop.set
-    app = make_app(client, router, defaults, listen, shutdown_timeout, request_stop)
-    app["resume"] = s.resume and supervised  # without --isolate no engine comes back
+    app = make_app(client, router, defaults, listen,
+                   resume=s.resume and supervised,  # without --isolate no engine comes back
+                   shutdown_timeout=shutdown_timeout, request_stop=request_stop)
+    state = app[STATE]
     try:
-        runner, where = await start_listeners(app, listen)
+        runner, where = await start_listeners(app)
     except ListenError as e:
         await client.close()
         if link is None:
             raise  # the serving process says it once, and exits
         await link.fail(str(e))  # the supervisor says it once, and stops the daemon
         return exit_codes.CONFIG_ERROR
-    write_listen_file(Path(launch.run_dir), app)
+    assert state.listening is not None
+    write_listen_file(Path(launch.run_dir), state.listening)
     log.info("listening on %s", where)
     if on_listening:
         on_listening(where)
@@ -140,7 +153,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
         await stop.wait()
         log.info("draining: up to %.0f s for %d request(s) in flight", shutdown_timeout,
                  router.active)
-        result = await lifecycle.drain(app, shutdown_timeout, flush=False)
+        result = await lifecycle.drain(state, shutdown_timeout, flush=False)
         log.info("drained in %.2f s (%d aborted)", result["waited_s"], result["aborted"])
         if before_close is not None:
             await before_close()

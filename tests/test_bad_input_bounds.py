@@ -200,12 +200,10 @@ def test_engine_unharmed(daemon):
 
 
 # ---------------------------------------------------------------- the error middleware
-# A bare app with the product's error middleware (string app keys, as the product's app uses).
-app_keys = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
-
+# A bare app with the product's error middleware (which reads the body limit from aiohttp's
+# own `client_max_size`).
 async def _serve(handler) -> tuple[web.AppRunner, str]:
-    app = web.Application(middlewares=[error_middleware])
-    app["max_body"] = 1024
+    app = web.Application(client_max_size=1024, middlewares=[error_middleware])
     for path in ("/v1/chat/completions", "/v1/messages", "/api/chat", "/stream"):
         app.router.add_post(path, handler)
     runner = web.AppRunner(app)
@@ -216,7 +214,6 @@ async def _serve(handler) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-@app_keys
 async def test_unhandled_error_is_a_json_500_in_the_dialect_logged_once_bounded(caplog):
     async def broken(request: web.Request) -> web.StreamResponse:
         if request.path == "/stream":
@@ -251,7 +248,6 @@ async def test_unhandled_error_is_a_json_500_in_the_dialect_logged_once_bounded(
         await runner.cleanup()
 
 
-@app_keys
 async def test_content_length_over_the_limit_is_413_before_the_body_arrives():
     async def echo(request: web.Request) -> web.Response:
         return web.json_response({"n": len(await request.read())})

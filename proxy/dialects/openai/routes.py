@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: chat completions, completions, models."""
+"""OpenAI-compatible routes (runs in the proxy): chat completions, completions, models."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ from typing import Any
 from aiohttp import web
 
 from mlxd.proxy import constraints
+from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.dialects.openai.schema import (
+    ChatRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompt,
+    sampling,
+)
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation
-from mlxd.proxy.openai_schema import (ChatRequest, CompletionRequest, chat_messages,
-                                      completion_prompt, decode_body, sampling_params)
-from mlxd.proxy.router import Router
-from mlxd.proxy.run import generation, keep_alive_seconds
+from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.state import STATE
+from mlxd.proxy.validation import keep_alive_seconds
 
 
 def _sse(obj: Any) -> bytes:
@@ -37,15 +43,24 @@ class _ChunkTemplate:
         return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
-async def _run(request: web.Request, req: Any, max_tokens: int | None, prefix: str,
-               obj: str, make_choice: Any, **fields: Any) -> web.StreamResponse:
+def _generation_request(request: web.Request, req: ChatRequest | CompletionRequest,
+                        prefix: str, **fields: Any) -> GenerationRequest:
+    """Checked before any model is touched: keep_alive, then sampling."""
     keep_alive = keep_alive_seconds(req.keep_alive)
-    params = sampling_params(req, request.app["defaults"], max_tokens)  # before any model loads
-    async with generation(request, req.model, params, keep_alive, max_tokens, prefix,
-                          **fields) as gen:
+    return GenerationRequest(model=req.model, keep_alive=keep_alive, id_prefix=prefix,
+                             sampling=sampling(req, request.app[STATE].defaults), **fields)
+
+
+def _include_usage(req: ChatRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def _run(request: web.Request, req: ChatRequest | CompletionRequest, prefix: str,
+               obj: str, make_choice: Any, **fields: Any) -> web.StreamResponse:
+    job = _generation_request(request, req, prefix, **fields)
+    async with started_generation(request.app[STATE], job) as gen:
         return await _respond(request, gen, gen.msg.request_id, obj, req.stream,
-                              bool(req.stream_options and req.stream_options.include_usage),
-                              make_choice)
+                              _include_usage(req), make_choice)
 
 
 async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, stream: bool,
@@ -143,9 +158,8 @@ def _logprobs(obj: str, entries: Any, offset: int) -> dict:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
+    req = decode_body(await request.read(), ChatRequest)
     messages = chat_messages(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     tools = constraints.parse_tools(req.tools)
     forced = constraints.forced_tools(tools, req.tool_choice)
     grammar = constraints.response_format_grammar(req.response_format)
@@ -154,18 +168,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise bad_request("`response_format` and a forced `tool_choice` exclude each other",
                               param="response_format")
         grammar = constraints.call_grammar(forced)
-    fields = {"messages": messages, "grammar": grammar,
-              "tools": [t.as_template_tool() for t in tools]
-              if tools and req.tool_choice != "none" else None}
+    template_tools = [t.as_template_tool() for t in tools] \
+        if tools and req.tool_choice != "none" else None
     if forced is None:
-        return await _run(request, req, max_tokens, "chatcmpl", "chat.completion", _chat_choice,
-                          **fields)
-    keep_alive = keep_alive_seconds(req.keep_alive)
-    params = sampling_params(req, request.app["defaults"], max_tokens)
-    async with generation(request, req.model, params, keep_alive, max_tokens, "chatcmpl",
-                          **fields) as gen:
-        return await _respond_tool_call(request, gen, req.stream, bool(
-            req.stream_options and req.stream_options.include_usage))
+        return await _run(request, req, "chatcmpl", "chat.completion", _chat_choice,
+                          messages=messages, grammar=grammar, tools=template_tools)
+    job = _generation_request(request, req, "chatcmpl", messages=messages, grammar=grammar,
+                              tools=template_tools)
+    async with started_generation(request.app[STATE], job) as gen:
+        return await _respond_tool_call(request, gen, req.stream, _include_usage(req))
 
 
 async def _respond_tool_call(request: web.Request, gen: Generation, stream: bool,
@@ -196,7 +207,7 @@ async def _respond_tool_call(request: web.Request, gen: Generation, stream: bool
         "function": {"name": parsed[0], "arguments": json.dumps(parsed[1], ensure_ascii=False)}}
     finish_reason = "tool_calls" if call else (finish or "stop")
     if resp is None:
-        message = {"role": "assistant", "content": None if call else text}
+        message: dict[str, Any] = {"role": "assistant", "content": None if call else text}
         if call:
             message["tool_calls"] = [call]
         return web.json_response({**base, "object": "chat.completion", "choices": [
@@ -230,10 +241,10 @@ def _chat_choice(text: str | None, finish: str | None, final: bool, first: bool 
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    req: CompletionRequest = decode_body(await request.read(), CompletionRequest)  # type: ignore[assignment]
+    req = decode_body(await request.read(), CompletionRequest)
     prompt, token_ids = completion_prompt(req)
-    return await _run(request, req, req.max_tokens, "cmpl", "text_completion",
-                      _completion_choice, prompt=prompt, prompt_token_ids=token_ids)
+    return await _run(request, req, "cmpl", "text_completion", _completion_choice,
+                      prompt=prompt, prompt_token_ids=token_ids)
 
 
 def _completion_choice(text: str | None, finish: str | None, final: bool, first: bool = False,
@@ -245,18 +256,18 @@ def _completion_choice(text: str | None, finish: str | None, final: bool, first:
 
 async def list_models(request: web.Request) -> web.Response:
     """Resident and configured models, with their state."""
-    client = request.app["client"]
-    router: Router = request.app["router"]
+    proxy = request.app[STATE]
+    client, router = proxy.client, proxy.router
     resident = router.pool.resident if router.pool is not None else client.engines
-    data = []
+    data: list[dict[str, Any]] = []
     for rec in client.engines.values():
         state = rec.state if rec.engine_id in resident or rec.state == "failed" else "unloaded"
-        data.append({"id": rec.model_id, "object": "model", "created": request.app["started"],
+        data.append({"id": rec.model_id, "object": "model", "created": proxy.started,
                      "owned_by": "mlxd", "state": state, "aliases": rec.names})
     listed = {n for d in data for n in d["aliases"]}
     for alias, spec in router.aliases.items():
         if alias not in listed:
-            data.append({"id": alias, "object": "model", "created": request.app["started"],
+            data.append({"id": alias, "object": "model", "created": proxy.started,
                          "owned_by": "mlxd", "state": "unloaded", "aliases": [alias, spec]})
     return web.json_response({"object": "list", "data": data})
 

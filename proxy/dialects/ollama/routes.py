@@ -1,86 +1,40 @@
-"""Ollama's API: `/api/chat` and `/api/generate` (NDJSON streaming by default), `/api/tags`,
-`/api/show`, `/api/ps`, `/api/version`. Errors are Ollama's `{"error": "..."}`."""
+"""Ollama's API (runs in the proxy): `/api/chat` and `/api/generate` (NDJSON streaming by
+default), `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors are Ollama's
+`{"error": "..."}`."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from mlxd.proxy import constraints
-from mlxd.proxy.bounds import (MAX_COUNT, MAX_IDENT_CHARS, Duration, Ident, ModelName, Seconds,
-                               Seed, StopString, TokenId, TopK, decode_body)
-from mlxd.proxy.engine_client import EngineRecord
+from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.dialects.ollama.schema import (
+    ChatRequest,
+    GenerateRequest,
+    ModelRequest,
+    chat_messages,
+    format_grammar,
+    sampling,
+)
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation
+from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.model_pool import model_weight_bytes
-from mlxd.proxy.openai_schema import _Sampling, sampling_params
 from mlxd.proxy.router import Router
-from mlxd.proxy.run import generation, keep_alive_seconds
+from mlxd.proxy.state import STATE
+from mlxd.proxy.validation import keep_alive_seconds
 
 API_VERSION = "0.12.0"  # the Ollama API level these routes follow
 
-NumPredict = Annotated[int, msgspec.Meta(ge=-2, le=MAX_COUNT)]  # -1: until done, -2: fill context
-
-
-class Options(msgspec.Struct, kw_only=True):
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: TopK | None = None
-    min_p: float | None = None
-    num_predict: NumPredict | None = None
-    stop: list[StopString] | None = None
-    seed: Seed | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: Ident
-    content: str = ""
-    images: list[str] | None = None
-    tool_calls: list[dict] | None = None
-    thinking: str | None = None
-
-
-class _Common(msgspec.Struct, kw_only=True):
-    model: ModelName
-    stream: bool = True
-    format: Any = None
-    options: Options | None = None
-    keep_alive: Seconds | Duration | None = None
-    think: Any = None
-
-
-class ChatRequest(_Common, kw_only=True):
-    messages: list[ChatMessage] | None = None
-    tools: list[dict] | None = None
-
-
-class GenerateRequest(_Common, kw_only=True):
-    prompt: str = ""
-    system: str | None = None
-    raw: bool = False
-    suffix: str | None = None
-    images: list[str] | None = None
-    template: str | None = None
-    context: list[TokenId] | None = None
-
-
-class ModelRequest(msgspec.Struct, kw_only=True):
-    model: ModelName | None = None
-    name: ModelName | None = None  # older clients
-
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _model_name(name: str, router: Router) -> str:
@@ -93,97 +47,53 @@ def _model_name(name: str, router: Router) -> str:
     return name
 
 
-def _template_call(call: Any, i: int) -> dict:
-    """An earlier assistant tool call ({"function": {"name", "arguments": {...}}})."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    name = fn.get("name", "") if isinstance(fn, dict) else None
-    args = (fn.get("arguments") or {}) if isinstance(fn, dict) else None
-    if not isinstance(name, str) or len(name) > MAX_IDENT_CHARS or not isinstance(args, dict):
-        raise bad_request(f"messages[{i}].tool_calls: each needs `function` with a `name` (at "
-                          f"most {MAX_IDENT_CHARS} characters) and an `arguments` object")
-    return {"type": "function", "function": {"name": name, "arguments": args}}
-
-
-def format_grammar(fmt: Any) -> str | None:
-    """Ollama's `format`: "json" (any JSON object) or a JSON schema."""
-    if fmt is None or fmt == "":
-        return None
-    if fmt == "json":
-        return constraints.schema_grammar(constraints.ANY_OBJECT, "format")
-    if isinstance(fmt, dict):
-        return constraints.schema_grammar(fmt, "format")
-    raise bad_request('`format` must be "json" or a JSON schema object')
-
-
-def _sampling(req: _Common, defaults: Any) -> tuple[Any, int | None]:
-    o = req.options or Options()
-    n = o.num_predict
-    max_tokens = None if n is None or n < 0 else n  # -1: until done, -2: fill the context
-    if n == 0:
-        raise bad_request("options.num_predict must not be 0")
-    params = sampling_params(_Sampling(
-        temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
-        repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
-        frequency_penalty=o.frequency_penalty, seed=o.seed, stop=o.stop,
-        max_tokens=max_tokens), defaults, max_tokens)
-    return params, max_tokens
-
-
 async def chat(request: web.Request) -> web.StreamResponse:
-    req: ChatRequest = decode_body(await request.read(), ChatRequest)  # type: ignore[assignment]
-    router: Router = request.app["router"]
+    req = decode_body(await request.read(), ChatRequest)
+    state = request.app[STATE]
     keep_alive = keep_alive_seconds(req.keep_alive)
     tools = constraints.parse_tools(req.tools)
-    msgs = []
-    for i, m in enumerate(req.messages or []):
-        if m.role not in ("system", "user", "assistant", "tool"):
-            raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, user, "
-                              "assistant, tool")
-        if m.images:
-            raise bad_request(f"messages[{i}]: images are not supported")
-        msg: dict = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
-        msgs.append(msg)
-    name = _model_name(req.model, router)
+    msgs = chat_messages(req)
+    name = _model_name(req.model, state.router)
     if not msgs:  # Ollama: a chat without messages loads (or with keep_alive 0, unloads)
         return await _load_only(request, name, keep_alive, "message",
                                 {"role": "assistant", "content": ""})
-    params, max_tokens = _sampling(req, request.app["defaults"])
-    grammar = format_grammar(req.format)
-    async with generation(request, name, params, keep_alive, max_tokens, "ollama",
-                          messages=msgs, grammar=grammar,
-                          tools=[t.as_template_tool() for t in tools] or None) as gen:
+    checked = sampling(req, state.defaults)
+    job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
+                            keep_alive=keep_alive, messages=msgs,
+                            grammar=format_grammar(req.format),
+                            tools=[t.as_template_tool() for t in tools] or None)
+    async with started_generation(state, job) as gen:
         return await _respond(request, gen, req.stream, req.model, "message")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    req: GenerateRequest = decode_body(  # type: ignore[assignment]
-        await request.read(), GenerateRequest)
-    router: Router = request.app["router"]
+    req = decode_body(await request.read(), GenerateRequest)
+    state = request.app[STATE]
     keep_alive = keep_alive_seconds(req.keep_alive)
     if req.images:
         raise bad_request("images are not supported")
     if req.suffix:
         raise bad_request("`suffix` is not supported")
-    name = _model_name(req.model, router)
+    name = _model_name(req.model, state.router)
     if not req.prompt:
         return await _load_only(request, name, keep_alive, "response", "")
-    params, max_tokens = _sampling(req, request.app["defaults"])
+    checked = sampling(req, state.defaults)
     grammar = format_grammar(req.format)
     if req.raw:
-        fields: dict[str, Any] = {"prompt": req.prompt}
+        job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
+                                keep_alive=keep_alive, grammar=grammar, prompt=req.prompt)
     else:
         msgs = [{"role": "system", "content": req.system}] if req.system else []
-        fields = {"messages": msgs + [{"role": "user", "content": req.prompt}]}
-    async with generation(request, name, params, keep_alive, max_tokens, "ollama",
-                          grammar=grammar, **fields) as gen:
+        job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
+                                keep_alive=keep_alive, grammar=grammar,
+                                messages=[*msgs, {"role": "user", "content": req.prompt}])
+    async with started_generation(state, job) as gen:
         return await _respond(request, gen, req.stream, req.model, "response")
 
 
 async def _load_only(request: web.Request, name: str, keep_alive: float | None, key: str,
                      empty: Any) -> web.Response:
-    router: Router = request.app["router"]
+    router = request.app[STATE].router
     if keep_alive == 0:
         rec = await router.unload(name)
         reason = "unload"
@@ -273,41 +183,43 @@ def _details(spec: str) -> dict:
 
 def _entry(name: str, spec: str, started: int) -> dict:
     return {"name": name, "model": name,
-            "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+            "modified_at": datetime.fromtimestamp(started, UTC).isoformat(),
             "size": model_weight_bytes(spec),
             "digest": hashlib.sha256(spec.encode()).hexdigest(), "details": _details(spec)}
 
 
 async def tags(request: web.Request) -> web.Response:
-    client, router = request.app["client"], request.app["router"]
+    state = request.app[STATE]
+    client, router = state.client, state.router
     seen: dict[str, str] = {rec.model_id: rec.spec for rec in client.engines.values()}
     for alias, spec in router.aliases.items():
         seen.setdefault(alias, spec)
-    return web.json_response({"models": [_entry(n, s, request.app["started"])
+    return web.json_response({"models": [_entry(n, s, state.started)
                                          for n, s in seen.items()]})
 
 
 async def ps(request: web.Request) -> web.Response:
-    client, router = request.app["client"], request.app["router"]
+    state = request.app[STATE]
+    client, router = state.client, state.router
     resident = router.pool.resident if router.pool is not None else client.engines
     models = []
     for rec in client.engines.values():
         if rec.engine_id in resident and rec.state == "ready":
             size = model_weight_bytes(rec.spec)
-            models.append({**_entry(rec.model_id, rec.spec, request.app["started"]),
+            models.append({**_entry(rec.model_id, rec.spec, state.started),
                            "expires_at": "0001-01-01T00:00:00Z", "size_vram": size})
     return web.json_response({"models": models})
 
 
 async def show(request: web.Request) -> web.Response:
-    req: ModelRequest = decode_body(await request.read(), ModelRequest)  # type: ignore[assignment]
-    router: Router = request.app["router"]
+    req = decode_body(await request.read(), ModelRequest)
+    state = request.app[STATE]
     name = req.model or req.name
     if not name:
         raise bad_request("`model` is required")
-    name = _model_name(name, router)
-    spec = router.lookup(name)
-    rec: EngineRecord | None = request.app["client"].find(name)
+    name = _model_name(name, state.router)
+    spec = state.router.lookup(name)
+    rec = state.client.find(name)
     path = Path(spec).expanduser()
     try:
         template = json.loads((path / "tokenizer_config.json").read_text()).get(
@@ -327,7 +239,7 @@ async def show(request: web.Request) -> web.Response:
                               "details": _details(spec), "model_info": info,
                               "capabilities": ["completion"],
                               "modified_at": datetime.fromtimestamp(
-                                  request.app["started"], timezone.utc).isoformat()})
+                                  state.started, UTC).isoformat()})
 
 
 async def root(request: web.Request) -> web.Response:

@@ -1,5 +1,5 @@
 """Anthropic Messages request bodies as msgspec Structs, and their translation into chat
-messages and sampling parameters for the engine."""
+messages and a dialect-neutral `SamplingRequest` (runs in the proxy)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from typing import Any
 
 import msgspec
 
-from mlxd.protocol.messages import SamplingParams
 from mlxd.proxy.bounds import MAX_IDENT_CHARS, Ident, ModelName, StopString, TokenCount, TopK
 from mlxd.proxy.constraints import Tool, forced_tools, parse_tools
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.openai_schema import Defaults, _Sampling, sampling_params
+from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 
 
 class Block(msgspec.Struct, kw_only=True):
@@ -30,7 +29,8 @@ class Message(msgspec.Struct, kw_only=True):
     content: str | list[Block]
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class CommonFields(msgspec.Struct, kw_only=True):
+    """The fields a message and a token count share."""
     model: ModelName
     messages: list[Message]
     system: str | list[Block] | None = None
@@ -38,7 +38,7 @@ class _Common(msgspec.Struct, kw_only=True):
     tool_choice: dict | None = None
 
 
-class MessagesRequest(_Common, kw_only=True):
+class MessagesRequest(CommonFields, kw_only=True):
     max_tokens: TokenCount
     stop_sequences: list[StopString] | None = None
     stream: bool = False
@@ -50,7 +50,7 @@ class MessagesRequest(_Common, kw_only=True):
     service_tier: Ident | None = None
 
 
-class CountTokensRequest(_Common, kw_only=True):
+class CountTokensRequest(CommonFields, kw_only=True):
     thinking: dict | None = None
 
 
@@ -63,7 +63,7 @@ def _result_text(content: Any, where: str) -> str:
     raise bad_request(f"{where}: tool_result content must be a string or text blocks")
 
 
-def chat_messages(req: _Common) -> list[dict]:
+def chat_messages(req: CommonFields) -> list[dict]:
     """Anthropic turns as chat-template messages: tool_use blocks become the assistant's
     tool_calls, tool_result blocks become `tool` messages answering them."""
     if not req.messages:
@@ -128,7 +128,7 @@ def _plain(blocks: str | list[Block], where: str) -> str:
     return "".join(b.text or "" for b in blocks)
 
 
-def tools_and_choice(req: _Common) -> tuple[list[Tool], list[Tool] | None, bool]:
+def tools_and_choice(req: CommonFields) -> tuple[list[Tool], list[Tool] | None, bool]:
     """(tools, the tools a call is forced among or None, whether tools are offered at all)."""
     tools = []
     for i, t in enumerate(req.tools or []):
@@ -160,14 +160,16 @@ def tools_and_choice(req: _Common) -> tuple[list[Tool], list[Tool] | None, bool]
     raise bad_request("tool_choice: type must be auto, any, tool or none")
 
 
-def sampling(req: MessagesRequest, defaults: Defaults) -> SamplingParams:
+def sampling(req: MessagesRequest, defaults: Defaults) -> CheckedSampling:
+    """Anthropic's sampling fields, checked: `max_tokens` is required (so always the client's
+    own), `temperature` is in [0, 1], stop strings are `stop_sequences`."""
     if req.max_tokens < 1:
         raise bad_request(f"max_tokens: must be at least 1, got {req.max_tokens}")
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
         raise bad_request("temperature: must be between 0 and 1")
-    return sampling_params(_Sampling(temperature=req.temperature, top_p=req.top_p,
-                                     top_k=req.top_k, stop=req.stop_sequences,
-                                     max_tokens=req.max_tokens), defaults, req.max_tokens)
+    return check_sampling(SamplingRequest(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        stop=list(req.stop_sequences or []), max_tokens=req.max_tokens), defaults)
 
 
 def stop_reason(finish: str | None, stop_sequence: str | None) -> str:

@@ -1,6 +1,6 @@
-"""Anthropic Messages API: `POST /v1/messages` (streaming with Anthropic's event sequence, or
-not) and `POST /v1/messages/count_tokens`. Errors use Anthropic's envelope (errors.py picks
-it from the path)."""
+"""Anthropic Messages API (runs in the proxy): `POST /v1/messages` (streaming with Anthropic's
+event sequence, or not) and `POST /v1/messages/count_tokens`. Errors use Anthropic's envelope
+(errors.py picks it from the path)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import uuid
 
 from aiohttp import web
 
-from mlxd.protocol.messages import SamplingParams
-from mlxd.proxy import anthropic_schema as schema
 from mlxd.proxy import constraints
+from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.dialects.anthropic import schema
 from mlxd.proxy.errors import APIError
-from mlxd.proxy.generation import Generation
-from mlxd.proxy.openai_schema import decode_body
-from mlxd.proxy.run import generation
+from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.sampling import count_only
+from mlxd.proxy.state import STATE
 
 PING_EVERY = 10  # content deltas between `ping` events
 
@@ -26,15 +26,15 @@ def _event(name: str, data: dict) -> bytes:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    req: schema.MessagesRequest = decode_body(await request.read(),  # type: ignore[assignment]
-                                              schema.MessagesRequest)
+    req = decode_body(await request.read(), schema.MessagesRequest)
     msgs = schema.chat_messages(req)
     tools, forced, offered = schema.tools_and_choice(req)
-    params = schema.sampling(req, request.app["defaults"])
-    fields = {"messages": msgs, "tools": [t.as_template_tool() for t in tools] if offered
-              else None, "grammar": constraints.call_grammar(forced) if forced else None}
-    async with generation(request, req.model, params, None, req.max_tokens, "msg",
-                          **fields) as gen:
+    checked = schema.sampling(req, request.app[STATE].defaults)
+    job = GenerationRequest(
+        model=req.model, sampling=checked, id_prefix="msg", messages=msgs,
+        tools=[t.as_template_tool() for t in tools] if offered else None,
+        grammar=constraints.call_grammar(forced) if forced else None)
+    async with started_generation(request.app[STATE], job) as gen:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if forced:
             return await _tool_use(request, gen, msg_id, req.stream)
@@ -125,7 +125,9 @@ class _Blocks:
     """Content blocks opened as their first delta arrives: thinking (if any), then text."""
 
     def __init__(self, out: list[bytes]) -> None:
-        self.out, self.kind, self.index = out, None, -1
+        self.out = out
+        self.kind: str | None = None
+        self.index = -1
         self.seen: set[str] = set()
 
     def open(self, kind: str, block: dict | None = None) -> None:
@@ -209,14 +211,13 @@ async def _tool_use(request: web.Request, gen: Generation, msg_id: str,
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    req: schema.CountTokensRequest = decode_body(  # type: ignore[assignment]
-        await request.read(), schema.CountTokensRequest)
+    req = decode_body(await request.read(), schema.CountTokensRequest)
     msgs = schema.chat_messages(req)
     tools, _, offered = schema.tools_and_choice(req)
-    async with generation(request, req.model, SamplingParams(max_tokens=1), None, None,
-                          "count", messages=msgs, count_only=True,
-                          tools=[t.as_template_tool() for t in tools] if offered else None
-                          ) as gen:
+    job = GenerationRequest(model=req.model, sampling=count_only(), id_prefix="count",
+                            messages=msgs, count_only=True,
+                            tools=[t.as_template_tool() for t in tools] if offered else None)
+    async with started_generation(request.app[STATE], job) as gen:
         await gen.collect()
         return web.json_response({"input_tokens": gen.prompt_tokens})
 

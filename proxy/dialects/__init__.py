@@ -1,0 +1,1 @@
+"""The API dialects the proxy speaks, one package each: OpenAI, Anthropic, Ollama."""

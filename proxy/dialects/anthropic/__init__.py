@@ -1,0 +1,1 @@
+"""Anthropic's Messages API (runs in the proxy)."""

@@ -1,0 +1,1 @@
+"""Ollama's API (runs in the proxy)."""

@@ -1,0 +1,52 @@
+"""The proxy's application state (runs in the proxy): one `ProxyState` per aiohttp app, under
+the one key `STATE`; handlers read `request.app[STATE].router` and so on.
+
+This module imports its field types only for the type checker, so every other proxy module
+can import it without a cycle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from mlxd.proxy.app import ListenSettings
+    from mlxd.proxy.engine_client import EngineClient
+    from mlxd.proxy.generation import ResumeStats
+    from mlxd.proxy.metrics import RequestMetrics
+    from mlxd.proxy.router import Router
+    from mlxd.proxy.sampling import Defaults
+
+
+@dataclass(frozen=True)
+class ListeningAt:
+    """Where the listeners are bound (the real port when port 0 was asked): what
+    `RUN_DIR/listen.json` tells clients."""
+    port: int
+    host: str
+    socket: str | None
+
+
+@dataclass
+class ProxyState:
+    client: EngineClient
+    router: Router
+    defaults: Defaults
+    listen: ListenSettings  # the listeners asked for, with the body and header limits
+    metrics: RequestMetrics
+    metrics_registry: CollectorRegistry
+    resume_stats: ResumeStats
+    resume: bool = False  # resume requests on a restarted engine (only under --isolate)
+    shutdown_timeout: float = 15.0
+    request_stop: Callable[[], None] = lambda: None  # POST /admin/shutdown
+    started: int = field(default_factory=lambda: int(time.time()))  # wall-clock seconds
+    listening: ListeningAt | None = None  # set once the listeners are up
+
+
+STATE = web.AppKey("state", ProxyState)
