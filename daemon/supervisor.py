@@ -307,7 +307,7 @@ class Supervisor:
             identity, data = await self._ctl.recv_multipart()
             try:
                 msg = dec.decode(data)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001  whatever the bytes, this loop outlives them
                 log.warning("dropped an undecodable control message from %r", identity[:80])
                 continue
             try:

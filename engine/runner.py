@@ -373,12 +373,14 @@ class Runner:
         """--generation-checkpoint: a running request's boundary (prompt and generated so far)
         goes to the SSD tier only (not RAM: it is still live here). Only blocks the disk lacks
         are copied."""
+        publish = self._on_checkpoint
+        assert publish is not None  # without it, checkpoint_every is 0 and this is never called
         for cache, tokens in self._gen.extract_cache(uids).values():
             if any(type(c) is not KVCache or c.keys is None for c in cache):
                 continue
             n = min(len(tokens), cache[0].offset)
             layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
-            self._on_checkpoint(Entry(tuple(tokens[:n]), layers, 0))  # type: ignore[misc]
+            publish(Entry(tuple(tokens[:n]), layers, 0))
             self.counters.checkpoints += 1
 
     def _publish_prompt(self, uid: int) -> None:

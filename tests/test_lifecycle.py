@@ -40,7 +40,7 @@ class Stream(threading.Thread):
                         data = line[6:]
                         self.events.append(data if data == "[DONE]" else json.loads(data))
                         self.started.set()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001  every failure goes to the test, on its thread
             self.error = e
             self.started.set()
 

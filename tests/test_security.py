@@ -91,7 +91,9 @@ def test_oversized_header_is_refused(open_daemon):
 
 
 def test_file_modes(open_daemon):
-    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    def mode(p):
+        return stat.S_IMODE(p.stat().st_mode)
+
     assert mode(open_daemon.run_dir) == 0o700
     assert mode(open_daemon.cache_dir) == 0o700
     assert mode(open_daemon.cache_dir / "kv") == 0o700
