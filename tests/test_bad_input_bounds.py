@@ -7,19 +7,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 import aiohttp
+import httpx2 as httpx
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from mlxd.proxy.bounds import MAX_JSON_DEPTH
 from mlxd.proxy.errors import MAX_LOGGED_TRACEBACK, error_middleware
+from support.harness import Daemon
 
 HI = [{"role": "user", "content": "hi"}]
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
 # Every endpoint that reads a body, with a minimal valid body and its error dialect.
-BODY_ENDPOINTS = {
+BODY_ENDPOINTS: dict[str, tuple[dict[str, object], str]] = {
     "/v1/chat/completions": ({"messages": HI, "max_tokens": 2}, "openai"),
     "/v1/completions": ({"prompt": "hi", "max_tokens": 2}, "openai"),
     "/v1/messages": ({"model": "MODEL", "messages": HI, "max_tokens": 2}, "anthropic"),
@@ -37,17 +41,25 @@ BODY_ENDPOINTS = {
 MODEL_ENDPOINTS = [p for p in BODY_ENDPOINTS if p not in ("/admin/drain",)]
 
 
-def post(d, path, body):
-    """POST `body` (where the string "MODEL" stands for the daemon's model id)."""
-    if not hasattr(d, "model_id"):
-        d.model_id = d.stats()["engines"][0]["model"]
+_MODEL_IDS: dict[Path, str] = {}  # a daemon's run dir -> the id of the model it serves
+
+
+def model_id(d: Daemon) -> str:
+    if d.run_dir not in _MODEL_IDS:
+        _MODEL_IDS[d.run_dir] = d.stats()["engines"][0]["model"]
+    return _MODEL_IDS[d.run_dir]
+
+
+def post(d: Daemon, path: str, body: object) -> httpx.Response:
+    """POST `body`: bytes as they are, anything else as JSON (where the string "MODEL" stands for
+    the daemon's model id)."""
     content = body if isinstance(body, bytes) else \
-        json.dumps(body).replace('"MODEL"', json.dumps(d.model_id)).encode()
+        json.dumps(body).replace('"MODEL"', json.dumps(model_id(d))).encode()
     with (d.unix_http() if path.startswith("/admin/") else d.http()) as c:
         return c.post(path, content=content, headers={"Content-Type": "application/json"})
 
 
-def error_of(r, status, dialect, needle=""):
+def error_of(r: httpx.Response, status: int, dialect: str, needle: str = "") -> dict:
     """The error message, after checking the status and the dialect's envelope."""
     assert r.status_code == status, r.text[:500]
     assert r.headers["content-type"].startswith("application/json")
@@ -66,7 +78,7 @@ def error_of(r, status, dialect, needle=""):
     return body
 
 
-def with_model(path, name):
+def with_model(path: str, name: str) -> tuple[dict[str, object], str]:
     body, dialect = BODY_ENDPOINTS[path]
     return {**body, "model": name}, dialect
 
@@ -154,7 +166,7 @@ def test_out_of_range_numbers_and_strings_are_400_naming_the_field(daemon, path,
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "f",
-                                                    "arguments": '{"a": %d}' % 2**70}}]}]}),
+                                                    "arguments": json.dumps({"a": 2**70})}}]}]}),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "x-big": 2**70}}}]}),
     ("/api/chat", {"model": "MODEL", "messages": HI + [{"role": "assistant", "tool_calls": [
@@ -202,7 +214,7 @@ def test_engine_unharmed(daemon):
 # ---------------------------------------------------------------- the error middleware
 # A bare app with the product's error middleware (which reads the body limit from aiohttp's
 # own `client_max_size`).
-async def _serve(handler) -> tuple[web.AppRunner, str]:
+async def _serve(handler: Handler) -> tuple[web.AppRunner, str]:
     app = web.Application(client_max_size=1024, middlewares=[error_middleware])
     for path in ("/v1/chat/completions", "/v1/messages", "/api/chat", "/stream"):
         app.router.add_post(path, handler)

@@ -8,17 +8,23 @@ import json
 
 import anthropic
 import ollama
+import openai
 import pytest
+from anthropic.types import MessageParam
+
+from support.harness import Daemon
+from support.sdk import prompt_tokens, reasoning_of, text_of, thinking_of
 
 MODEL = "tiny-llama"
-HI = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = "What is the capital of France?"
+HI: list[MessageParam] = [{"role": "user", "content": QUESTION}]
 
 
-def claude(d) -> anthropic.Anthropic:
+def claude(d: Daemon) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=d.url, api_key="unused", max_retries=0)
 
 
-def olla(d) -> ollama.Client:
+def olla(d: Daemon) -> ollama.Client:
     return ollama.Client(host=d.url)
 
 
@@ -29,27 +35,29 @@ def test_messages_non_streaming(daemon):
                                        system="Answer briefly.")
     assert m.type == "message" and m.role == "assistant" and m.model == MODEL
     assert m.id.startswith("msg_")
-    assert [b.type for b in m.content] == ["text"] and m.content[0].text
+    assert [b.type for b in m.content] == ["text"] and text_of(m.content[0])
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
     assert m.usage.output_tokens == 12
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 5
+    assert prompt_tokens(m.usage) > 5
 
 
-def _sse_events(d, body: dict) -> list[tuple[str, dict]]:
+def _sse_events(d: Daemon, body: dict) -> list[tuple[str, dict]]:
     with d.http() as c, c.stream("POST", "/v1/messages", json=body) as r:
         assert r.status_code == 200
-        events, name = [], None
+        events: list[tuple[str, dict]] = []
+        name = ""
         for line in r.iter_lines():
             if line.startswith("event: "):
                 name = line[7:]
             elif line.startswith("data: "):
+                assert name, f"data before any event name: {line}"
                 events.append((name, json.loads(line[6:])))
     return events
 
 
 def test_messages_streaming_event_sequence_and_text(daemon):
-    body = {"model": MODEL, "max_tokens": 16, "messages": HI}
-    events = _sse_events(daemon, {**body, "stream": True})
+    events = _sse_events(daemon, {"model": MODEL, "max_tokens": 16, "messages": HI,
+                                  "stream": True})
     names = [n for n, _ in events if n != "ping"]
     assert names[:2] == ["message_start", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -63,13 +71,14 @@ def test_messages_streaming_event_sequence_and_text(daemon):
     final = next(e for n, e in events if n == "message_delta")
     assert final["delta"]["stop_reason"] == "max_tokens"
     assert final["usage"]["output_tokens"] == 16
-    whole = claude(daemon).messages.create(**body)  # greedy: the same text either way
-    assert "".join(d["text"] for d in deltas) == whole.content[0].text
+    # greedy: the same text either way
+    whole = claude(daemon).messages.create(model=MODEL, max_tokens=16, messages=HI)
+    assert "".join(d["text"] for d in deltas) == text_of(whole.content[0])
     # and through the official client's stream helper
-    with claude(daemon).messages.stream(**body) as s:
+    with claude(daemon).messages.stream(model=MODEL, max_tokens=16, messages=HI) as s:
         text = "".join(s.text_stream)
         assert s.get_final_message().usage.output_tokens == 16
-    assert text == whole.content[0].text
+    assert text == text_of(whole.content[0])
 
 
 def test_messages_system_blocks_and_cache_read(daemon):
@@ -83,22 +92,23 @@ def test_messages_system_blocks_and_cache_read(daemon):
     no_system = c.messages.count_tokens(model=MODEL,
                                         messages=[{"role": "user", "content": "Hello there"}])
     assert as_blocks.input_tokens == as_strings.input_tokens > no_system.input_tokens
-    long = [{"role": "user", "content": "Tell me about lighthouses and the sea. " * 3}]
+    long: list[MessageParam] = [
+        {"role": "user", "content": "Tell me about lighthouses and the sea. " * 3}]
     first = c.messages.create(model=MODEL, max_tokens=4, messages=long)
     again = c.messages.create(model=MODEL, max_tokens=4, messages=long)
     total = c.messages.count_tokens(model=MODEL, messages=long).input_tokens
-    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == total
-    assert again.usage.cache_read_input_tokens > 0  # the prefix came from the KV cache
-    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
+    assert prompt_tokens(first.usage) == total
+    assert prompt_tokens(again.usage) == total
+    assert again.usage.cache_read_input_tokens  # the prefix came from the KV cache
 
 
 def test_messages_stop_sequences(daemon):
     c = claude(daemon)
-    text = c.messages.create(model=MODEL, max_tokens=24, messages=HI).content[0].text
+    text = text_of(c.messages.create(model=MODEL, max_tokens=24, messages=HI).content[0])
     stop = next(ch for ch in text[1:] if ch.isalnum())
     m = c.messages.create(model=MODEL, max_tokens=24, messages=HI, stop_sequences=[stop, "@@@@"])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
-    assert m.content[0].text == text[:text.index(stop)]
+    assert text_of(m.content[0]) == text[:text.index(stop)]
 
 
 @pytest.mark.parametrize("body, status, fragment", [
@@ -143,12 +153,14 @@ def test_ollama_chat_streaming_equals_non_streaming(daemon):
     c = olla(daemon)
     whole = c.chat(model=MODEL, messages=HI, options={"num_predict": 10}, stream=False)
     assert whole.done and whole.done_reason == "length" and whole.eval_count == 10
-    assert whole.prompt_eval_count > 5 and whole.message.role == "assistant"
+    assert whole.prompt_eval_count is not None and whole.prompt_eval_count > 5
+    assert whole.message.role == "assistant"
     parts = list(c.chat(model=MODEL + ":latest", messages=HI, options={"num_predict": 10},
                         stream=True))
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
     assert parts[-1].eval_count == 10 and parts[-1].done_reason == "length"
-    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert all(p.message.content is not None for p in parts)
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
 
 
 def test_ollama_generate_options_and_raw(daemon):
@@ -159,12 +171,14 @@ def test_ollama_generate_options_and_raw(daemon):
         "num_predict": 12, "temperature": 0.8, "seed": 7})
     assert a.response == b.response and a.eval_count == 12  # seeded sampling repeats
     text = c.generate(model=MODEL, prompt="Once upon a time", options={"num_predict": 24}).response
+    assert text is not None
     stop = next(ch for ch in text[1:] if ch.isalnum())
     cut = c.generate(model=MODEL, prompt="Once upon a time",
                      options={"num_predict": 24, "stop": [stop]})
     assert cut.response == text[:text.index(stop)] and cut.done_reason == "stop"
     raw = c.generate(model=MODEL, prompt="Once upon a time", raw=True, options={"num_predict": 3})
     assert raw.done and raw.eval_count == 3
+    assert raw.prompt_eval_count is not None and a.prompt_eval_count is not None
     assert raw.prompt_eval_count < a.prompt_eval_count  # no chat template around it
     loaded = c.generate(model=MODEL, prompt="")
     assert loaded.done and loaded.done_reason == "load"
@@ -174,10 +188,13 @@ def test_ollama_tags_show_ps_version(daemon, tiny_model):
     c = olla(daemon)
     names = [m.model for m in c.list().models]
     assert names == [MODEL]
-    assert c.list().models[0].size > 0 and c.list().models[0].details.family == "llama"
+    listed = c.list().models[0]
+    assert listed.size is not None and listed.size > 0
+    assert listed.details is not None and listed.details.family == "llama"
     shown = c.show(MODEL)
-    assert "im_start" in shown.template and shown.details.format == "mlx"
-    assert shown.modelinfo["general.context_length"] == 256
+    assert shown.template is not None and "im_start" in shown.template
+    assert shown.details is not None and shown.details.format == "mlx"
+    assert shown.modelinfo is not None and shown.modelinfo["general.context_length"] == 256
     assert [m.model for m in c.ps().models] == [MODEL]
     with daemon.http() as h:
         assert h.get("/api/version").json()["version"]
@@ -227,22 +244,24 @@ def thinker(tmp_path_factory):
 
 
 def test_reasoning_goes_apart_from_the_answer(thinker):
-    import openai
     o = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0)
-    r = o.chat.completions.create(model="thinker", messages=HI, max_tokens=12)
+    r = o.chat.completions.create(model="thinker", max_tokens=12,
+                                  messages=[{"role": "user", "content": QUESTION}])
     msg = r.choices[0].message
-    assert msg.reasoning_content and msg.content == ""  # never closed </think>: all thinking
-    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
-                       for c in o.chat.completions.create(model="thinker", messages=HI,
-                                                          max_tokens=12, stream=True)
+    reasoning = reasoning_of(msg)
+    assert reasoning and msg.content == ""  # never closed </think>: all thinking
+    streamed = "".join(reasoning_of(c.choices[0].delta) or ""
+                       for c in o.chat.completions.create(
+                           model="thinker", max_tokens=12, stream=True,
+                           messages=[{"role": "user", "content": QUESTION}])
                        if c.choices)
-    assert streamed == msg.reasoning_content
+    assert streamed == reasoning
     m = claude(thinker).messages.create(model="thinker", max_tokens=12, messages=HI)
     assert [b.type for b in m.content] == ["thinking", "text"]
-    assert m.content[0].thinking == msg.reasoning_content
+    assert thinking_of(m.content[0]) == reasoning
     with claude(thinker).messages.stream(model="thinker", max_tokens=12, messages=HI) as s:
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"]
-    assert final.content[0].thinking == msg.reasoning_content
+    assert thinking_of(final.content[0]) == reasoning
     chat = olla(thinker).chat(model="thinker", messages=HI, options={"num_predict": 12})
-    assert chat.message.thinking == msg.reasoning_content and chat.message.content == ""
+    assert chat.message.thinking == reasoning and chat.message.content == ""

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import start_daemon, stop_and_check
+from support.harness import Daemon
 
 H = b"Host: 127.0.0.1\r\n"
 BODY = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
@@ -25,7 +26,7 @@ def d(tiny_model):
     stop_and_check(daemon)
 
 
-def connect(d, transport: str, timeout: float = 5.0) -> socket.socket:
+def connect(d: Daemon, transport: str, timeout: float = 5.0) -> socket.socket:
     if transport == "tcp":
         s = socket.create_connection(("127.0.0.1", d.port), timeout=timeout)
     else:
@@ -35,7 +36,8 @@ def connect(d, transport: str, timeout: float = 5.0) -> socket.socket:
     return s
 
 
-def exchange(d, transport: str, data: bytes, wait: float = 3.0, responses: int = 1) -> bytes:
+def exchange(d: Daemon, transport: str, data: bytes, wait: float = 3.0,
+             responses: int = 1) -> bytes:
     """Send `data`; return what came back once `responses` whole final responses arrived, the
     server closed, or `wait` seconds passed (then the client gives up and closes)."""
     s = connect(d, transport, wait)
@@ -47,7 +49,7 @@ def exchange(d, transport: str, data: bytes, wait: float = 3.0, responses: int =
             if not chunk:
                 break
             out += chunk
-    except (socket.timeout, ConnectionResetError, BrokenPipeError):
+    except (TimeoutError, ConnectionResetError, BrokenPipeError):
         pass
     finally:
         s.close()
@@ -74,7 +76,7 @@ def statuses(raw: bytes) -> list[int]:
     return [int(m.group(1)) for m in STATUS.finditer(raw)]
 
 
-def assert_serving(d, transport: str) -> None:
+def assert_serving(d: Daemon, transport: str) -> None:
     raw = exchange(d, transport, CHAT + b"Connection: close\r\nContent-Length: %d\r\n\r\n"
                    % len(BODY) + BODY, wait=30)
     assert statuses(raw) == [200], raw[:500]

@@ -8,6 +8,7 @@ Repeatable in CI (derandomized); MLXD_FUZZ_EXAMPLES sets the requests per daemon
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import httpx2 as httpx
 import pytest
@@ -15,11 +16,21 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from conftest import start_daemon, stop_and_check
 from support.fuzz_requests import FuzzRequest, endpoints, problems
+from support.harness import Daemon
 
 EXAMPLES = int(os.environ.get("MLXD_FUZZ_EXAMPLES", "260"))
 ENDPOINTS = sorted(endpoints("tiny"))
 PER_ENDPOINT = max(1, -(-EXAMPLES // len(ENDPOINTS)))
 HANG_S = 30.0  # a response slower than this is a hang (the slowest valid request takes < 1 s)
+
+
+@dataclass
+class Target:
+    """A daemon under fuzzing, a client on each of its transports, and its stats before."""
+    daemon: Daemon
+    tcp: httpx.Client
+    unix: httpx.Client
+    before: dict
 
 
 @pytest.fixture(scope="module", params=["inprocess", "isolate"])
@@ -29,18 +40,16 @@ def target(request, tiny_model):
     before = d.stats()
     tcp, unix = d.http(timeout=HANG_S), d.unix_http()
     unix.timeout = httpx.Timeout(HANG_S)
-    d.clients = {"tcp": tcp, "unix": unix}
-    d.before = before
     try:
-        yield d
+        yield Target(d, tcp, unix, before)
     finally:
         tcp.close()
         unix.close()
         stop_and_check(d)
 
 
-def send(d, req: FuzzRequest) -> list[str]:
-    client = d.clients["unix" if req.unix else "tcp"]
+def send(t: Target, req: FuzzRequest) -> list[str]:
+    client = t.unix if req.unix else t.tcp
     try:
         r = client.request(req.method, req.path, headers=req.headers, content=req.body)
     except httpx.TimeoutException:
@@ -68,11 +77,11 @@ def test_fuzz(target, endpoint):
 
 def test_engine_unharmed_after_fuzzing(target):
     """Runs after the fuzz cases of its module (pytest keeps file order within a fixture)."""
-    with target.http() as c:
+    with target.daemon.http() as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                   "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
-    after = target.stats()
+    after = target.daemon.stats()
     eng, eng0 = after["engines"][0], target.before["engines"][0]
     assert eng["state"] == "ready" and eng["epoch"] == eng0["epoch"] and eng["pid"] == eng0["pid"]
     assert after["proxy"]["pid"] == target.before["proxy"]["pid"]  # the proxy never restarted

@@ -7,11 +7,15 @@ import math
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+from support.harness import Daemon
+
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}]
 
 
-def client(d) -> openai.OpenAI:
+def client(d: Daemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -35,6 +39,7 @@ def test_chat_non_streaming_over_tcp(daemon):
     assert r.object == "chat.completion"
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.usage is not None
     assert r.usage.completion_tokens == 12
     assert r.usage.prompt_tokens > 5
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
@@ -59,9 +64,11 @@ def test_streaming_matches_non_streaming(daemon):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == full.choices[0].message.content
-    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    finishes = [ch.choices[0].finish_reason for ch in chunks
+                if ch.choices and ch.choices[0].finish_reason]
     assert finishes == ["length"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens == 16
 
 
 def test_unix_socket_serves_the_same_api(daemon):
@@ -73,7 +80,7 @@ def test_unix_socket_serves_the_same_api(daemon):
     c = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http,
                       max_retries=0)
     r = c.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=5)
-    assert r.usage.completion_tokens == 5
+    assert r.usage is not None and r.usage.completion_tokens == 5
     s = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model="tiny-llama", messages=CHAT, max_tokens=5, stream=True) if ch.choices)
     assert s == r.choices[0].message.content
@@ -98,11 +105,16 @@ def test_completions_endpoint_and_stop_strings(daemon):
 
 def test_seeded_sampling_is_reproducible(daemon):
     c = client(daemon)
-    kw = dict(model="tiny-llama", messages=CHAT, max_tokens=16, temperature=0.9, seed=1234)
-    a = c.chat.completions.create(**kw).choices[0].message.content
-    b = c.chat.completions.create(**kw).choices[0].message.content
-    other = c.chat.completions.create(**{**kw, "seed": 99}).choices[0].message.content
-    greedy = c.chat.completions.create(**{**kw, "temperature": 0}).choices[0].message.content
+
+    def sampled(seed: int = 1234, temperature: float = 0.9) -> str | None:
+        return c.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=16,
+                                         temperature=temperature, seed=seed
+                                         ).choices[0].message.content
+
+    a = sampled()
+    b = sampled()
+    other = sampled(seed=99)
+    greedy = sampled(temperature=0)
     assert a == b
     assert other != a or greedy != a
 
@@ -147,7 +159,7 @@ def test_cancelled_stream_frees_its_row(daemon):
     gen = daemon.stats()["engines"][0]["generated_tokens_total"]
     # and the engine still serves
     r = client(daemon).chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4)
-    assert r.usage.completion_tokens == 4
+    assert r.usage is not None and r.usage.completion_tokens == 4
     assert daemon.stats()["engines"][0]["generated_tokens_total"] < gen + 100
 
 
@@ -155,8 +167,9 @@ def test_logprobs_chat_and_completions(daemon):
     c = client(daemon)
     r = c.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=8,
                                   logprobs=True, top_logprobs=3)
+    assert r.choices[0].logprobs is not None and r.usage is not None
     entries = r.choices[0].logprobs.content
-    assert len(entries) == r.usage.completion_tokens == 8
+    assert entries is not None and len(entries) == r.usage.completion_tokens == 8
     for e in entries:
         tops = e.top_logprobs
         assert len(tops) == 3 and [t.logprob for t in tops] == sorted(
@@ -167,13 +180,15 @@ def test_logprobs_chat_and_completions(daemon):
     streamed = [e for ch in c.chat.completions.create(
         model="tiny-llama", messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=3,
         stream=True) if ch.choices and ch.choices[0].logprobs
-        for e in ch.choices[0].logprobs.content]
+        for e in ch.choices[0].logprobs.content or []]
     assert [e.token for e in streamed] == [e.token for e in entries]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries])
     plain = c.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4)
     assert plain.choices[0].logprobs is None
     comp = c.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=5, logprobs=2)
     lp = comp.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.text_offset
+    assert lp.top_logprobs is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
 

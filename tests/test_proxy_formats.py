@@ -20,20 +20,32 @@ import httpx2 as httpx
 import ollama
 import openai
 import pytest
+from anthropic.types import MessageParam, ToolParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from mlxd.daemon.launch import popen
 from mlxd.protocol.models import engine_id_for
 from mlxd.protocol.settings import EngineSettings, ProxyLaunch, ProxySettings
+from support.sdk import (
+    function_calls,
+    reasoning_of,
+    streamed_call,
+    text_of,
+    thinking_of,
+    tool_use_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = json.dumps({"location": "Paris", "unit": "celsius"})
 SCRIPT = [{"reasoning": "The user wants weather. "}, {"reasoning": "Call the tool."},
           {"text": "Let me check."},
           {"tool_calls": [{"name": "get_weather", "arguments": ARGS}]}, {}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"location": {"type": "string"},
-                                     "unit": {"type": "string"}}}}}]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER: dict[str, object] = {"type": "object", "properties": {"location": {"type": "string"},
+                                                             "unit": {"type": "string"}}}
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Paris?"}]
+ASK_ANTHROPIC: list[MessageParam] = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -82,33 +94,35 @@ def test_openai_tool_calls_and_reasoning(proxy):
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls"
     assert msg.content == "Let me check."
-    assert msg.reasoning_content == "The user wants weather. Call the tool."
-    (call,) = msg.tool_calls
+    assert reasoning_of(msg) == "The user wants weather. Call the tool."
+    (call,) = function_calls(msg)
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == \
         json.loads(ARGS)
     chunks = list(c.chat.completions.create(model="fake", messages=ASK, tools=TOOLS,
                                             stream=True))
     calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
-    assert calls[0].function.arguments == ARGS
+    assert len(calls) == 1 and calls[0].index == 0
+    call_id, _, arguments = streamed_call(calls[0])
+    assert call_id.startswith("call_") and arguments == ARGS
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
-                        for ch in chunks if ch.choices)
-    assert reasoning == msg.reasoning_content
+    reasoning = "".join(reasoning_of(ch.choices[0].delta) or "" for ch in chunks if ch.choices)
+    assert reasoning == reasoning_of(msg)
 
 
 def test_anthropic_tool_use_and_thinking(proxy):
     c = anthropic.Anthropic(base_url=proxy, api_key="unused", max_retries=0)
-    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
-    m = c.messages.create(model="fake", max_tokens=50, messages=ASK, tools=tools)
+    tools: list[ToolParam] = [{"name": "get_weather", "input_schema": WEATHER}]
+    m = c.messages.create(model="fake", max_tokens=50, messages=ASK_ANTHROPIC, tools=tools)
     assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
-    assert m.stop_reason == "tool_use" and m.content[2].input == json.loads(ARGS)
-    with c.messages.stream(model="fake", max_tokens=50, messages=ASK, tools=tools) as s:
+    assert m.stop_reason == "tool_use" and tool_use_of(m.content[2]).input == json.loads(ARGS)
+    with c.messages.stream(model="fake", max_tokens=50, messages=ASK_ANTHROPIC,
+                           tools=tools) as s:
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
-    assert final.content[0].thinking == "The user wants weather. Call the tool."
-    assert final.content[1].text == "Let me check."
-    assert final.content[2].name == "get_weather" and final.content[2].input == json.loads(ARGS)
+    assert thinking_of(final.content[0]) == "The user wants weather. Call the tool."
+    assert text_of(final.content[1]) == "Let me check."
+    use = tool_use_of(final.content[2])
+    assert use.name == "get_weather" and use.input == json.loads(ARGS)
     assert final.stop_reason == "tool_use"
 
 
@@ -117,7 +131,7 @@ def test_ollama_tool_calls_and_thinking(proxy):
     r = c.chat(model="fake", messages=ASK, tools=TOOLS)
     assert r.message.thinking == "The user wants weather. Call the tool."
     assert r.message.content == "Let me check."
-    (call,) = r.message.tool_calls
+    (call,) = r.message.tool_calls or []
     assert call.function.name == "get_weather" and dict(call.function.arguments) == \
         json.loads(ARGS)
     parts = list(c.chat(model="fake", messages=ASK, tools=TOOLS, stream=True))
