@@ -36,10 +36,10 @@ CHAT = [{"role": "user", "content": "Tell me a long story about the sea."}]
 
 
 def stamp(line: str) -> float | None:
-    m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line)
+    m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d{3})", line)
     if not m:
         return None
-    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return datetime.strptime(m.group(1).replace(",", "."), "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
 
 class Daemon:

@@ -101,7 +101,7 @@ class SoakDaemon:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log.write(line)
-            if "mlxd: model" in line and " ready" in line:
+            if " ready in " in line:  # an engine: "model X ready in T s (...)"
                 self._ready.set()
         self.log.flush()
 

@@ -1,5 +1,6 @@
-"""`mlxd status | models | flush | stop`: talk to the running daemon over its Unix socket
-(no API key needed there: the socket's 0600 mode is the credential)."""
+"""`mlxd status | models | flush | stop | socket`, and the HTTP under `mlxd chat | run`: talk
+to the running daemon over its Unix socket (no API key needed there: the socket's 0600 mode is
+the credential)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,28 @@ import http.client
 import json
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+STREAM_READ_TIMEOUT = 900.0  # seconds without a byte from a streaming answer: given up
+
 
 class DaemonUnreachable(Exception):
     pass
+
+
+class ApiError(Exception):
+    """The daemon answered with an error: a status before the answer, or an in-band error
+    event during it (status 200 then)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -49,6 +64,67 @@ def call(sock_path: Path, method: str, path: str, body: dict | None = None,
         return resp.status, raw.decode(errors="replace")
 
 
+@dataclass
+class StreamEnd:
+    finish_reason: str | None
+    text: str  # the whole answer
+
+
+def stream_chat(sock_path: Path, body: dict, on_text: Callable[[str, str], None]) -> StreamEnd:
+    """POST /v1/chat/completions with `stream: true`; `on_text(content, reasoning)` hears each
+    piece as it comes. Raises ApiError, DaemonUnreachable; a KeyboardInterrupt closes the
+    connection, which makes the daemon stop generating."""
+    conn = _UnixConnection(sock_path, STREAM_READ_TIMEOUT)
+    try:
+        try:
+            conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise DaemonUnreachable(f"no mlxd answers on {sock_path} ({e.strerror})") from None
+        except OSError as e:
+            raise DaemonUnreachable(f"mlxd on {sock_path}: {e}") from None
+        if resp.status != 200:
+            raise _api_error(resp.status, resp.read())
+        return _read_stream(resp, on_text)
+    finally:
+        conn.close()
+
+
+def _api_error(status: int, raw: bytes) -> ApiError:
+    try:
+        err = json.loads(raw).get("error") or {}
+        return ApiError(status, str(err.get("message") or raw[:500]), err.get("code"))
+    except (ValueError, AttributeError):
+        return ApiError(status, raw[:500].decode(errors="replace"))
+
+
+def _read_stream(resp: http.client.HTTPResponse,
+                 on_text: Callable[[str, str], None]) -> StreamEnd:
+    finish, text = None, []
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            err = chunk["error"] or {}
+            raise ApiError(200, str(err.get("message")), err.get("code"))
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content, reasoning = delta.get("content") or "", delta.get("reasoning_content") or ""
+            if content or reasoning:
+                text.append(content)
+                on_text(content, reasoning)
+            finish = choice.get("finish_reason") or finish
+    return StreamEnd(finish, "".join(text))
+
+
 def _size(n: float | int | str | None) -> str:
     if not isinstance(n, (int, float)):
         return "-"
@@ -71,11 +147,23 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def format_status(stats: dict) -> str:
+def engine_state(engine: dict) -> str:
+    """An engine's state, with how far a loading one has come."""
+    progress = engine.get("load_progress")
+    if engine.get("state") != "loading" or not progress:
+        return str(engine.get("state"))
+    task, done, total, unit = progress
+    pct = f"{100 * done // total}%, " if total else ""
+    return f"loading ({task}: {pct}{done}/{total} {unit})"
+
+
+def format_status(stats: dict, sock: Path | None = None) -> str:
     p = stats["proxy"]
     out = [f"mlxd: up {_duration(p['uptime_s'])}, proxy pid {p['pid']}, "
            f"{p['in_flight']} request(s) in flight"
            + (", DRAINING" if p.get("draining") else "")]
+    if sock is not None:
+        out.append(f"socket: {sock}")
     if stats.get("children"):
         rows = [[c["role"], c["child_id"], c["state"], str(c["pid"] or "-"), str(c["epoch"]),
                  str(c["restarts"]), c.get("last_exit") or "-"] for c in stats["children"]]
@@ -84,7 +172,7 @@ def format_status(stats: dict) -> str:
     rows = []
     for e in stats["engines"]:
         c = e.get("cache") or {}
-        rows.append([e["model"], e["state"], str(e["active_requests"]),
+        rows.append([e["model"], engine_state(e), str(e["active_requests"]),
                      str(e["generated_tokens_total"]),
                      f"{_size(c.get('ram_bytes'))} ({c.get('ram_hits', 0)} hits)",
                      f"{_size(c.get('ssd_bytes'))} ({c.get('ssd_hits', 0)} hits)"

@@ -136,6 +136,7 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> R
 
     for s in SETTINGS:
         values[s.key] = validate(s, values[s.key], sources[s.key])
+    _read_api_key_file(values, sources)
     _check_together(values, sources)
     return Resolved(_build(values), sources, path)
 
@@ -157,6 +158,27 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     return data
+
+
+def _read_api_key_file(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """The key from `api_key_file`, which must be the user's alone (like an ssh key)."""
+    if values["api_key_file"] is None:
+        return
+    where = sources["api_key_file"]
+    if values["api_key"] is not None:
+        raise ConfigError(f"api_key_file ({where}): an API key is also given "
+                          f"({sources['api_key']}); give one or the other")
+    path = Path(values["api_key_file"]).expanduser()
+    try:
+        mode = path.stat().st_mode
+        key = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"api_key_file ({where}): {path}: {e.strerror}") from None
+    if mode & 0o077:
+        raise ConfigError(f"api_key_file ({where}): {path} can be read by others (mode "
+                          f"{mode & 0o777:o}); chmod 600 it")
+    values["api_key"] = key
+    sources["api_key"] = f"file {path}"
 
 
 def _check_together(values: dict[str, Any], sources: dict[str, str]) -> None:

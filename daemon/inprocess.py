@@ -4,9 +4,9 @@ same engine code runs on a thread, behind the same protocol over inproc:// endpo
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable
 
@@ -25,9 +25,11 @@ from mlxd.protocol.models import model_id
 from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.server import run_proxy
 
+log = logging.getLogger("mlxd.daemon")
+
 
 def run_inprocess(cfg: ServeConfig) -> int:
-    setup_logging(cfg.daemon.log_level, "mlxd")
+    console = setup_logging(cfg.daemon.log_level, "mlxd", cfg.daemon.log_format)
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     shm.remove_leftovers(cfg.run_dir)
@@ -40,7 +42,10 @@ def run_inprocess(cfg: ServeConfig) -> int:
     finally:
         shm.remove_leftovers(cfg.run_dir)
         lock.release()
-    print(f"mlxd: {reason}" if reason else "mlxd: stopped", file=sys.stderr, flush=True)
+    if reason:
+        console.verdict("mlxd", reason)
+    else:
+        log.info("stopped")
     return code
 
 
@@ -66,7 +71,7 @@ async def _serve(cfg: ServeConfig) -> int:
     def on_signal() -> None:
         signals["n"] += 1
         if signals["n"] > 1:
-            print("mlxd: second signal: exiting now", file=sys.stderr, flush=True)
+            log.warning("second signal: exiting now")
             os._exit(1)
         stop.set()
 
@@ -76,11 +81,9 @@ async def _serve(cfg: ServeConfig) -> int:
     engines: list[tuple[EngineService, threading.Thread]] = []
 
     def announce(spec: str, state: str, error: str | None) -> None:
+        """To systemd; the engine has logged the change itself."""
         if state == "ready":
-            print(f"mlxd: model {model_id(spec)} ready (in-process)", file=sys.stderr, flush=True)
             notifier.notify(STATUS=f"serving {model_id(spec)}")
-        elif state == "failed":
-            print(f"mlxd: model {model_id(spec)} failed: {error}", file=sys.stderr, flush=True)
 
     def announcer(spec: str) -> Callable[[str, str | None], None]:
         """An engine thread's state changes, announced from the event loop."""
@@ -89,7 +92,6 @@ async def _serve(cfg: ServeConfig) -> int:
         return on_state
 
     def start_engines(where: str) -> None:
-        print(f"mlxd: listening on {where}", file=sys.stderr, flush=True)
         notifier.notify(READY=1, STATUS=f"listening on {where}")
         for eid, spec in cfg.engines().items():
             service = EngineService(
@@ -150,8 +152,7 @@ class StorageWorkerProcess:
             return
         verdict, delay = self.policy.after_exit(code, time.monotonic())
         if verdict == "failed":
-            print("mlxd: the storage worker keeps crashing; the SSD tier is off",
-                  file=sys.stderr, flush=True)
+            log.error("the storage worker keeps crashing; the SSD tier is off")
             return
         await asyncio.sleep(delay)  # the restart backoff
         if not self.stopping:

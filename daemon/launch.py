@@ -29,12 +29,13 @@ def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int) -> En
         engine_id=engine_id, epoch=epoch, model=spec, run_dir=str(cfg.run_dir),
         cache_dir=str(cfg.cache_dir),
         ssd_root=None if cfg.ssd_cache is None else str(cfg.ssd_cache),
-        log_level=cfg.daemon.log_level, settings=cfg.engine)
+        log_level=cfg.daemon.log_level, log_format=cfg.daemon.log_format, settings=cfg.engine)
 
 
 def proxy_launch(cfg: ServeConfig, epoch: int) -> ProxyLaunch:
     return ProxyLaunch(
         epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
+        log_format=cfg.daemon.log_format,
         socket=None if cfg.socket is None else str(cfg.socket), engines=cfg.engines(),
         settings=cfg.proxy, engine=cfg.engine)
 
@@ -43,7 +44,8 @@ def storage_launch(cfg: ServeConfig, epoch: int, supervised: bool) -> StorageLau
     assert cfg.ssd_cache is not None, "no storage worker without an SSD tier"
     return StorageLaunch(
         epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
-        root=str(cfg.ssd_cache), supervised=supervised, settings=cfg.storage)
+        log_format=cfg.daemon.log_format, root=str(cfg.ssd_cache), supervised=supervised,
+        settings=cfg.storage)
 
 
 async def write_launch(proc: asyncio.subprocess.Process, data: bytes) -> None:

@@ -1,5 +1,10 @@
 """`mlxd service install | uninstall | status`: the launchd user agent (macOS) or the systemd
-user unit (Linux), filled in from the templates in deploy/."""
+user unit (Linux), filled in from the templates in deploy/.
+
+An API key given to `install` (`--api-key K` or MLXD_API_KEY) never goes into the service file
+or onto the service's command line, where every user could read it (`ps`, the unit): it is
+written to a file of mode 0600 beside the config file, and the service gets
+`--api-key-file PATH`."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
+
+import platformdirs
 
 LABEL = "dev.mlxd"
 UNIT = "mlxd.service"
@@ -27,6 +34,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     optional: set[int] = field(default_factory=set)  # indexes of commands allowed to fail
     after_removal: list[list[str]] = field(default_factory=list)
+    secret: tuple[Path, str] | None = None  # (file, API key): written first, mode 0600
 
 
 def current_platform() -> str:
@@ -40,6 +48,31 @@ def serve_command(serve_args: list[str]) -> list[str]:
     if "--isolate" not in args and "--no-isolate" not in args:
         args.insert(0, "--isolate")
     return [sys.executable, "-m", "mlxd", "serve", *args]
+
+
+def api_key_path() -> Path:
+    """Where `install` keeps the service's API key: beside the user's config file."""
+    return Path(platformdirs.user_config_dir("mlxd")) / "api_key"
+
+
+def without_api_key(serve_args: list[str], key: str,
+                    key_file: Path) -> tuple[list[str], tuple[Path, str]]:
+    """The serve flags with `--api-key K` replaced by `--api-key-file FILE`, and the secret
+    to write there. Raises ValueError if the key would still be on the command line."""
+    args: list[str] = []
+    skip = False
+    for a in serve_args:
+        if skip:
+            skip = False
+        elif a == "--api-key":
+            skip = True
+        elif not a.startswith("--api-key="):
+            args.append(a)
+    args += ["--api-key-file", str(key_file)]
+    if any(key in a for a in args):
+        raise ValueError("give the API key as `--api-key KEY` or in MLXD_API_KEY, so that it "
+                         "can be kept off the service's command line")
+    return args, (key_file, key)
 
 
 def exit_timeout(shutdown_timeout: float) -> int:
@@ -119,6 +152,8 @@ def status_command(platform: str) -> list[str]:
 
 def describe(plan: Plan, action: str) -> str:
     lines = []
+    if plan.secret is not None:
+        lines += [f"# mlxd service {action}: write {plan.secret[0]} (mode 0600): the API key"]
     if plan.content is not None:
         lines += [f"# mlxd service {action}: write {plan.path}", plan.content.rstrip("\n")]
     else:
@@ -131,7 +166,24 @@ def describe(plan: Plan, action: str) -> str:
     return "\n".join(lines)
 
 
+def write_secret(path: Path, secret: str) -> None:
+    """`secret` in `path`, mode 0600 from its creation on, replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (secret + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 def execute(plan: Plan) -> int:
+    if plan.secret is not None:
+        write_secret(*plan.secret)
+        print(f"mlxd: wrote the API key to {plan.secret[0]} (mode 0600)")
     if plan.content is not None:
         plan.path.parent.mkdir(parents=True, exist_ok=True)
         if plan.platform == "macos":

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -33,7 +32,7 @@ from mlxd.daemon.stderr_pump import drain
 from mlxd.daemon.watchdog import HangWatchdog, probe_timing
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
-from mlxd.protocol.logs import setup_logging, shorten
+from mlxd.protocol.logs import ChildLines, Console, process_name, render, setup_logging, shorten
 from mlxd.protocol.messages import (
     ChildFailed,
     ChildStates,
@@ -57,8 +56,9 @@ EXIT_WAIT = 5.0  # seconds to reap a SIGKILLed child before giving up on it
 
 
 class Supervisor:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, console: Console) -> None:
         self.cfg = cfg
+        self.console = console  # our stderr: our own records and every child's lines
         self.eps = Endpoints.ipc(cfg.run_dir)
         self.children: dict[str, Child] = {}
         self.stopping = False
@@ -120,7 +120,7 @@ class Supervisor:
             proxy = self.children.get("proxy")
             reason = proxy.reason if proxy is not None and proxy.reason else \
                 f"the proxy could not start ({proxy.last_exit if proxy else 'never ran'})"
-            print(f"mlxd: {reason}", file=sys.stderr, flush=True)
+            self.console.verdict("supervisor", reason)
         return self.exit_code
 
     def _spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -176,9 +176,12 @@ class Supervisor:
             os.close(write_fd)
         await write_launch(child.proc, self._launch(child))
         self.watchdog.forget(child.child_id)
-        log.info("started %s %s (pid %d, epoch %d)", child.role, child.child_id,
+        log.info("started %s (pid %d, epoch %d)", child.role if child.role == child.child_id
+                 else f"{child.role} {child.child_id} for {model_id(child.model)}",
                  child.proc.pid, child.epoch)
-        self._spawn_task(drain(read_fd, lambda line: self._child_line(child, line),
+        lines = ChildLines(process_name(child.role, child.epoch, model_id(child.model)),
+                           child.proc.pid)
+        self._spawn_task(drain(read_fd, lambda line: self._child_line(child, lines, line),
                                f"{child.role} {child.child_id}#{child.epoch}"))
         self._spawn_task(self._watch(child, child.proc))
         self._broadcast()
@@ -192,12 +195,14 @@ class Supervisor:
             env["MLXD_API_KEY"] = self.cfg.daemon.api_key
         return env
 
-    @staticmethod
-    def _child_line(child: Child, line: str) -> None:
-        """Children's log lines go to our stderr; the last error line is kept for /stats."""
-        if is_error_line(line):
-            child.last_error = line[-300:]
-        sys.stderr.write(line + "\n")
+    def _child_line(self, child: Child, lines: ChildLines, line: str) -> None:
+        """Children's lines go to our stderr, in the daemon's format, each naming its child;
+        the last error line is kept for /stats."""
+        error = is_error_line(line)
+        rec = lines.record(line, error)
+        if error or rec.level in ("ERROR", "CRITICAL"):
+            child.last_error = render(rec, "text")[-300:]
+        self.console.write(rec)
 
     async def _watch(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
@@ -344,24 +349,17 @@ class Supervisor:
                                     probed=child.role == "proxy" and probes_proxy(self.cfg))
                 self._announce_ready(child, detail)
                 self._broadcast()
-            case ChildFailed(reason=reason):
-                child.reason = shorten(reason, REASON_CAP)
-                if child.role != "proxy":  # the proxy's reason is the daemon's last line
-                    print(f"mlxd: {child.role} {child.child_id} failed: {child.reason}",
-                          file=sys.stderr, flush=True)
+            case ChildFailed(reason=reason):  # the child logged it; the proxy's reason is
+                child.reason = shorten(reason, REASON_CAP)  # the daemon's last line
             case Hello() if child.role == "proxy":
                 self._broadcast()
 
     def _announce_ready(self, child: Child, detail: str) -> None:
+        """To systemd. The child has logged its own readiness (one line per event)."""
         if child.role == "proxy":
             self._pin_port()
-            print(f"mlxd: listening on {detail}", file=sys.stderr, flush=True)
             self.notifier.notify(READY=1, STATUS=f"listening on {detail}")
-        elif child.role == "storage":
-            print(f"mlxd: SSD KV cache at {detail}", file=sys.stderr, flush=True)
-        else:
-            print(f"mlxd: model {model_id(child.model)} ready (engine {child.child_id}, pid "
-                  f"{child.proc.pid if child.proc else '?'})", file=sys.stderr, flush=True)
+        elif child.role == "engine":
             ready = [model_id(c.model) for c in self.children.values()
                      if c.role == "engine" and c.state == "ready"]
             self.notifier.notify(STATUS="serving " + ", ".join(ready))
@@ -454,16 +452,16 @@ class Supervisor:
 
 
 def run_supervisor(cfg: ServeConfig) -> int:
-    setup_logging(cfg.daemon.log_level, "supervisor")
+    console = setup_logging(cfg.daemon.log_level, "supervisor", cfg.daemon.log_format)
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     private_dirs(cfg)
     try:
-        code = asyncio.run(Supervisor(cfg).run())
+        code = asyncio.run(Supervisor(cfg, console).run())
     finally:
         lock.release()
     if code == exit_codes.OK:
-        print("mlxd: stopped", file=sys.stderr, flush=True)
+        log.info("stopped")
     return code
 
 

@@ -19,7 +19,8 @@ from mlxd.protocol.settings import EngineLaunch
 
 def main() -> int:
     launch = codec.read_launch(EngineLaunch)
-    child_process_setup(launch.log_level, f"engine:{model_id(launch.model)}#{launch.epoch}")
+    child_process_setup(launch.log_level, f"engine:{model_id(launch.model)}#{launch.epoch}",
+                        launch.log_format)
     faults.configure(launch.epoch)
     ctx = zmq.Context()
     service = EngineService(launch, Endpoints.ipc(Path(launch.run_dir)), ctx, supervised=True)

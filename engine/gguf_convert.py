@@ -8,15 +8,20 @@ temporary sibling directory and renamed into place, so an interrupted conversion
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+
+from mlxd.protocol.logs import ProgressLog
+
+log = logging.getLogger("mlxd.engine")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -158,17 +163,20 @@ def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path,
-                 progress: Callable[[str], None] | None = None) -> Path:
-    """Convert `gguf_path` into the MLX model directory `out_dir` (atomically)."""
-    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+                 on_progress: Callable[[str, int, int, str], None] | None = None) -> Path:
+    """Convert `gguf_path` into the MLX model directory `out_dir` (atomically). Progress, one
+    step per tensor and one for writing, goes to the log and to `on_progress`."""
     if (out_dir / "config.json").exists():
         return out_dir
-    say(f"mlxd: converting {gguf_path.name} into an MLX model at {out_dir} (once)...")
+    t0 = time.monotonic()
+    log.info("converting %s into an MLX model at %s (once)", gguf_path.name, out_dir)
     # mx.load's annotation is one union for every format; a GGUF with its metadata is a pair
     weights, meta = cast(tuple[dict[str, mx.array], dict[str, Any]],
                          mx.load(str(gguf_path), return_metadata=True))
     config = _model_config(meta, weights)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    progress = ProgressLog(log, "GGUF to MLX", len(weights) + 1, "steps", on_progress)
+    progress.update(0)
     converted: dict[str, mx.array] = {}
     for name, w in weights.items():
         if ".attn_q." in name:
@@ -176,6 +184,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path,
         elif ".attn_k." in name:
             w = _unpermute_rows(w, kv_heads)
         converted[_hf_name(name)] = w
+        mx.eval(w)
+        progress.update(len(converted))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -198,5 +208,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path,
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    say(f"mlxd: converted {gguf_path.name} ({sum(v.nbytes for v in converted.values()) >> 20} MiB)")
+    progress.update(len(weights) + 1)
+    log.info("converted %s (%d MiB) in %.1f s", gguf_path.name,
+             sum(v.nbytes for v in converted.values()) >> 20, time.monotonic() - t0)
     return out_dir

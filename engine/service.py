@@ -8,12 +8,14 @@ serving process over inproc:// endpoints.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from mlxd.engine import admission
@@ -22,7 +24,14 @@ from mlxd.engine.admission_lanes import AdmissionLanes
 from mlxd.engine.io_thread import Handlers, IoThread
 from mlxd.engine.output_thread import OutputThread
 from mlxd.engine.prefix_cache import RestoredPrefix
-from mlxd.engine.runner import AbortRequest, Call, Runner, StopRunner
+from mlxd.engine.runner import (
+    AbortRequest,
+    Call,
+    RequestsRemoved,
+    Runner,
+    StepTokens,
+    StopRunner,
+)
 from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
 from mlxd.engine.status import engine_status
 from mlxd.protocol import exit_codes, faults
@@ -37,6 +46,7 @@ from mlxd.protocol.messages import (
     FlushCache,
     Generate,
     Ready,
+    SamplingParams,
 )
 from mlxd.protocol.models import model_id
 from mlxd.protocol.settings import EngineLaunch
@@ -44,6 +54,12 @@ from mlxd.protocol.settings import EngineLaunch
 log = logging.getLogger("mlxd.engine")
 
 SHUTDOWN_FLUSH_S = 10.0
+# The warm-up: a greedy and a sampled row (both sampler paths), a chat-template render, a
+# prefill and a few decode steps.
+WARM_UP_TOKENS = 3
+WARM_UP_MESSAGES = [{"role": "user", "content": "Hello! What can you do?"}]
+WARM_UP_SAMPLING = [SamplingParams(max_tokens=WARM_UP_TOKENS),
+                    SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=WARM_UP_TOKENS)]
 
 
 class EngineService:
@@ -56,6 +72,8 @@ class EngineService:
         self.on_state = on_state
         self.state: EngineState = "loading"
         self.error: str | None = None
+        # while loading: (task, done, total, unit) of the long step under way, for the status
+        self.load_progress: tuple[str, int, int, str] | None = None
         self.ch = Channels()
         self.model: LoadedModel | None = None  # set once loaded, read-only after
         self.runner: Runner | None = None
@@ -98,7 +116,7 @@ class EngineService:
         try:
             faults.hit("engine.load")
             model, tokenizer, config = load_model(launch.model, Path(launch.cache_dir),
-                                                  settings.dtype)
+                                                  settings.dtype, self._load_progress)
         except (ModelLoadError, faults.FaultInjected) as e:
             log.error("model failed to load: %s", e)
             self._set_state("failed", str(e))
@@ -106,19 +124,25 @@ class EngineService:
             time.sleep(0.2)  # let the I/O threads deliver the failure before the process exits
             return exit_codes.CONFIG_ERROR
         loaded = _loaded(tokenizer, config)
+        loaded_s = time.monotonic() - t0
+        stream = mx.new_stream(mx.default_device())
+        warm_s = self._warm_up(model, loaded, stream) if settings.warm_up else 0.0
         self.ssd = open_ssd_tier(launch, model, self.ctx, self.eps.storage)
         persist = self.ssd.persist if self.ssd is not None else None
         self.runner = Runner(model, sorted(loaded.eos_ids), batch_size=settings.batch,
                              prefill_step=settings.prefill_step, outbox=self.ch.outq,
-                             stream=mx.new_stream(mx.default_device()),
+                             stream=stream,
                              cache_bytes=int(settings.prompt_cache * 2**30), on_entry=persist,
                              on_evict=(lambda e: None if e.persisted else persist(e))
                              if persist else None,
                              checkpoint_every=settings.generation_checkpoint,
                              on_checkpoint=persist)
         self.model = loaded  # admission lanes take this as the sign of readiness
-        log.info("model %s loaded in %.1f s (context %d)", model_id(launch.model),
-                 time.monotonic() - t0, loaded.context_length)
+        self.load_progress = None
+        log.info("model %s ready in %.1f s (loaded in %.1f s%s; context %d)",
+                 model_id(launch.model), time.monotonic() - t0, loaded_s,
+                 f", warmed up in {warm_s:.1f} s" if settings.warm_up else "",
+                 loaded.context_length)
         self._set_state("ready")
         self.ch.control_out.put(Ready(launch.engine_id, launch.epoch))
         try:
@@ -128,6 +152,27 @@ class EngineService:
             if self.ssd is not None:
                 self.ssd.close()
         return exit_codes.OK
+
+    def _load_progress(self, task: str, done: int, total: int, unit: str) -> None:
+        self.load_progress = (task, done, total, unit)
+        self.ch.outq.put(StatusTick())
+
+    def _warm_up(self, model: Any, loaded: LoadedModel, stream: Any) -> float:
+        """One short generation through the real path before the engine says it is ready:
+        admission (chat template, tokenizer, sampler), the MLX thread's generator (prefill and
+        decode kernels compiled or JIT-built, buffers allocated) and each row's output state
+        (detokenizer, stop strings). It runs in a runner of its own, with no RAM or SSD tier
+        and its own counters, so no cache content and no figure users see is touched; fault
+        points neither fire nor count. A failure is logged: the engine serves anyway."""
+        t0 = time.monotonic()
+        try:
+            with faults.quiet():
+                problem = _warm_up(model, loaded, stream, self.launch.settings)
+        except Exception as e:  # noqa: BLE001  a model that cannot warm up may still serve
+            problem = f"{type(e).__name__}: {e}"
+        if problem is not None:
+            log.warning("warm-up failed (the first request will be slower): %s", problem)
+        return time.monotonic() - t0
 
     # ------------------------------------------------------------------ stop and flush
 
@@ -241,8 +286,11 @@ class EngineService:
 
     def _status(self) -> EngineStatus:
         launch = self.launch
-        return engine_status(launch.engine_id, launch.epoch, launch.model, self.state,
-                             self.error, self.model, self.runner, self.ssd)
+        status = engine_status(launch.engine_id, launch.epoch, launch.model, self.state,
+                               self.error, self.model, self.runner, self.ssd)
+        progress = self.load_progress
+        return status if progress is None else msgspec.structs.replace(
+            status, load_progress=progress)
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)
@@ -250,6 +298,58 @@ class EngineService:
             assert self.model is not None
             text = self._token_texts[token] = self.model.tokenizer.decode([token])
         return text
+
+
+class _WarmUpOutbox(queue.Queue):
+    """The warm-up runner's outbox: each row's tokens go through its output state, as the
+    output thread would send them; once every row is done the runner is told to stop."""
+
+    def __init__(self, outputs: dict[str, Any]) -> None:
+        super().__init__()
+        self.outputs = outputs
+        self.inbox: queue.Queue[Any] | None = None  # the runner's, once it exists
+        self.error: str | None = None
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, StepTokens):
+            for rid, token, finish in item.rows:
+                out = self.outputs.get(rid)
+                if out is None:
+                    continue
+                delta = out.add(token, finish)
+                if finish is not None or (delta is not None and delta.finish_reason):
+                    del self.outputs[rid]
+        elif isinstance(item, RequestsRemoved):
+            self.error = self.error or item.error
+            for rid in item.request_ids:
+                self.outputs.pop(rid, None)
+        if not self.outputs and self.inbox is not None:
+            self.inbox.put(StopRunner())
+
+
+def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str | None:
+    """Run the warm-up generation on this (the MLX) thread; what went wrong, or None."""
+    outputs: dict[str, Any] = {}
+    requests = []
+    for i, sampling in enumerate(WARM_UP_SAMPLING):
+        rid = f"warm-up-{i}"
+        result = admission.prepare(Generate(rid, sampling, messages=WARM_UP_MESSAGES), loaded,
+                                   lambda _: None, 0.0)
+        if isinstance(result, Answered):  # no chat template: a plain prompt then
+            result = admission.prepare(Generate(rid, sampling, prompt="Hello"), loaded,
+                                       lambda _: None, 0.0)
+        if isinstance(result, Answered):
+            return "; ".join(d.error or "" for d in result.deltas)
+        outputs[rid] = result.output
+        requests.append(result.request)
+    outbox = _WarmUpOutbox(outputs)
+    runner = Runner(model, sorted(loaded.eos_ids), batch_size=settings.batch,
+                    prefill_step=settings.prefill_step, outbox=outbox, stream=stream)
+    outbox.inbox = runner.inbox
+    for request in requests:
+        runner.inbox.put(request)
+    runner.run()
+    return outbox.error
 
 
 def _loaded(tokenizer: Any, config: dict) -> LoadedModel:

@@ -171,6 +171,9 @@ class EngineStatus(_Msg, tag="status"):
     stats: EngineStats = msgspec.field(default_factory=EngineStats)
     max_token_bytes: int = 0  # the longest token's text in bytes (0: unknown): lets the proxy
     # refuse a prompt that cannot fit the context without sending it
+    # while loading: (task, done, total, unit) of the long step under way, e.g.
+    # ("loading weights", 40, 93, "MiB"), for `mlxd status`; None otherwise
+    load_progress: tuple[str, int, int, str] | None = None
 
 
 class CacheFlushed(_Msg, tag="flushed"):

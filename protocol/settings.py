@@ -7,7 +7,8 @@ bounds (`msgspec.Meta` ge/gt/le/lt, `Literal` for choices), its help (`descripti
 sent to a child). `daemon/settings.py` derives the table users see (TOML key, `--flag`,
 `MLXD_*` variable) from these fields; `daemon/launch.py` builds each child's launch struct,
 which the child receives whole on its stdin (msgpack, `protocol/codec.py`). Paths travel as
-str. The API key is in no launch struct: the proxy gets it in its environment.
+str. The API key is in no launch struct: the proxy gets it in its environment (the daemon reads
+it from `api_key_file` when given one).
 
 Adding a setting: one field in its section, plus its use.
 """
@@ -19,6 +20,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from mlxd.protocol.logs import LogFormat
 from mlxd.protocol.models import DEFAULT_MODEL
 
 
@@ -44,6 +46,13 @@ class DaemonSettings(msgspec.Struct, frozen=True, kw_only=True):
         description="converted models and the SSD KV cache", extra={"kind": "path"})] = None
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(
         description="log level")] = "info"
+    log_format: Annotated[LogFormat, Meta(description=(
+        "log lines as text (`TIME PROCESS LEVEL MESSAGE`) or json (one object per line: "
+        "time, level, process, pid, message)"))] = "text"
+    api_key_file: Annotated[str | None, Meta(
+        description=("read the API key from this file (mode 0600; what `mlxd service install` "
+                     "writes), so that it is on no command line"),
+        extra={"kind": "path"})] = None
     hang_timeout: Annotated[float, Meta(ge=0, description=(
         "with --isolate: seconds a busy engine may make no progress, or the proxy may not "
         "answer, before it is killed and restarted (0 disables)"))] = 60.0
@@ -125,6 +134,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         ge=0, description=("every N generated tokens, persist a running request's KV to SSD "
                            "(0: off)"),
         extra={"metavar": "N"})] = 0
+    warm_up: Annotated[bool, Meta(description=(
+        "before an engine reports ready, run one short generation through it (kernels "
+        "compiled, buffers allocated), so that the first request is as fast as the next"))] = True
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +159,7 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     ssd_root: str | None  # None: no SSD tier
     log_level: str
     settings: EngineSettings
+    log_format: LogFormat = "text"
 
 
 class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,6 +170,7 @@ class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
     engines: dict[str, str]  # engine id -> model spec, for the engines started with the daemon
     settings: ProxySettings
     engine: EngineSettings  # the pool sizes an engine's memory from its batch
+    log_format: LogFormat = "text"
 
 
 class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,6 +180,7 @@ class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):
     root: str  # the SSD block store
     supervised: bool  # under --isolate: reports to the supervisor's control channel
     settings: StorageSettings
+    log_format: LogFormat = "text"
 
 
 Launch = EngineLaunch | ProxyLaunch | StorageLaunch

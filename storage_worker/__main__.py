@@ -18,7 +18,7 @@ from mlxd.storage_worker.worker import StorageWorker
 
 def main() -> int:
     launch = codec.read_launch(StorageLaunch)
-    child_process_setup(launch.log_level, f"storage#{launch.epoch}")
+    child_process_setup(launch.log_level, f"storage#{launch.epoch}", launch.log_format)
     faults.configure(launch.epoch)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import start_daemon
 from conftest import stop_and_check as finish
+from support.harness import LISTENING
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 FAST = ["--restart-backoff", "0.1"]
@@ -98,7 +99,7 @@ def test_proxy_killed_is_respawned_and_engines_keep_their_pids(iso):
     before = iso.stats()
     proxy_pid, engine_pid = before["proxy"]["pid"], before["engines"][0]["pid"]
     os.kill(proxy_pid, signal.SIGKILL)
-    iso.wait_for_line("mlxd: listening on", start=len(iso.lines))
+    iso.wait_for_line(LISTENING, start=len(iso.lines))
 
     def respawned(s):
         return s["proxy"]["pid"] != proxy_pid and s["engines"][0]["state"] == "ready"

@@ -20,6 +20,11 @@ from mlxd.protocol import shm
 
 RUN_DIRS: list[Path] = []  # every run dir a Daemon of this test session used
 
+# What a starting daemon logs, one line each: the proxy listening (`proxy#0 INFO listening on
+# http://..., unix:...`, or `mlxd INFO ...` in one process), and an engine's model ready.
+LISTENING = "listening on "
+READY = " ready in "
+
 
 TAG_ENV = "PYTEST_MLXD_RUN_DIR"  # every process of a test daemon inherits its run dir here
 
@@ -45,7 +50,7 @@ def leftovers() -> tuple[list[str], list[int], list[str]]:
 class Daemon:
     def __init__(self, model: str | None, *extra: str, isolate: bool = False,
                  cache_dir: Path | None = None, env: dict | None = None,
-                 run_dir: Path | None = None, ready_marker: str = " ready") -> None:
+                 run_dir: Path | None = None, ready_marker: str = READY) -> None:
         # A short run dir: Unix socket paths are limited to ~104 bytes.
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
         RUN_DIRS.append(self.run_dir)
@@ -79,7 +84,7 @@ class Daemon:
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=self.env)
         threading.Thread(target=self._pump, daemon=True).start()
-        self.wait_for_line("mlxd: listening on", timeout)
+        self.wait_for_line(LISTENING, timeout)
         self.wait_for_line(self.ready_marker, timeout)
         self.listen = json.loads((self.run_dir / "listen.json").read_text())
         self.port = self.listen["port"]
