@@ -130,7 +130,10 @@ class SoakDaemon:
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict,
                   timeout: float) -> tuple[str, dict | None, list]:
+    """(text, usage, errors): a stream that ends without a finish reason and `[DONE]` is an
+    error too (an answer cut short without saying so)."""
     text, usage, errors = [], None, []
+    finish, done = None, False
     async with session.post(url + "/v1/chat/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}},
             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -138,6 +141,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict,
             return "", None, [f"status {r.status}: {(await r.text())[:200]}"]
         async for raw in r.content:
             line = raw.decode().strip()
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: {"):
                 continue
             obj = json.loads(line[6:])
@@ -146,6 +150,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict,
             usage = obj.get("usage") or usage
             for ch in obj.get("choices") or []:
                 text.append(ch["delta"].get("content") or "")
+                finish = ch.get("finish_reason") or finish
+    if not errors and (finish not in ("stop", "length") or not done):
+        errors.append(f"the stream ended without a finish (finish_reason {finish}, "
+                      f"[DONE] {'seen' if done else 'missing'})")
     return "".join(text), usage, errors
 
 
@@ -227,11 +235,14 @@ class Soak:
         unix = aiohttp.ClientSession(connector=aiohttp.UnixConnector(
             path=str(self.d.run_dir / "mlxd.sock")))
         count = int(self.args.minutes * 60 * self.args.fuzz_per_s) + 1
+        next_at = time.monotonic()
         try:
             for req in fuzz_requests.iter_requests(count, self.d.model_id, seed=self.args.seed):
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     return
-                await asyncio.sleep(1 / self.args.fuzz_per_s)
+                next_at = max(next_at + 1 / self.args.fuzz_per_s, now - 1)  # a steady rate
+                await asyncio.sleep(max(0.0, next_at - now))
                 c.fuzz_requests += 1
                 session, base = (unix, "http://localhost") if req.unix else (s, self.d.url)
                 try:

@@ -287,6 +287,14 @@ class EngineClient:
         finally:
             self._flushes.pop(token, None)
 
+    def _abort_all_now(self, rec: EngineRecord) -> None:
+        assert self._requests is not None
+        try:  # pyzmq sends at once when it can: the order with later sends is kept
+            sent = self._requests.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
+        except zmq.ZMQError:
+            return
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     async def _abort_all(self, rec: EngineRecord) -> None:
         try:
             await self._requests.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
@@ -341,8 +349,10 @@ class EngineClient:
         rec.status = st
         rec.last_seen = time.monotonic()
         if first_sight and st.active:
-            # Requests of an earlier proxy that died: nobody reads them any more.
-            asyncio.ensure_future(self._abort_all(rec))
+            # Rows of an earlier proxy that died: nobody reads them any more. Sent now, before
+            # the engine counts as ready here, so it reaches the engine ahead of any request of
+            # this proxy (one socket keeps the order) and never aborts one of ours.
+            self._abort_all_now(rec)
         self._update_ready(rec)
         if changed:
             rec.notify()
