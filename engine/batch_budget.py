@@ -1,0 +1,82 @@
+"""How many sequences an engine decodes at once (`--batch auto`), from the memory it may use
+for KV cache. Pure logic: the engine passes the figures in (engine/runner.py applies it).
+
+A request is admitted into the running batch only if the KV it may come to hold (its prompt
+plus its `max_tokens`, at most the context) fits beside what the running rows may come to
+hold, within the budget: memory the machine can give minus the model's weights and a reserve.
+So the batch grows while requests are short and shrinks as contexts get long, and no
+admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CEILING = 128  # never more rows than this: past it a step's latency grows for little gain
+RESERVE_FRACTION = 0.10  # of the memory the engine may use, kept free for activations etc.
+
+
+@dataclass(frozen=True)
+class KvShape:
+    layers: int
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    bytes_per_element: float  # 2 for float16/bfloat16, 4 for float32, ~0.56 for 4-bit + scales
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(self.layers * self.kv_heads * (self.k_head_dim + self.v_head_dim)
+                   * self.bytes_per_element) or 1
+
+
+@dataclass(frozen=True)
+class Budget:
+    kv_bytes: int  # memory KV may use, after weights and the reserve
+    per_token: int
+    explicit_cap: int | None  # --batch N, or None for auto
+    why: str  # how the budget was derived, for /stats
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, self.kv_bytes // self.per_token)
+
+
+def budget(available_bytes: int, model_bytes: int, shape: KvShape,
+           explicit_cap: int | None, source: str) -> Budget:
+    """`available_bytes`: what the engine may use in all (free memory plus what the model
+    already holds, on unified memory; the device's memory on a GPU)."""
+    usable = int(available_bytes * (1 - RESERVE_FRACTION)) - model_bytes
+    kv = max(0, usable)
+    why = (f"{source}: {available_bytes / 2**30:.1f} GiB, weights {model_bytes / 2**30:.1f} "
+           f"GiB, {RESERVE_FRACTION:.0%} reserve -> {kv / 2**30:.1f} GiB for KV at "
+           f"{shape.bytes_per_token / 1024:.1f} KiB/token")
+    return Budget(kv, shape.bytes_per_token, explicit_cap, why)
+
+
+def reserved_tokens(prompt_tokens: int, max_tokens: int, context: int) -> int:
+    """The most KV tokens one request can come to hold."""
+    return min(prompt_tokens + max_tokens, context) if context else prompt_tokens + max_tokens
+
+
+def may_admit(b: Budget, running: int, running_reserved: int, request_reserved: int) -> bool:
+    """Whether a request reserving `request_reserved` tokens joins `running` rows that reserve
+    `running_reserved`. One row is always allowed when nothing runs (a request that alone
+    exceeds the budget is the context check's business, not a reason to wait for ever)."""
+    if running >= cap_of(b):
+        return False
+    if running == 0:
+        return True
+    return running_reserved + request_reserved <= b.kv_tokens
+
+
+def current_cap(b: Budget, running: int, running_reserved: int, typical_reserved: int) -> int:
+    """The batch the budget allows now, for /stats: running rows plus as many more of the
+    typical size as fit, within the cap."""
+    room = max(0, b.kv_tokens - running_reserved)
+    more = room // max(1, typical_reserved)
+    return max(1, min(cap_of(b), running + more))
+
+
+def cap_of(b: Budget) -> int:
+    return b.explicit_cap if b.explicit_cap is not None else CEILING
