@@ -66,6 +66,7 @@ def _prepare(msg: Generate, model: LoadedModel,
     rid, tok = msg.request_id, model.tokenizer
     check_prompt_size(msg, model.context_length, model.max_token_bytes)
     prompt = prompt_tokens(tok, msg)
+    check_logit_bias(msg, len(tok))
     if msg.count_only:
         return Answered([Delta(rid, prompt_tokens=len(prompt)),
                          Delta(rid, finish_reason="length", prompt_tokens=len(prompt))])
@@ -85,8 +86,12 @@ def _prepare(msg: Generate, model: LoadedModel,
                          make_request_sampler(p, start_position=len(resumed)),
                          processors(msg, model.grammar_tokenizer, resumed),
                          restored=restore(prompt), received_at=received_at,
-                         logprobs=p.logprobs)
-    return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
+                         logprobs=p.logprobs, group=msg.prefill_group,
+                         group_size=msg.group_size)
+    notice = Delta(rid, prompt_tokens=out.prompt_tokens)
+    if msg.echo_prompt and msg.prompt_token_ids is not None:
+        notice.prompt_text = tok.decode(list(msg.prompt_token_ids))
+    return Admitted(out, request, notice)
 
 
 class ClientError(Exception):
@@ -137,14 +142,18 @@ def check_prompt_size(msg: Generate, context_length: int, token_bytes: int) -> N
 
 
 def prompt_tokens(tok: Any, msg: Generate) -> list[int]:
-    if msg.prompt_token_ids is not None:
+    if msg.suffix is not None:
+        prompt = fill_in_the_middle(tok, msg.prompt or "", msg.suffix)
+    elif msg.prompt_token_ids is not None:
         prompt = list(msg.prompt_token_ids)
     elif msg.messages is not None:
         try:
-            extra = {"tools": msg.tools} if msg.tools else {}
+            extra: dict[str, Any] = {"tools": msg.tools} if msg.tools else {}
+            if continues_final_message(msg.messages):
+                extra["continue_final_message"] = True
             prompt = list(tok.apply_chat_template(
-                msg.messages, add_generation_prompt=msg.add_generation_prompt, tokenize=True,
-                **extra))
+                msg.messages, tokenize=True, add_generation_prompt=msg.add_generation_prompt
+                and "continue_final_message" not in extra, **extra))
         except Exception as e:  # template errors are the client's messages
             raise ClientError(f"the chat template rejected the messages: {e}",
                               "invalid_messages") from e
@@ -158,6 +167,66 @@ def prompt_tokens(tok: Any, msg: Generate) -> list[int]:
     if any(t < 0 or t >= vocab for t in prompt):
         raise ClientError("a prompt token id is outside the vocabulary", "invalid_token")
     return prompt
+
+
+def continues_final_message(messages: list[dict]) -> bool:
+    """Assistant prefill, in every dialect: a conversation ending with an assistant turn that
+    has text (and no tool calls) is continued, not closed and answered by a new turn."""
+    last = messages[-1] if messages else None
+    return isinstance(last, dict) and last.get("role") == "assistant" \
+        and isinstance(last.get("content"), str) and bool(last["content"]) \
+        and not last.get("tool_calls")
+
+
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the families that have them, in the
+# prefix-suffix-middle order their models were trained on.
+FIM_TOKENS = [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SmolLM
+              ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+              ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
+               "<\uff5cfim\u2581end\uff5c>")]  # DeepSeek-Coder
+
+
+def fim_tokens(tok: Any) -> tuple[int, int, int] | None:
+    """The model's fill-in-the-middle token ids, if its vocabulary has a family's set."""
+    for names in FIM_TOKENS:
+        ids = [tok.convert_tokens_to_ids(n) for n in names]
+        if all(isinstance(i, int) and tok.convert_ids_to_tokens(i) == n
+               for i, n in zip(ids, names, strict=True)):
+            return ids[0], ids[1], ids[2]
+    return None
+
+
+def fill_in_the_middle(tok: Any, prefix: str, suffix: str) -> list[int]:
+    """<prefix token> prefix <suffix token> suffix <middle token>: the model writes the middle.
+    Client text is encoded as text, so FIM tokens written in it are not markers."""
+    ids = fim_tokens(tok)
+    if ids is None:
+        raise ClientError("`suffix` (fill-in-the-middle) needs a model whose tokenizer has "
+                          "fill-in-the-middle tokens, and this one has none", "invalid_request")
+    pre, suf, mid = ids
+    head = list(tok.encode("", add_special_tokens=True))  # BOS, for tokenizers that add one
+    return [*head, pre, *tok.encode(prefix, add_special_tokens=False), suf,
+            *tok.encode(suffix, add_special_tokens=False), mid]
+
+
+def check_logit_bias(msg: Generate, vocab: int) -> None:
+    for token in msg.sampling.logit_bias:
+        if not 0 <= token < vocab:
+            raise ClientError(f"`logit_bias` names token id {token}, outside this model's "
+                              f"vocabulary of {vocab} tokens", "invalid_token")
+
+
+def capabilities(tok: Any) -> list[str]:
+    """What the model can do, in Ollama's words."""
+    template = str(getattr(tok, "chat_template", None) or "")
+    out = ["completion"]
+    if tok.has_tool_calling and "tools" in template:
+        out.append("tools")
+    if THINK_CLOSE in template:
+        out.append("thinking")
+    if fim_tokens(tok) is not None:
+        out.append("insert")
+    return out
 
 
 def room_for(prompt: list[int], context_length: int) -> int:

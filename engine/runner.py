@@ -36,6 +36,23 @@ class AddRequest:
     restored: RestoredPrefix | None = None  # KV read from the SSD tier, if it beats RAM
     received_at: float = 0.0  # monotonic time the engine received the request
     logprobs: int = -1  # top alternatives to report per token (-1: no log-probabilities)
+    group: str = ""  # n > 1: the answers to one prompt share one prefill (`PrefillGroup`)
+    group_size: int = 1
+
+
+@dataclass
+class PrefillGroup:
+    """The rows answering one prompt (OpenAI `n`): the first to arrive prefills it, the others
+    wait for its prompt and start from a view of its KV (only the last prompt token is theirs
+    to feed). Kept until every member has arrived, or GROUP_TTL passed."""
+    leader: int | None  # its uid while its prompt is being prefilled
+    waiting: list[AddRequest]
+    expected: int  # members still to arrive
+    created: float
+    prefix: tuple[list[tuple[Any, Any]], list[int]] | None = None  # (KV, tokens) once prefilled
+
+
+GROUP_TTL = 30.0  # seconds a group waits for members that may never come (aborted meanwhile)
 
 
 @dataclass
@@ -123,6 +140,8 @@ class Runner:
         self._prompt_len: dict[int, int] = {}  # uid -> prompt tokens, for the prompt boundary
         self._awaiting_first: dict[int, tuple[float, float]] = {}  # uid -> (received, admitted)
         self._logprobs: dict[int, int] = {}  # uid -> top alternatives wanted
+        self._groups: dict[str, PrefillGroup] = {}
+        self._group_leaders: dict[int, str] = {}  # uid -> group, while its prompt prefills
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -169,7 +188,9 @@ class Runner:
         if aborts:
             if "*" in aborts:  # every request: running, waiting for a leader, or just added
                 aborts = [*self._rid_to_uid, *(a.request_id for w in self._followers.values()
-                                               for a in w), *(a.request_id for a in adds)]
+                                               for a in w),
+                          *(a.request_id for g in self._groups.values() for a in g.waiting),
+                          *(a.request_id for a in adds)]
             gone = set(aborts)
             adds = [a for a in adds if a.request_id not in gone]  # aborted before it started
             self._abort(aborts)
@@ -182,7 +203,12 @@ class Runner:
     def _admit(self, adds: list[AddRequest]) -> None:
         """Requests that share a long uncached prefix with one still prefilling (the leader)
         wait for it and then hit the cache: N agents with one system prompt prefill it once."""
+        if self._groups:
+            self._expire_groups()
         for add in adds:
+            if add.group and add.group_size > 1:
+                self._admit_grouped(add)
+                continue
             if self.cache.max_bytes:
                 lead = self._leader_for(add)
                 if lead is not None:
@@ -191,6 +217,56 @@ class Runner:
             uid = self._insert(add)
             if self.cache.max_bytes:
                 self._prefilling[uid] = add.prompt
+
+    def _admit_grouped(self, add: AddRequest) -> None:
+        group = self._groups.get(add.group)
+        if group is None:  # the first member: it prefills for all
+            uid = self._insert(add)
+            self._groups[add.group] = PrefillGroup(uid, [], add.group_size - 1,
+                                                   time.monotonic())
+            self._group_leaders[uid] = add.group
+            return
+        group.expected -= 1
+        if group.expected <= 0 and group.leader is None:
+            del self._groups[add.group]
+        if group.leader is not None:
+            group.waiting.append(add)
+        else:
+            self._insert(add, group.prefix)
+
+    def _share_group_prefix(self, uid: int) -> None:
+        """A group leader's prompt is in its cache: its members start from a view of it."""
+        name = self._group_leaders.pop(uid)
+        group = self._groups.get(name)
+        if group is None:
+            return
+        group.leader = None
+        got = self._gen.extract_cache([uid]).get(uid)
+        waiting, group.waiting = group.waiting, []
+        if got is not None:
+            cache, tokens = got
+            if all(type(c) is KVCache and c.keys is not None for c in cache):
+                n = min(len(tokens), cache[0].offset)
+                group.prefix = ([(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache],
+                                list(tokens[:n]))
+        if group.expected <= 0:
+            del self._groups[name]
+        for add in waiting:
+            self._insert(add, group.prefix)
+
+    def _end_group_leader(self, uid: int) -> None:
+        """A leader removed before its prompt was prefilled: its members prefill themselves."""
+        group = self._groups.get(self._group_leaders.pop(uid, ""))
+        if group is not None:
+            group.leader = None
+            waiting, group.waiting = group.waiting, []
+            for add in waiting:
+                self._insert(add)
+
+    def _expire_groups(self) -> None:
+        old = time.monotonic() - GROUP_TTL
+        for name in [n for n, g in self._groups.items() if g.leader is None and g.created < old]:
+            del self._groups[name]
 
     def _leader_for(self, add: AddRequest) -> int | None:
         """A prefilling request sharing MIN_SHARED_PREFIX tokens beyond what the caches give
@@ -202,10 +278,20 @@ class Runner:
         head = add.prompt[:need]
         return next((uid for uid, p in self._prefilling.items() if p[:need] == head), None)
 
-    def _insert(self, add: AddRequest) -> int:
+    def _insert(self, add: AddRequest,
+                shared: tuple[list[tuple[Any, Any]], list[int]] | None = None) -> int:
+        """Into the batch, from the best prefix at hand: `shared` (a prefill group's KV and
+        its tokens), the SSD tier's restored blocks or the RAM tier's."""
         prompt = add.prompt
         cache, cached, source = None, 0, "none"
         hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
+        if shared is not None:
+            # as much as the prompts share, and one token at least is always fed
+            common = next((i for i, (a, b) in enumerate(zip(shared[1], prompt, strict=False))
+                           if a != b), min(len(shared[1]), len(prompt)))
+            common = min(common, len(prompt) - 1)
+            if common > 0 and (hit is None or common > hit[1]):
+                hit = (shared[0], common)
         restored = add.restored
         if restored is not None and (hit is None or restored.tokens > hit[1]):
             n, dtype = restored.tokens, restored.dtype
@@ -253,11 +339,13 @@ class Runner:
 
     def _abort(self, rids: list[str]) -> None:
         gone = set(rids)
-        for waiting in self._followers.values():
+        for waiting in [*self._followers.values(), *(g.waiting for g in self._groups.values())]:
             waiting[:] = [a for a in waiting if a.request_id not in gone]
         uids = [self._rid_to_uid.pop(r) for r in rids if r in self._rid_to_uid]
         for uid in uids:
             del self._uid_to_rid[uid]
+            if uid in self._group_leaders:
+                self._end_group_leader(uid)
             self._generated.pop(uid, None)
             self._awaiting_first.pop(uid, None)
             self._logprobs.pop(uid, None)
@@ -298,6 +386,10 @@ class Runner:
             return
         c = self.counters
         c.steps += 1
+        if self._group_leaders:
+            for pr in prompt_responses:
+                if pr.end_of_prompt and pr.uid in self._group_leaders:
+                    self._share_group_prefix(pr.uid)
         if self._prefilling:
             for pr in prompt_responses:
                 if pr.end_of_prompt and self._prefilling.pop(pr.uid, None) is not None \
@@ -420,6 +512,9 @@ class Runner:
         self._prompt_len.clear()
         self._awaiting_first.clear()
         self._logprobs.clear()
+        waiting += [a.request_id for g in self._groups.values() for a in g.waiting]
+        self._groups.clear()
+        self._group_leaders.clear()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))
         self._uid_to_rid.clear()

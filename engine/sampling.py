@@ -56,6 +56,7 @@ def make_request_sampler(p: SamplingParams,
 
 def make_request_processors(p: SamplingParams) -> list:
     return make_logits_processors(
+        logit_bias=p.logit_bias or None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
         presence_penalty=p.presence_penalty or None,
         frequency_penalty=p.frequency_penalty or None)

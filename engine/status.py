@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mlxd.engine.admission import capabilities
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import EngineState, EngineStats, EngineStatus
 from mlxd.protocol.models import model_id, model_names
@@ -43,4 +44,6 @@ def engine_status(engine_id: str, epoch: int, spec: str, state: EngineState,
         prompt_tokens_total=c.prompt_tokens if c else 0,
         generated_tokens_total=c.generated_tokens if c else 0, model_spec=spec,
         stats=engine_stats(runner, ssd),
-        max_token_bytes=model.max_token_bytes if model else 0)
+        max_token_bytes=model.max_token_bytes if model else 0,
+        model_dir=str(getattr(model.tokenizer, "name_or_path", "")) if model else "",
+        capabilities=capabilities(model.tokenizer) if model else [])

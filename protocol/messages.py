@@ -38,6 +38,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
 
 
 class Generate(_Msg, tag="gen"):
@@ -58,6 +59,16 @@ class Generate(_Msg, tag="gen"):
     # llguidance grammar (JSON) the output must follow: structured output, forced tool calls.
     grammar: str | None = None
     tools: list[dict] | None = None  # function tools, given to the chat template
+    # Fill-in-the-middle: `prompt` is the text before the hole, this the text after it; the
+    # model's FIM tokens frame them (a client error if it has none).
+    suffix: str | None = None
+    # n > 1 (OpenAI `n`): one Generate per answer, all naming one group of `group_size`; the
+    # engine prefills the prompt once, for the first to arrive, and the others share its KV.
+    prefill_group: str = ""
+    group_size: int = 1
+    # Completions' `echo` of a prompt given as token ids: the admission notice carries the
+    # prompt's text (`Delta.prompt_text`).
+    echo_prompt: bool = False
 
 
 class Abort(_Msg, tag="abort"):
@@ -97,6 +108,7 @@ class Delta(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked
     reasoning: str = ""  # a reasoning model's thinking text (not part of `text`)
     tool_calls: list[dict] | None = None  # [{"name", "arguments" (JSON text)}] parsed from output
+    prompt_text: str = ""  # the admission notice of a Generate with `echo_prompt`: its prompt
 
 
 class StepOutput(_Msg, tag="step"):
@@ -174,6 +186,12 @@ class EngineStatus(_Msg, tag="status"):
     # while loading: (task, done, total, unit) of the long step under way, e.g.
     # ("loading weights", 40, 93, "MiB"), for `mlxd status`; None otherwise
     load_progress: tuple[str, int, int, str] | None = None
+    # The model as loaded (set once it is): its local directory (the default model's converted
+    # one, a repo id's snapshot) and what it can do, in Ollama's words: completion, tools (its
+    # chat template takes tools and mlx-lm parses its calls), thinking (its template knows
+    # <think>), insert (its tokenizer has fill-in-the-middle tokens)
+    model_dir: str = ""
+    capabilities: list[str] = []
 
 
 class CacheFlushed(_Msg, tag="flushed"):

@@ -5,15 +5,44 @@ an engine; the engine only compiles and applies them."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mlxd.proxy import partial_json
 from mlxd.proxy.bounds import MAX_IDENT_CHARS, clip
 from mlxd.proxy.errors import bad_request
 
 ANY_OBJECT: dict = {"type": "object"}
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object schema that lists `properties` but says nothing of
+    `additionalProperties` closed (false), in nested schemas too; one that says true stays
+    open, and an object without `properties` stays free-form. Left open, a grammar lets a
+    model add keys (the same key again and again) until the length limit; grammar engines
+    elsewhere (vLLM, SGLang, llama.cpp) generate as if it were false too. The client's schema
+    is not modified."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# Keywords whose value is a schema or a list of schemas, and those whose value maps names
+# to schemas.
+_SUBSCHEMAS = {"items", "prefixItems", "additionalItems", "contains", "anyOf", "oneOf",
+               "allOf", "not", "if", "then", "else", "additionalProperties",
+               "unevaluatedProperties", "unevaluatedItems", "propertyNames"}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
 
 
 def schema_grammar(schema: Any, param: str) -> str:
@@ -22,7 +51,7 @@ def schema_grammar(schema: Any, param: str) -> str:
         raise bad_request(f"`{param}` must be a JSON schema object", param=param)
     try:
         # Compact JSON: free whitespace lets a weak model pad forever instead of answering.
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={
+        grammar = LLMatcher.grammar_from_json_schema(closed(schema), defaults={
             "whitespace_flexible": False})
     except Exception as e:  # whatever the compiler makes of client input is a 400
         raise bad_request(f"`{param}` is not a usable JSON schema: {clip(str(e), 500)}",
@@ -124,16 +153,21 @@ def call_grammar(tools: list[Tool]) -> str:
     return schema_grammar(options[0] if len(options) == 1 else {"anyOf": options}, "tools")
 
 
-def forced_call(text: str, finish: str | None) -> tuple[str, dict] | None:
-    """A forced call's (name, arguments); None if max_tokens cut it short (the grammar
-    guarantees its shape once generation finished on its own)."""
-    if finish == "length":
-        return None
-    try:
-        obj = json.loads(text)
-        return obj["name"], obj["arguments"]
-    except (ValueError, KeyError, TypeError):
-        return None
+def forced_call(text: str, tools: list[Tool]) -> tuple[str, dict]:
+    """A forced call's (name, arguments). The grammar guarantees the shape once generation
+    finished on its own; a call the length limit cut short is completed leniently: the
+    arguments written so far (a string cut inside is closed where it stopped), and the tool
+    whose name the text begins (the first tool if not even that was written)."""
+    obj = partial_json.complete(text)
+    if not isinstance(obj, dict):
+        obj = {}
+    name = obj.get("name")
+    if not isinstance(name, str):
+        name = ""
+    tool = next((t for t in tools if t.name == name), None) \
+        or next((t for t in tools if t.name.startswith(name)), tools[0])
+    args = obj.get("arguments")
+    return tool.name, args if isinstance(args, dict) else {}
 
 
 def new_call_id(prefix: str = "call_") -> str:

@@ -6,6 +6,7 @@ reaches the router), then format what `Generation` yields."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from mlxd.protocol.messages import Delta, Generate, TokenLogprob
 from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, bad_request, unavailable
 from mlxd.proxy.metrics import RequestMetrics
-from mlxd.proxy.sampling import CheckedSampling
+from mlxd.proxy.sampling import SEED_MASK, CheckedSampling
 from mlxd.proxy.state import ProxyState
 from mlxd.proxy.validation import check_prompt_fits
 
@@ -61,6 +62,8 @@ class GenerationRequest:
     grammar: str | None = None
     tools: list[dict] | None = None
     count_only: bool = False
+    suffix: str | None = None  # fill-in-the-middle: the text after the hole
+    echo_prompt: bool = False  # the admission notice carries the prompt's text
 
     def engine_message(self, context_length: int) -> Generate:
         """The engine's `Generate`, under a new request id, for an engine with that context
@@ -69,7 +72,21 @@ class GenerationRequest:
                         sampling=self.sampling.params_for(context_length),
                         messages=self.messages, prompt=self.prompt,
                         prompt_token_ids=self.prompt_token_ids, count_only=self.count_only,
-                        grammar=self.grammar, tools=self.tools)
+                        grammar=self.grammar, tools=self.tools, suffix=self.suffix,
+                        echo_prompt=self.echo_prompt)
+
+
+def group_messages(msg: Generate, n: int) -> list[Generate]:
+    """n answers to one prompt: n requests of one prefill group, each with its own id and a
+    seed of its own (greedy answers are alike anyway)."""
+    if n == 1:
+        return [msg]
+    group = msg.request_id
+    return [msgspec.structs.replace(
+        msg, request_id=f"{group}-{i}", prefill_group=group, group_size=n,
+        sampling=msgspec.structs.replace(msg.sampling,
+                                         seed=(msg.sampling.seed + i) & SEED_MASK))
+        for i in range(n)]
 
 
 @asynccontextmanager
@@ -77,19 +94,32 @@ async def started_generation(state: ProxyState, req: GenerationRequest
                              ) -> AsyncIterator[Generation]:
     """A started Generation (the engine admitted the request: errors so far are HTTP
     statuses); the engine is released when the block exits, however it exits."""
+    async with started_generations(state, req, 1) as gens:
+        yield gens[0]
+
+
+@asynccontextmanager
+async def started_generations(state: ProxyState, req: GenerationRequest, n: int
+                              ) -> AsyncIterator[list[Generation]]:
+    """`n` started Generations of one request (OpenAI's `n`), on one engine, sharing one
+    prefill there; each resumes on its own after an engine death."""
     router = state.router
     engine = await router.acquire(req.model)
-    gen = None
+    gens: list[Generation] = []
     try:
         msg = req.engine_message(engine.status.context_length if engine.status else 0)
         check_prompt_fits(msg, engine.status)
-        gen = Generation(state.client, engine, msg, resume=state.resume,
-                         load_wait=router.load_wait, stats=state.resume_stats,
-                         metrics=None if req.count_only else state.metrics)
-        await gen.start()
-        yield gen
+        for one in group_messages(msg, n):
+            gens.append(Generation(state.client, engine, one, resume=state.resume,
+                                   load_wait=router.load_wait, stats=state.resume_stats,
+                                   metrics=None if req.count_only else state.metrics))
+        started = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        yield gens
     finally:
-        if gen is not None:
+        for gen in gens:
             await gen.close()
         await router.release(engine, req.keep_alive)
 
@@ -148,6 +178,7 @@ class Generation:
         self.delivered_chars = 0
         self._pending: Delta | None = None
         self._resumed_prompt: int | None = None  # tokens to prefill after the last resume
+        self.prompt_text = ""  # the prompt as text, when the request asked (`echo_prompt`)
 
     async def start(self) -> None:
         first = await self._submit(self.msg)
@@ -156,13 +187,14 @@ class Generation:
                 return await self.start_resumed()
             raise _delta_error(first)
         self.prompt_tokens = first.prompt_tokens
+        self.prompt_text = first.prompt_text
         self._pending = first if (first.text or first.finish_reason) else None
 
     async def start_resumed(self) -> None:
         """Re-send to the restarted engine with what the client already has."""
         while True:
-            msg = msgspec.structs.replace(
-                self.msg, request_id=new_request_id("resume"),
+            msg = msgspec.structs.replace(  # alone: its delivered tokens are its own
+                self.msg, request_id=new_request_id("resume"), prefill_group="", group_size=1,
                 resume_token_ids=list(self.delivered_ids), resume_text_len=self.delivered_chars)
             first = await self._submit(msg)
             if first.finish_reason == "error":
@@ -291,10 +323,18 @@ class Generation:
             await self.client.abort(self.stream)
 
     def usage(self) -> dict:
-        u: dict = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-             "total_tokens": self.prompt_tokens + self.completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-        if self.crashes:
-            u["resumes"] = self.crashes
-            u["recovered_tokens"] = self.recovered_tokens
-        return u
+        return usage([self])
+
+
+def usage(gens: list[Generation]) -> dict:
+    """OpenAI's usage of one request: its prompt once, the completions of all its answers."""
+    first = gens[0]
+    completion = sum(g.completion_tokens for g in gens)
+    u: dict = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+               "total_tokens": first.prompt_tokens + completion,
+               "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+    crashes = sum(g.crashes for g in gens)
+    if crashes:
+        u["resumes"] = crashes
+        u["recovered_tokens"] = sum(g.recovered_tokens for g in gens)
+    return u

@@ -43,6 +43,7 @@ class SamplingRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
     max_tokens: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
 
 @dataclass(frozen=True)
@@ -102,5 +103,5 @@ def check_sampling(req: SamplingRequest, defaults: Defaults) -> CheckedSampling:
         repetition_penalty=repetition, seed=seed & SEED_MASK,
         max_tokens=defaults.max_tokens if req.max_tokens is None else req.max_tokens,
         stop=list(req.stop), presence_penalty=presence, frequency_penalty=frequency,
-        logprobs=req.logprobs)
+        logprobs=req.logprobs, logit_bias=dict(req.logit_bias))
     return CheckedSampling(params, max_tokens_explicit=req.max_tokens is not None)

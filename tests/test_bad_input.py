@@ -44,7 +44,7 @@ CASES: list[tuple[str, str, object, int, str]] = [
      {"messages": [{"role": "user", "content": ""}]}, 400, "empty"),
     ("temperature out of range", "/v1/chat/completions",
      {"messages": CHAT, "temperature": 7}, 400, "temperature"),
-    ("n > 1", "/v1/chat/completions", {"messages": CHAT, "n": 3}, 400, "n=1"),
+    ("n out of range", "/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "`n`"),
     ("image part", "/v1/chat/completions", {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "image_url"),

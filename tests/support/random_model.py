@@ -26,13 +26,16 @@ _CORPUS = [
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tokenizer(out: Path, vocab_size: int, chat_template: str = CHATML) -> int:
-    """Train a small byte-level BPE on a fixed corpus; return the real vocabulary size."""
+def write_tokenizer(out: Path, vocab_size: int, chat_template: str = CHATML,
+                    extra_special: tuple[str, ...] = ()) -> int:
+    """Train a small byte-level BPE on a fixed corpus; return the real vocabulary size.
+    `extra_special`: more special tokens (fill-in-the-middle markers, say)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[*SPECIAL, *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer=trainer)
@@ -48,13 +51,13 @@ def write_tokenizer(out: Path, vocab_size: int, chat_template: str = CHATML) -> 
 def write_random_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 128, vocab: int = 512,
                        context: int = 512, dtype: str = "float32", seed: int = 0,
-                       chat_template: str = CHATML) -> Path:
+                       chat_template: str = CHATML, extra_special: tuple[str, ...] = ()) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     out.mkdir(parents=True, exist_ok=True)
-    real_vocab = write_tokenizer(out, vocab, chat_template)
+    real_vocab = write_tokenizer(out, vocab, chat_template, extra_special)
     from tokenizers import Tokenizer
     eos = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("<|im_end|>")
     assert eos is not None, "the tokenizer lacks <|im_end|>"

@@ -12,7 +12,7 @@ from aiohttp import web
 from mlxd.proxy import constraints
 from mlxd.proxy.bounds import decode_body
 from mlxd.proxy.dialects.anthropic import schema
-from mlxd.proxy.errors import APIError
+from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.sampling import count_only
 from mlxd.proxy.state import STATE
@@ -27,54 +27,77 @@ def _event(name: str, data: dict) -> bytes:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), schema.MessagesRequest)
+    schema.check_fields(req)
     msgs = schema.chat_messages(req)
     tools, forced, offered = schema.tools_and_choice(req)
     checked = schema.sampling(req, request.app[STATE].defaults)
+    fmt = schema.output_format(req)
+    if fmt is not None and forced:
+        raise bad_request("output_config.format and a forced tool_choice exclude each other")
+    grammar = constraints.call_grammar(forced) if forced else \
+        constraints.schema_grammar(fmt, "output_config.format.schema") if fmt else None
     job = GenerationRequest(
         model=req.model, sampling=checked, id_prefix="msg", messages=msgs,
-        tools=[t.as_template_tool() for t in tools] if offered else None,
-        grammar=constraints.call_grammar(forced) if forced else None)
+        tools=[t.as_template_tool() for t in tools] if offered else None, grammar=grammar)
     async with started_generation(request.app[STATE], job) as gen:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
-        if forced:
-            return await _tool_use(request, gen, msg_id, req.stream)
         if req.stream:
-            return await _stream(request, gen, msg_id)
+            return await _stream(request, gen, msg_id, forced)
         got = await gen.collect()
-        content = [{"type": "thinking", "thinking": got.reasoning, "signature": ""}] \
-            if got.reasoning else []
-        if got.text or not got.tool_calls:
-            content.append({"type": "text", "text": got.text})
-        content += [_tool_use_block(c) for c in got.tool_calls]
+        content: list[dict] = [{"type": "thinking", "thinking": got.reasoning,
+                                "signature": ""}] if got.reasoning else []
+        if forced:
+            content = [_forced_block(got.text, forced)]
+        else:
+            if got.text or not got.tool_calls:
+                content.append({"type": "text", "text": got.text})
+            content += [_tool_use_block(c) for c in got.tool_calls]
         return web.json_response({
             "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
             "content": content,
-            "stop_reason": "tool_use" if got.tool_calls and got.finish_reason == "stop" else
-            schema.stop_reason(got.finish_reason, got.stop_sequence),
-            "stop_sequence": got.stop_sequence,
-            "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)})
+            "stop_reason": _stop_reason(got.finish_reason, got.stop_sequence,
+                                        bool(forced or got.tool_calls)),
+            "stop_sequence": got.stop_sequence, "usage": _usage(gen)})
 
 
-async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.StreamResponse:
+def _stop_reason(finish: str | None, stop_sequence: str | None, called: bool) -> str:
+    return "tool_use" if called and finish == "stop" else \
+        schema.stop_reason(finish, stop_sequence)
+
+
+def _usage(gen: Generation, output_tokens: int | None = None) -> dict:
+    return schema.usage(gen.prompt_tokens, gen.cached_tokens,
+                        gen.completion_tokens if output_tokens is None else output_tokens)
+
+
+async def _stream(request: web.Request, gen: Generation, msg_id: str,
+                  forced: list[constraints.Tool] | None) -> web.StreamResponse:
+    """Anthropic's event sequence. `message_start` waits for the first token, so its usage
+    says how much of the prompt the KV cache served (and an error before it is a status)."""
+    deltas = gen.deltas()
+    first = await anext(deltas, None)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await resp.write(_event("message_start", {"type": "message_start", "message": {
         "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
         "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, 0)}}))
-    await resp.write(_event("ping", {"type": "ping"}))
+        "usage": _usage(gen, output_tokens=0)}}) + _event("ping", {"type": "ping"}))
     out: list[bytes] = []
     blocks = _Blocks(out)
     sent = calls = 0
+    held = ""  # a forced call's text, sent as one tool_use block once complete
     try:
-        async for d in gen.deltas():
+        d = first
+        while d is not None:
             if d.reasoning:
                 blocks.open("thinking")
                 out.append(_event("content_block_delta", {
                     "type": "content_block_delta", "index": blocks.index,
                     "delta": {"type": "thinking_delta", "thinking": d.reasoning}}))
-            if d.text:
+            if forced:
+                held += d.text
+            elif d.text:
                 blocks.open("text")
                 out.append(_event("content_block_delta", {
                     "type": "content_block_delta", "index": blocks.index,
@@ -82,34 +105,45 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str) -> web.Str
                 sent += 1
                 if sent % PING_EVERY == 0:
                     out.append(_event("ping", {"type": "ping"}))
-            for call in d.tool_calls or ():
-                block = _tool_use_block(call)
+            called = [_forced_block(held, forced)] \
+                if forced and d.finish_reason is not None else \
+                [_tool_use_block(c) for c in d.tool_calls or ()]
+            for block in called:
                 blocks.open("tool_use", {**block, "input": {}})
                 out.append(_event("content_block_delta", {
                     "type": "content_block_delta", "index": blocks.index,
-                    "delta": {"type": "input_json_delta", "partial_json": call["arguments"]}}))
+                    "delta": {"type": "input_json_delta",
+                              "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
                 calls += 1
             if d.finish_reason is not None:
                 if "text" not in blocks.seen and not calls:
                     blocks.open("text")  # an answer has its text block, even if empty
                 blocks.close()
-                stop = "tool_use" if calls and d.finish_reason == "stop" else \
-                    schema.stop_reason(d.finish_reason, d.stop_sequence)
                 out.append(_event("message_delta", {
                     "type": "message_delta",
-                    "delta": {"stop_reason": stop,
+                    "delta": {"stop_reason": _stop_reason(d.finish_reason, d.stop_sequence,
+                                                          bool(calls)),
                               "stop_sequence": d.stop_sequence},
-                    "usage": {"output_tokens": gen.completion_tokens}}))
+                    "usage": _usage(gen)}))
                 out.append(_event("message_stop", {"type": "message_stop"}))
             if not gen.pending():
                 await resp.write(b"".join(out))
                 out.clear()
+            d = await anext(deltas, None)
         if out:
             await resp.write(b"".join(out))
     except APIError as e:  # after the stream started: Anthropic's `error` event
         await resp.write(b"".join(out) + _event("error", e.body("anthropic")))
     await resp.write_eof()
     return resp
+
+
+def _forced_block(text: str, tools: list[constraints.Tool]) -> dict:
+    """A forced call's output as a tool_use block (a length limit may have cut it: it is
+    still the call, with the input written so far)."""
+    name, args = constraints.forced_call(text, tools)
+    return {"type": "tool_use", "id": constraints.new_call_id("toolu_"), "name": name,
+            "input": args}
 
 
 def _tool_use_block(call: dict) -> dict:
@@ -151,63 +185,6 @@ class _Blocks:
             self.out.append(_event("content_block_stop", {"type": "content_block_stop",
                                                           "index": self.index}))
             self.kind = None
-
-
-async def _tool_use(request: web.Request, gen: Generation, msg_id: str,
-                    stream: bool) -> web.StreamResponse:
-    """A forced call (tool_choice any or tool): the whole output is one tool_use block."""
-    resp = None
-    if stream:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        await resp.write(_event("message_start", {"type": "message_start", "message": {
-            "id": msg_id, "type": "message", "role": "assistant",
-            "model": gen.engine.model_id, "content": [], "stop_reason": None,
-            "stop_sequence": None,
-            "usage": schema.usage(gen.prompt_tokens, gen.cached_tokens, 0)}})
-            + _event("ping", {"type": "ping"}))
-    try:
-        got = await gen.collect()
-    except APIError as e:
-        if resp is None:
-            raise
-        await resp.write(_event("error", e.body("anthropic")))
-        await resp.write_eof()
-        return resp
-    text = got.text
-    parsed = constraints.forced_call(text, got.finish_reason)
-    block: dict
-    if parsed is not None:
-        block = {"type": "tool_use", "id": constraints.new_call_id("toolu_"), "name": parsed[0],
-                 "input": parsed[1]}
-        stop = "tool_use"
-    else:  # cut off by max_tokens
-        block = {"type": "text", "text": text}
-        stop = schema.stop_reason(got.finish_reason, None)
-    usage = schema.usage(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)
-    if resp is None:
-        return web.json_response({
-            "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
-            "content": [block], "stop_reason": stop, "stop_sequence": None, "usage": usage})
-    if block["type"] == "tool_use":
-        start = {**block, "input": {}}
-        delta = {"type": "input_json_delta",
-                 "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-    else:
-        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": text}
-    await resp.write(
-        _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                       "content_block": start})
-        + _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                         "delta": delta})
-        + _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        + _event("message_delta", {"type": "message_delta",
-                                   "delta": {"stop_reason": stop, "stop_sequence": None},
-                                   "usage": {"output_tokens": gen.completion_tokens}})
-        + _event("message_stop", {"type": "message_stop"}))
-    await resp.write_eof()
-    return resp
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -39,15 +39,42 @@ class CommonFields(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(CommonFields, kw_only=True):
+    """Every optional field takes an explicit null, meaning what leaving it out means."""
     max_tokens: TokenCount
     stop_sequences: list[StopString] | None = None
-    stream: bool = False
+    stream: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: TopK | None = None
     metadata: dict | None = None
     thinking: dict | None = None
     service_tier: Ident | None = None
+    output_config: dict | None = None  # `format` (a JSON schema the answer follows), `effort`
+    output_format: dict | None = None  # the structured-outputs beta's spelling of the format
+    mcp_servers: Any = None
+    container: Any = None
+
+
+def output_format(req: MessagesRequest) -> dict | None:
+    """The JSON schema the answer must follow (`output_config.format`, or the beta's
+    `output_format`), or None."""
+    config = req.output_config or {}
+    fmt = config.get("format") or req.output_format
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
+            or not isinstance(fmt.get("schema"), dict):
+        raise bad_request('output_config.format: must be {"type": "json_schema", "schema": '
+                          '{...}}')
+    return fmt["schema"]
+
+
+def check_fields(req: MessagesRequest) -> None:
+    """A 400 for each field mlxd does not do (rather than ignoring it)."""
+    if req.mcp_servers is not None:
+        raise bad_request("mcp_servers: MCP connectors are not supported")
+    if req.container is not None:
+        raise bad_request("container: code execution containers are not supported")
 
 
 class CountTokensRequest(CommonFields, kw_only=True):

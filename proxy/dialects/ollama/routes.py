@@ -23,6 +23,7 @@ from mlxd.proxy.dialects.ollama.schema import (
     format_grammar,
     sampling,
 )
+from mlxd.proxy.engine_client import EngineRecord
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.model_pool import model_weight_bytes
@@ -63,7 +64,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                             grammar=format_grammar(req.format),
                             tools=[t.as_template_tool() for t in tools] or None)
     async with started_generation(state, job) as gen:
-        return await _respond(request, gen, req.stream, req.model, "message")
+        return await _respond(request, gen, req.stream is not False, req.model, "message")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -72,23 +73,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
     keep_alive = keep_alive_seconds(req.keep_alive)
     if req.images:
         raise bad_request("images are not supported")
-    if req.suffix:
-        raise bad_request("`suffix` is not supported")
+    if req.template:
+        raise bad_request("`template` is not supported (the model's own chat template is used)")
+    if req.context:
+        raise bad_request("`context` is not supported (send the conversation to /api/chat)")
     name = _model_name(req.model, state.router)
-    if not req.prompt:
+    prompt = req.prompt or ""
+    if not prompt and not req.suffix:
         return await _load_only(request, name, keep_alive, "response", "")
     checked = sampling(req, state.defaults)
     grammar = format_grammar(req.format)
-    if req.raw:
+    if req.suffix:  # fill-in-the-middle, framed by the model's FIM tokens
         job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
-                                keep_alive=keep_alive, grammar=grammar, prompt=req.prompt)
+                                keep_alive=keep_alive, grammar=grammar, prompt=prompt,
+                                suffix=req.suffix)
+    elif req.raw:
+        job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
+                                keep_alive=keep_alive, grammar=grammar, prompt=prompt)
     else:
         msgs = [{"role": "system", "content": req.system}] if req.system else []
         job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
                                 keep_alive=keep_alive, grammar=grammar,
-                                messages=[*msgs, {"role": "user", "content": req.prompt}])
+                                messages=[*msgs, {"role": "user", "content": prompt}])
     async with started_generation(state, job) as gen:
-        return await _respond(request, gen, req.stream, req.model, "response")
+        return await _respond(request, gen, req.stream is not False, req.model, "response")
 
 
 async def _load_only(request: web.Request, name: str, keep_alive: float | None, key: str,
@@ -169,33 +177,77 @@ def _final(gen: Generation, finish: str | None, started_ns: int) -> dict:
 
 # ---------------------------------------------------------------- models
 
-def _details(spec: str) -> dict:
+FAR_FUTURE = "9999-12-31T23:59:59Z"  # `expires_at` of a model that never unloads by itself
+
+
+def _config(model_dir: str) -> dict:
     try:
-        cfg = json.loads((Path(spec).expanduser() / "config.json").read_text())
+        cfg = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
-        cfg = {}
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _details(model_dir: str) -> dict:
+    cfg = _config(model_dir)
+    family = cfg.get("model_type", "") if isinstance(cfg.get("model_type"), str) else ""
     quant = cfg.get("quantization") or {}
-    return {"parent_model": "", "format": "mlx", "family": cfg.get("model_type", ""),
-            "families": [cfg.get("model_type", "")] if cfg.get("model_type") else None,
-            "parameter_size": "", "quantization_level":
+    return {"parent_model": "", "format": "mlx", "family": family,
+            "families": [family] if family else None, "parameter_size": "",
+            "quantization_level":
                 f"Q{quant['bits']}" if isinstance(quant, dict) and quant.get("bits") else ""}
 
 
-def _entry(name: str, spec: str, started: int) -> dict:
+def _model_dir(spec: str, rec: EngineRecord | None) -> str:
+    """Where the model's files are: as the engine loaded them (the default model's converted
+    directory, a repo id's snapshot), else the spec itself (a local directory)."""
+    if rec is not None and rec.status is not None and rec.status.model_dir:
+        return rec.status.model_dir
+    return spec
+
+
+def _capabilities(rec: EngineRecord | None) -> list[str]:
+    """What the engine found the model can do once it loaded it."""
+    if rec is not None and rec.status is not None and rec.status.capabilities:
+        return list(rec.status.capabilities)
+    return ["completion"]
+
+
+def _entry(name: str, spec: str, rec: EngineRecord | None, started: int) -> dict:
+    model_dir = _model_dir(spec, rec)
     return {"name": name, "model": name,
             "modified_at": datetime.fromtimestamp(started, UTC).isoformat(),
-            "size": model_weight_bytes(spec),
-            "digest": hashlib.sha256(spec.encode()).hexdigest(), "details": _details(spec)}
+            "size": model_weight_bytes(model_dir),
+            "digest": hashlib.sha256(spec.encode()).hexdigest(), "details": _details(model_dir)}
+
+
+def _expires_at(router: Router, engine_id: str) -> str:
+    """When the pool unloads this idle model: its keep_alive, else --idle-unload; never (far
+    in the future) when pinned, without a pool, or with neither."""
+    pool = router.pool
+    r = pool.resident.get(engine_id) if pool is not None else None
+    if pool is None or r is None or r.pinned:
+        return FAR_FUTURE
+    now = time.monotonic()
+    if r.keep_until is not None:
+        left = r.keep_until - now
+    elif pool.idle_unload > 0:
+        left = pool.idle_unload - (0.0 if r.in_flight else now - r.last_used)
+    else:
+        return FAR_FUTURE
+    when = datetime.fromtimestamp(time.time() + max(left, 0.0), UTC)
+    return when.isoformat().replace("+00:00", "Z")
 
 
 async def tags(request: web.Request) -> web.Response:
     state = request.app[STATE]
     client, router = state.client, state.router
-    seen: dict[str, str] = {rec.model_id: rec.spec for rec in client.engines.values()}
+    seen: dict[str, tuple[str, EngineRecord | None]] = {
+        rec.model_id: (rec.spec, rec) for rec in client.engines.values()}
     for alias, spec in router.aliases.items():
-        seen.setdefault(alias, spec)
-    return web.json_response({"models": [_entry(n, s, state.started)
-                                         for n, s in seen.items()]})
+        seen.setdefault(alias, (spec, None))
+    return web.json_response({"models": [_entry(n, spec, rec, state.started)
+                                         for n, (spec, rec) in seen.items()]})
 
 
 async def ps(request: web.Request) -> web.Response:
@@ -205,10 +257,25 @@ async def ps(request: web.Request) -> web.Response:
     models = []
     for rec in client.engines.values():
         if rec.engine_id in resident and rec.state == "ready":
-            size = model_weight_bytes(rec.spec)
-            models.append({**_entry(rec.model_id, rec.spec, state.started),
-                           "expires_at": "0001-01-01T00:00:00Z", "size_vram": size})
+            entry = _entry(rec.model_id, rec.spec, rec, state.started)
+            models.append({**entry, "expires_at": _expires_at(router, rec.engine_id),
+                           "size_vram": entry["size"],
+                           "context_length": rec.status.context_length if rec.status else 0})
     return web.json_response({"models": models})
+
+
+def _chat_template(model_dir: Path) -> str:
+    try:
+        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get(
+            "chat_template", "")
+    except (OSError, ValueError, AttributeError):
+        template = ""
+    if not template:  # newer models keep it in a file of its own
+        try:
+            template = (model_dir / "chat_template.jinja").read_text()
+        except OSError:
+            template = ""
+    return template if isinstance(template, str) else ""
 
 
 async def show(request: web.Request) -> web.Response:
@@ -220,24 +287,16 @@ async def show(request: web.Request) -> web.Response:
     name = _model_name(name, state.router)
     spec = state.router.lookup(name)
     rec = state.client.find(name)
-    path = Path(spec).expanduser()
-    try:
-        template = json.loads((path / "tokenizer_config.json").read_text()).get(
-            "chat_template", "")
-    except (OSError, ValueError):
-        template = ""
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
+    model_dir = _model_dir(spec, rec)
+    cfg = _config(model_dir)
     info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
             if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     if rec is not None and rec.status is not None:
         info["general.context_length"] = rec.status.context_length
     return web.json_response({"modelfile": "", "parameters": "",
-                              "template": template if isinstance(template, str) else "",
-                              "details": _details(spec), "model_info": info,
-                              "capabilities": ["completion"],
+                              "template": _chat_template(Path(model_dir).expanduser()),
+                              "details": _details(model_dir), "model_info": info,
+                              "capabilities": _capabilities(rec),
                               "modified_at": datetime.fromtimestamp(
                                   state.started, UTC).isoformat()})
 

@@ -41,16 +41,17 @@ class Options(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Ident
-    content: str = ""
+    content: str | None = None
     images: list[str] | None = None
     tool_calls: list[dict] | None = None
     thinking: str | None = None
 
 
 class CommonFields(msgspec.Struct, kw_only=True):
-    """The fields `/api/chat` and `/api/generate` share."""
+    """The fields `/api/chat` and `/api/generate` share. Every optional field takes an
+    explicit null, meaning what leaving it out means."""
     model: ModelName
-    stream: bool = True
+    stream: bool | None = None  # null or left out: true
     format: Any = None
     options: Options | None = None
     keep_alive: Seconds | Duration | None = None
@@ -63,9 +64,9 @@ class ChatRequest(CommonFields, kw_only=True):
 
 
 class GenerateRequest(CommonFields, kw_only=True):
-    prompt: str = ""
+    prompt: str | None = None
     system: str | None = None
-    raw: bool = False
+    raw: bool | None = None
     suffix: str | None = None
     images: list[str] | None = None
     template: str | None = None
@@ -86,7 +87,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                               "assistant, tool")
         if m.images:
             raise bad_request(f"messages[{i}]: images are not supported")
-        msg: dict = {"role": m.role, "content": m.content}
+        msg: dict = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:
             msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
         msgs.append(msg)

@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from mlxd.protocol.messages import Delta
 from mlxd.proxy import constraints
-from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.bounds import clip, decode_body
 from mlxd.proxy.dialects.openai.schema import (
     ChatRequest,
     CompletionRequest,
     chat_messages,
+    check_chat_fields,
+    choices,
     completion_prompt,
     sampling,
 )
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.generation import (
+    Collected,
+    Generation,
+    GenerationRequest,
+    started_generations,
+    usage,
+)
 from mlxd.proxy.state import STATE
 from mlxd.proxy.validation import keep_alive_seconds
 
@@ -55,80 +67,184 @@ def _include_usage(req: ChatRequest | CompletionRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-async def _run(request: web.Request, req: ChatRequest | CompletionRequest, prefix: str,
-               obj: str, make_choice: Any, **fields: Any) -> web.StreamResponse:
-    job = _generation_request(request, req, prefix, **fields)
-    async with started_generation(request.app[STATE], job) as gen:
-        return await _respond(request, gen, gen.msg.request_id, obj, req.stream,
-                              _include_usage(req), make_choice)
+@dataclass(frozen=True)
+class _Shape:
+    """How one endpoint's answers look: chat messages (maybe one forced tool call each) or
+    completion texts (maybe echoing the prompt)."""
+    obj: str  # "chat.completion" | "text_completion"
+    forced: list[constraints.Tool] | None = None  # the whole output is a call among these
+    echo: str = ""  # completions' `echo`: each answer starts with the prompt
+
+    @property
+    def chat(self) -> bool:
+        return self.obj == "chat.completion"
+
+    def choice(self, i: int, got: Collected, want_logprobs: bool) -> dict:
+        finish = got.finish_reason
+        if not self.chat:
+            return {"index": i, "text": self.echo + got.text, "finish_reason": finish,
+                    "logprobs": _logprobs(self.obj, got.logprobs, len(self.echo))
+                    if want_logprobs else None}
+        message: dict[str, Any] = {"role": "assistant", "content": got.text}
+        calls = [self.forced_call(got.text)] if self.forced else \
+            [_call(c) for c in got.tool_calls]
+        if got.reasoning:
+            message["reasoning_content"] = got.reasoning
+        if calls:
+            message["tool_calls"] = calls
+            message["content"] = None if self.forced else got.text or None
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"index": i, "message": message, "finish_reason": finish,
+                "logprobs": _logprobs(self.obj, got.logprobs, 0)
+                if want_logprobs and not self.forced else None}
+
+    def forced_call(self, text: str) -> dict:
+        """A forced call's output (a length limit may have cut it: it is still a call)."""
+        assert self.forced
+        name, args = constraints.forced_call(text, self.forced)
+        return {"id": constraints.new_call_id(), "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-async def _respond(request: web.Request, gen: Generation, rid: str, obj: str, stream: bool,
-                   include_usage: bool, make_choice: Any) -> web.StreamResponse:
-    created = int(time.time())
-    model = gen.engine.model_id
-    want_logprobs = gen.msg.sampling.logprobs >= 0
-    if not stream:
-        got = await gen.collect()
-        choice = make_choice(got.text, got.finish_reason, final=True)
-        if "message" in choice:  # chat
-            if got.reasoning:
-                choice["message"]["reasoning_content"] = got.reasoning
-            if got.tool_calls:
-                choice["message"]["tool_calls"] = [_call(c) for c in got.tool_calls]
-                choice["message"]["content"] = got.text or None
-                if got.finish_reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-        if want_logprobs:
-            choice["logprobs"] = _logprobs(obj, got.logprobs, 0)
-        return web.json_response({
-            "id": rid, "object": obj, "created": created, "model": model,
-            "system_fingerprint": None, "choices": [choice], "usage": gen.usage()})
+async def _run(request: web.Request, req: ChatRequest | CompletionRequest,
+               job: GenerationRequest, shape: _Shape) -> web.StreamResponse:
+    async with started_generations(request.app[STATE], job, choices(req)) as gens:
+        if not req.stream:
+            return await _whole(gens, shape)
+        return await _stream(request, gens, shape, _include_usage(req))
+
+
+async def _whole(gens: list[Generation], shape: _Shape) -> web.Response:
+    want_logprobs = gens[0].msg.sampling.logprobs >= 0
+    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
+    try:
+        got = await asyncio.gather(*tasks)
+    finally:  # one answer failed: the others stop too
+        for t in tasks:
+            t.cancel()
+    return web.json_response({
+        "id": _rid(gens), "object": shape.obj, "created": int(time.time()),
+        "model": gens[0].engine.model_id, "system_fingerprint": None,
+        "choices": [shape.choice(i, g, want_logprobs) for i, g in enumerate(got)],
+        "usage": usage(gens)})
+
+
+def _rid(gens: list[Generation]) -> str:
+    return gens[0].msg.prefill_group or gens[0].msg.request_id
+
+
+class _Deltas:
+    """The deltas of every answer as they come, with the answer's index."""
+
+    def __init__(self, gens: list[Generation]) -> None:
+        self.gens = gens
+        self.queue: asyncio.Queue[tuple[int, Delta | None, Exception | None]] = \
+            asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
+        if len(self.gens) == 1:
+            async for d in self.gens[0].deltas():
+                yield 0, d
+            return
+        self.tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self.gens)]
+        left = len(self.gens)
+        while left:
+            i, got, error = await self.queue.get()
+            if error is not None:
+                raise error
+            if got is None:
+                left -= 1
+            else:
+                yield i, got
+
+    async def _pump(self, i: int, gen: Generation) -> None:
+        try:
+            async for d in gen.deltas():
+                self.queue.put_nowait((i, d, None))
+            self.queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            self.queue.put_nowait((i, None, e))
+
+    def pending(self) -> bool:
+        """Whether a delta is already queued (a writer may batch it with this one)."""
+        if len(self.gens) == 1:
+            return self.gens[0].pending()
+        return not self.queue.empty()
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
+                  include_usage: bool) -> web.StreamResponse:
+    n = len(gens)
+    want_logprobs = gens[0].msg.sampling.logprobs >= 0
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    base = {"id": rid, "object": obj + ".chunk" if obj == "chat.completion" else obj,
-            "created": created, "model": model, "system_fingerprint": None}
-    first = make_choice(None, None, final=False, first=True)
-    if first is not None:
-        await resp.write(_sse({**base, "choices": [first]}))
-    chunk = _ChunkTemplate({**base, "choices": [make_choice(_MARK, None, final=False)]})
+    base = {"id": _rid(gens), "object": shape.obj + ".chunk" if shape.chat else shape.obj,
+            "created": int(time.time()), "model": gens[0].engine.model_id,
+            "system_fingerprint": None}
+
+    def chunk(i: int, text: str | None = None, finish: str | None = None,
+              **delta: Any) -> dict:
+        if shape.chat:
+            if text is not None:
+                delta["content"] = text
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+
     out: list[bytes] = []
+    for i in range(n):  # chat: the role first; completions with echo: the prompt first
+        if shape.chat:
+            out.append(_sse({**base, "choices": [chunk(i, "", role="assistant")]}))
+        elif shape.echo:
+            out.append(_sse({**base, "choices": [chunk(i, shape.echo)]}))
+    templates = [_ChunkTemplate({**base, "choices": [chunk(i, _MARK)]}) for i in range(n)]
+    offsets = [len(shape.echo)] * n
+    calls = [0] * n
+    held = [""] * n  # a forced call's text, sent as one call once complete
+    deltas = _Deltas(gens)
     try:
-        offset = 0
-        n_calls = 0
-        async for d in gen.deltas():
-            if d.reasoning and obj == "chat.completion":
-                out.append(_sse({**base, "choices": [{
-                    "index": 0, "delta": {"reasoning_content": d.reasoning},
-                    "logprobs": None, "finish_reason": None}]}))
-            if d.tool_calls and obj == "chat.completion":
-                out.append(_sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
-                    {"index": n_calls + i, **_call(c)} for i, c in enumerate(d.tool_calls)]},
-                    "logprobs": None, "finish_reason": None}]}))
-                n_calls += len(d.tool_calls)
-            if want_logprobs and d.logprobs:
-                c = make_choice(d.text, None, final=False)
-                c["logprobs"] = _logprobs(obj, d.logprobs, offset)
+        async for i, d in deltas:
+            if d.reasoning and shape.chat:
+                out.append(_sse({**base, "choices": [chunk(i, reasoning_content=d.reasoning)]}))
+            if d.tool_calls and shape.chat:
+                out.append(_sse({**base, "choices": [chunk(i, tool_calls=[
+                    {"index": calls[i] + j, **_call(c)} for j, c in enumerate(d.tool_calls)])]}))
+                calls[i] += len(d.tool_calls)
+            if shape.forced:
+                held[i] += d.text
+            elif want_logprobs and d.logprobs:
+                c = chunk(i, d.text)
+                c["logprobs"] = _logprobs(shape.obj, d.logprobs, offsets[i])
                 out.append(_sse({**base, "choices": [c]}))
             elif d.text:
-                out.append(chunk.render(d.text))
-            offset += len(d.text)
+                out.append(templates[i].render(d.text))
+            offsets[i] += len(d.text)
             if d.finish_reason is not None:
-                reason = "tool_calls" if n_calls and d.finish_reason == "stop" \
-                    else d.finish_reason
-                out.append(_sse({**base, "choices": [make_choice("", reason,
-                                                                 final=False, last=True)]}))
-            if not gen.pending():  # one write for whatever has queued up meanwhile
+                reason = d.finish_reason
+                if shape.forced:
+                    out.append(_sse({**base, "choices": [chunk(i, tool_calls=[
+                        {"index": 0, **shape.forced_call(held[i])}])]}))
+                    calls[i] += 1
+                if calls[i] and reason == "stop":
+                    reason = "tool_calls"
+                out.append(_sse({**base, "choices": [chunk(i, finish=reason)]}))
+            if not deltas.pending():  # one write for whatever has queued up meanwhile
                 await resp.write(b"".join(out))
                 out.clear()
         if out:
             await resp.write(b"".join(out))
         if include_usage:
-            await resp.write(_sse({**base, "choices": [], "usage": gen.usage()}))
+            await resp.write(_sse({**base, "choices": [], "usage": usage(gens)}))
         await resp.write(b"data: [DONE]\n\n")
     except APIError as e:  # after streaming started: one in-band error event, then close
         await resp.write(b"".join(out) + _sse(e.body()))
+    finally:
+        deltas.close()
     await resp.write_eof()
     return resp
 
@@ -159,6 +275,7 @@ def _logprobs(obj: str, entries: Any, offset: int) -> dict:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), ChatRequest)
+    check_chat_fields(req)
     messages = chat_messages(req)
     tools = constraints.parse_tools(req.tools)
     forced = constraints.forced_tools(tools, req.tool_choice)
@@ -170,92 +287,28 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         grammar = constraints.call_grammar(forced)
     template_tools = [t.as_template_tool() for t in tools] \
         if tools and req.tool_choice != "none" else None
-    if forced is None:
-        return await _run(request, req, "chatcmpl", "chat.completion", _chat_choice,
-                          messages=messages, grammar=grammar, tools=template_tools)
     job = _generation_request(request, req, "chatcmpl", messages=messages, grammar=grammar,
                               tools=template_tools)
-    async with started_generation(request.app[STATE], job) as gen:
-        return await _respond_tool_call(request, gen, req.stream, _include_usage(req))
-
-
-async def _respond_tool_call(request: web.Request, gen: Generation, stream: bool,
-                             include_usage: bool) -> web.StreamResponse:
-    """A forced call: the grammar makes the whole output one call, sent as `tool_calls`
-    (in one delta when streaming: its arguments are complete only at the end)."""
-    rid, created, model = gen.msg.request_id, int(time.time()), gen.engine.model_id
-    base = {"id": rid, "created": created, "model": model, "system_fingerprint": None}
-    resp = None
-    if stream:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        await resp.write(_sse({**base, "object": "chat.completion.chunk", "choices": [
-            _chat_choice(None, None, final=False, first=True)]}))
-    try:
-        got = await gen.collect()
-    except APIError as e:
-        if resp is None:
-            raise
-        await resp.write(_sse(e.body()))
-        await resp.write_eof()
-        return resp
-    text, finish = got.text, got.finish_reason
-    parsed = constraints.forced_call(text, finish)
-    call = None if parsed is None else {
-        "id": constraints.new_call_id(), "type": "function",
-        "function": {"name": parsed[0], "arguments": json.dumps(parsed[1], ensure_ascii=False)}}
-    finish_reason = "tool_calls" if call else (finish or "stop")
-    if resp is None:
-        message: dict[str, Any] = {"role": "assistant", "content": None if call else text}
-        if call:
-            message["tool_calls"] = [call]
-        return web.json_response({**base, "object": "chat.completion", "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": gen.usage()})
-    delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": text}
-    chunk = {**base, "object": "chat.completion.chunk"}
-    out = _sse({**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": None}]})
-    out += _sse({**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                       "finish_reason": finish_reason}]})
-    if include_usage:
-        out += _sse({**chunk, "choices": [], "usage": gen.usage()})
-    await resp.write(out + b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
-def _chat_choice(text: str | None, finish: str | None, final: bool, first: bool = False,
-                 last: bool = False) -> dict:
-    if final:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
-    if first:
-        delta: dict = {"role": "assistant", "content": ""}
-    elif last:
-        delta = {}
-    else:
-        delta = {"content": text}
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return await _run(request, req, job, _Shape("chat.completion", forced=forced))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), CompletionRequest)
     prompt, token_ids = completion_prompt(req)
-    return await _run(request, req, "cmpl", "text_completion", _completion_choice,
-                      prompt=prompt, prompt_token_ids=token_ids)
+    job = _generation_request(request, req, "cmpl", prompt=prompt, prompt_token_ids=token_ids,
+                              suffix=req.suffix, echo_prompt=bool(req.echo) and prompt is None)
+    if not req.echo:
+        return await _run(request, req, job, _Shape("text_completion"))
+    async with started_generations(request.app[STATE], job, choices(req)) as gens:
+        shape = _Shape("text_completion", echo=prompt if prompt is not None
+                       else gens[0].prompt_text)
+        if not req.stream:
+            return await _whole(gens, shape)
+        return await _stream(request, gens, shape, _include_usage(req))
 
 
-def _completion_choice(text: str | None, finish: str | None, final: bool, first: bool = False,
-                       last: bool = False) -> dict | None:
-    if first:
-        return None
-    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """Resident and configured models, with their state."""
+def _models(request: web.Request) -> list[dict[str, Any]]:
+    """Resident and configured models, with their state and the names they answer to."""
     proxy = request.app[STATE]
     client, router = proxy.client, proxy.router
     resident = router.pool.resident if router.pool is not None else client.engines
@@ -269,10 +322,27 @@ async def list_models(request: web.Request) -> web.Response:
         if alias not in listed:
             data.append({"id": alias, "object": "model", "created": proxy.started,
                          "owned_by": "mlxd", "state": "unloaded", "aliases": [alias, spec]})
-    return web.json_response({"object": "list", "data": data})
+    return data
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": _models(request)})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{id}`: the model by any name it answers to (paths and repo ids, with
+    their slashes, included)."""
+    name = request.match_info["model"]
+    found = next((m for m in _models(request) if name == m["id"] or name in m["aliases"]),
+                 None)
+    if found is None:
+        raise APIError(404, f"the model {clip(name)!r} does not exist", code="model_not_found",
+                       param="model")
+    return web.json_response(found)
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from mlxd.proxy.bounds import (
+    MAX_COUNT,
     MAX_IDENT_CHARS,
     Duration,
     Ident,
@@ -19,6 +20,7 @@ from mlxd.proxy.bounds import (
     TokenCount,
     TokenId,
     TopK,
+    clip,
     loads,
 )
 from mlxd.proxy.errors import bad_request
@@ -39,13 +41,18 @@ class ChatMessage(msgspec.Struct):
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = None
+
+
+MAX_CHOICES = 16  # `n`
+MAX_LOGIT_BIAS = 1024  # entries of `logit_bias`
 
 
 class CommonFields(msgspec.Struct, kw_only=True):
-    """The fields chat completions and completions share."""
+    """The fields chat completions and completions share. Every optional field takes an
+    explicit null, meaning what leaving it out means."""
     model: ModelName | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: TokenCount | None = None
     temperature: float | None = None
@@ -57,9 +64,22 @@ class CommonFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     seed: Seed | None = None
     stop: StopString | list[StopString] | None = None
-    n: SmallInt = 1
+    n: SmallInt | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: Ident | None = None
     keep_alive: Seconds | Duration | None = None  # seconds or "5m"; 0 unloads after, -1 pins
+
+
+# Fields OpenAI has that mlxd does not do: a 400 naming the field, never silently ignored.
+UNSUPPORTED_CHAT_FIELDS = {
+    "functions": "the legacy `functions` and `function_call` are not supported; use `tools` "
+                 "and `tool_choice`",
+    "function_call": "the legacy `functions` and `function_call` are not supported; use "
+                     "`tools` and `tool_choice`",
+    "audio": "`audio` output is not supported",
+    "prediction": "`prediction` (predicted outputs) is not supported",
+    "web_search_options": "`web_search_options` (web search) is not supported",
+}
 
 
 class ChatRequest(CommonFields, kw_only=True):
@@ -71,14 +91,56 @@ class ChatRequest(CommonFields, kw_only=True):
     response_format: dict | None = None
     logprobs: bool | None = None
     top_logprobs: SmallInt | None = None
+    modalities: list[Ident] | None = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(CommonFields, kw_only=True):
     prompt: str | list[str | TokenId]
-    echo: bool = False
+    echo: bool | None = None
     best_of: SmallInt | None = None
     suffix: str | None = None
     logprobs: SmallInt | None = None
+
+
+def check_chat_fields(req: ChatRequest) -> None:
+    """A 400 for each field mlxd does not do (rather than ignoring it)."""
+    for name, why in UNSUPPORTED_CHAT_FIELDS.items():
+        if getattr(req, name) is not None:
+            raise bad_request(why, param=name)
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise bad_request("`modalities`: only `text` is supported", param="modalities")
+
+
+def choices(req: ChatRequest | CompletionRequest) -> int:
+    """`n`: how many answers to generate for the one prompt (null: 1)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"`n` must be between 1 and {MAX_CHOICES}", param="n")
+    return n
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids (JSON object keys, so strings) -> a bias in
+    [-100, 100] added to that token's logit (-100 in effect bans it, 100 forces it)."""
+    out: dict[int, float] = {}
+    for key, bias in (raw or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) < 11 else -1
+        if not 0 <= token <= MAX_COUNT:
+            raise bad_request(f"`logit_bias` keys must be token ids, got {clip(key, 40)!r}",
+                              param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise bad_request("`logit_bias` values must be between -100 and 100",
+                              param="logit_bias")
+        out[token] = float(bias)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise bad_request(f"`logit_bias` takes at most {MAX_LOGIT_BIAS} tokens",
+                          param="logit_bias")
+    return out
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
@@ -146,8 +208,6 @@ def _is_ident(value: Any, empty: bool = False) -> bool:
 def sampling(req: ChatRequest | CompletionRequest, defaults: Defaults) -> CheckedSampling:
     """OpenAI's sampling fields, checked: chat's `max_completion_tokens` wins over the older
     `max_tokens`."""
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
     max_tokens = req.max_tokens
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -156,7 +216,8 @@ def sampling(req: ChatRequest | CompletionRequest, defaults: Defaults) -> Checke
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        logprobs=logprobs_wanted(req), max_tokens=max_tokens), defaults)
+        logprobs=logprobs_wanted(req), max_tokens=max_tokens,
+        logit_bias=logit_bias(req.logit_bias)), defaults)
 
 
 def logprobs_wanted(req: ChatRequest | CompletionRequest) -> int:
@@ -177,12 +238,11 @@ def logprobs_wanted(req: ChatRequest | CompletionRequest) -> int:
 
 
 def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    if req.echo:
-        raise bad_request("`echo` is not supported", param="echo")
     if req.best_of not in (None, 1):
         raise bad_request("`best_of` is not supported", param="best_of")
-    if req.suffix:
-        raise bad_request("`suffix` is not supported", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("`echo` with `logprobs` (the prompt's log-probabilities) is not "
+                          "supported", param="echo")
     p = req.prompt
     if isinstance(p, str):
         if not p:

@@ -1,0 +1,81 @@
+"""Pure pieces of issue 15's fixes: JSON cut short made whole (a forced call cut by the length
+limit), schemas closed where they say nothing of `additionalProperties`, and the lenient
+reading of a forced call."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from mlxd.proxy.constraints import Tool, closed, forced_call
+from mlxd.proxy.partial_json import complete
+
+
+@pytest.mark.parametrize("text, value", [
+    ('{"a": 1}', {"a": 1}),
+    ('{"a":"Par', {"a": "Par"}),
+    ('{"a":"x\\', {"a": "x"}),  # half an escape dropped
+    ('{"a":"x\\u00', {"a": "x"}),  # half a \\u escape dropped
+    ('{"a":"x\\\\', {"a": "x\\"}),  # a whole escaped backslash kept
+    ('{"loc', {}),  # a key without its value
+    ('{"a":1,"b":', {"a": 1}),
+    ('{"a":12', {"a": 12}),
+    ('{"a":tr', {}),
+    ('{"a":[1,2,', {"a": [1, 2]}),
+    ('{"a":["x",{"b":nu', {"a": ["x", {}]}),
+    ('{"name":"get_weather","arguments":{"location":"Pa',
+     {"name": "get_weather", "arguments": {"location": "Pa"}}),
+    ('[{"a":{"b":[true,', [{"a": {"b": [True]}}]),
+    ("", None),
+    ("nonsense", None),
+])
+def test_complete(text, value):
+    assert complete(text) == value
+
+
+def test_every_prefix_of_a_document_completes_to_json():
+    doc = json.dumps({"name": "f", "arguments": {"s": "a \"q\" \\ é\n", "n": -1.5e3,
+                                                 "l": [True, None, {"k": []}]}})
+    for i in range(len(doc) + 1):
+        value = complete(doc[:i])
+        assert value is None or isinstance(value, dict), doc[:i]
+        json.dumps(value)
+    assert complete(doc) == json.loads(doc)
+
+
+def test_closed_schemas():
+    schema = {
+        "type": "object", "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "open": {"type": "object", "properties": {"c": {}}, "additionalProperties": True},
+            "free": {"type": "object"},
+            "list": {"type": "array", "items": {"properties": {"d": {"type": "integer"}}}},
+            "either": {"anyOf": [{"$ref": "#/$defs/E"}, {"type": "null"}]}},
+        "$defs": {"E": {"type": "object", "properties": {"e": {"type": "boolean"}}}}}
+    before = copy.deepcopy(schema)
+    out = closed(schema)
+    assert schema == before  # the client's schema is not modified
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["a"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["free"]  # no properties: free-form stays
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["E"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["either"]["anyOf"][1]
+
+
+TOOLS = [Tool("get_weather", "", {"type": "object"}), Tool("get_time", "", {"type": "object"})]
+
+
+@pytest.mark.parametrize("text, call", [
+    ('{"name":"get_time","arguments":{"zone":"UTC"}}', ("get_time", {"zone": "UTC"})),
+    ('{"name":"get_weather","arguments":{"city":"Pa', ("get_weather", {"city": "Pa"})),
+    ('{"name":"get_t', ("get_time", {})),  # the tool the text began
+    ('{"na', ("get_weather", {})),  # not even that: the first tool
+    ("", ("get_weather", {})),
+])
+def test_forced_call_reads_what_was_written(text, call):
+    assert forced_call(text, TOOLS) == call
