@@ -7,6 +7,8 @@ model metadata, `GET /v1/models/{id}`, `n` > 1, `echo` and fill-in-the-middle.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from datetime import UTC, datetime, timedelta
 
 import anthropic
@@ -374,10 +376,12 @@ FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 @pytest.fixture(scope="module")
 def coder(tmp_path_factory):
     """A model whose template takes tools and knows <think>, and whose tokenizer has FIM
-    tokens, served under --isolate (the pool keeps its keep_alive)."""
+    tokens, served under --isolate (the pool keeps its keep_alive; an engine can be killed),
+    its first two engine epochs slowed down."""
     model = write_random_model(tmp_path_factory.mktemp("models") / "coder", context=256,
                                chat_template=CODER_TEMPLATE, extra_special=FIM)
-    d = start_daemon(model, isolate=True)
+    d = start_daemon(model, "--restart-backoff", "0.1", isolate=True,
+                     env={"MLXD_FAULTS": "engine.step=delay@1#<2"})  # 50 ms steps: time to aim
     yield d, model
     stop_and_check(d)
 
@@ -420,6 +424,40 @@ def test_ollama_metadata_of_a_plain_model(daemon):
     assert c.show(MODEL).capabilities == ["completion"]
     (running,) = c.ps().models
     assert running.expires_at is not None and running.expires_at.year == 9999  # no pool
+
+
+# ---------------------------------------------------------------- n > 1 and transparent resume
+
+def _stream_choices(d: Daemon, body: dict, kill_after: int | None = None) -> list[str]:
+    """Stream a chat of n answers; SIGKILL the engine after `kill_after` content chunks."""
+    texts: dict[int, str] = {}
+    chunks = 0
+    with d.http() as c, c.stream("POST", "/v1/chat/completions",
+                                 json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            for ch in obj["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content")
+                                                                   or "")
+                chunks += bool(ch["delta"].get("content"))
+                if chunks == kill_after:
+                    os.kill(d.stats()["engines"][0]["pid"], signal.SIGKILL)
+    return [texts[i] for i in sorted(texts)]
+
+
+def test_n_answers_each_resume_after_an_engine_death(coder):
+    d, _ = coder
+    body = {"model": "coder", "messages": ASK, "max_tokens": 24, "n": 2, "temperature": 0.8,
+            "seed": 11}
+    reference = _stream_choices(d, body)
+    assert len(reference) == 2 and reference[0] != reference[1]
+    before = d.stats()["proxy"]["resume"]["resumes"]
+    assert _stream_choices(d, body, kill_after=10) == reference
+    assert d.stats()["proxy"]["resume"]["resumes"] - before == 2
 
 
 # ---------------------------------------------------------------- 8: the default model
