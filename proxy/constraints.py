@@ -16,13 +16,14 @@ from mlxd.proxy.errors import bad_request
 ANY_OBJECT: dict = {"type": "object"}
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, close_self: bool = True) -> Any:
     """`schema` with every object schema that lists `properties` but says nothing of
     `additionalProperties` closed (false), in nested schemas too; one that says true stays
     open, and an object without `properties` stays free-form. Left open, a grammar lets a
     model add keys (the same key again and again) until the length limit; grammar engines
-    elsewhere (vLLM, SGLang, llama.cpp) generate as if it were false too. The client's schema
-    is not modified."""
+    elsewhere (vLLM, SGLang, llama.cpp) generate as if it were false too. The members of an
+    `allOf` of several are left open themselves (closed, each would forbid the others' keys).
+    The client's schema is not modified."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
@@ -31,7 +32,11 @@ def closed(schema: Any) -> Any:
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    members = schema.get("allOf")
+    if isinstance(members, list) and len(members) > 1:
+        out["allOf"] = [closed(s, close_self=False) for s in members]
+    if close_self and isinstance(out.get("properties"), dict) \
+            and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

@@ -52,7 +52,9 @@ def test_closed_schemas():
             "open": {"type": "object", "properties": {"c": {}}, "additionalProperties": True},
             "free": {"type": "object"},
             "list": {"type": "array", "items": {"properties": {"d": {"type": "integer"}}}},
-            "either": {"anyOf": [{"$ref": "#/$defs/E"}, {"type": "null"}]}},
+            "either": {"anyOf": [{"$ref": "#/$defs/E"}, {"type": "null"}]},
+            "both": {"allOf": [{"properties": {"f": {}}},
+                               {"properties": {"g": {"properties": {"h": {}}}}}]}},
         "$defs": {"E": {"type": "object", "properties": {"e": {"type": "boolean"}}}}}
     before = copy.deepcopy(schema)
     out = closed(schema)
@@ -65,6 +67,9 @@ def test_closed_schemas():
     assert props["list"]["items"]["additionalProperties"] is False
     assert out["$defs"]["E"]["additionalProperties"] is False
     assert "additionalProperties" not in props["either"]["anyOf"][1]
+    f, g = props["both"]["allOf"]  # closed, each would forbid the other's keys
+    assert "additionalProperties" not in f and "additionalProperties" not in g
+    assert g["properties"]["g"]["additionalProperties"] is False  # what they hold is closed
 
 
 TOOLS = [Tool("get_weather", "", {"type": "object"}), Tool("get_time", "", {"type": "object"})]
