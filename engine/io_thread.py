@@ -21,6 +21,7 @@ from mlxd.protocol.addresses import Endpoints, identity
 from mlxd.protocol.messages import (
     Abort,
     ChildStates,
+    Embed,
     FlushCache,
     Generate,
     Heartbeat,
@@ -42,6 +43,7 @@ class Handlers:
     shutdown: Callable[[str], None]
     children: Callable[[ChildStates], None]
     progress: Callable[[], tuple[int, bool]]  # the MLX thread's step counter, and busy
+    embed: Callable[[Embed], None]
 
 
 class IoThread:
@@ -123,6 +125,8 @@ class IoThread:
                 self.on.abort(ids)
             case FlushCache():
                 self.on.flush(msg)
+            case Embed():
+                self.on.embed(msg)
 
     def _on_control(self, dec: Any, data: bytes) -> None:
         try:

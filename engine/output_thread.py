@@ -17,7 +17,14 @@ from mlxd.engine.output import RequestOutput
 from mlxd.engine.runner import AbortRequest, RequestsRemoved, RequestStarted, StepTokens
 from mlxd.engine.state import Channels, Registered, StatusTick
 from mlxd.protocol import codec
-from mlxd.protocol.messages import CacheFlushed, Delta, EngineStatus, StepOutput, TokenLogprob
+from mlxd.protocol.messages import (
+    CacheFlushed,
+    Delta,
+    Embeddings,
+    EngineStatus,
+    StepOutput,
+    TokenLogprob,
+)
 
 log = logging.getLogger("mlxd.engine")
 
@@ -59,7 +66,7 @@ class OutputThread:
                 try:
                     item = outq.get(timeout=STATUS_INTERVAL)
                     while True:
-                        if isinstance(item, CacheFlushed):
+                        if isinstance(item, (CacheFlushed, Embeddings)):
                             send(item)
                         else:
                             self._collect(item, deltas)

@@ -21,6 +21,7 @@ import zmq
 from mlxd.engine import admission
 from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.admission_lanes import AdmissionLanes
+from mlxd.engine.embedding_engine import Embedding
 from mlxd.engine.io_thread import Handlers, IoThread
 from mlxd.engine.output_thread import OutputThread
 from mlxd.engine.prefix_cache import RestoredPrefix
@@ -41,6 +42,7 @@ from mlxd.protocol.messages import (
     ChildFailed,
     ChildStates,
     Delta,
+    Embed,
     EngineState,
     EngineStatus,
     FlushCache,
@@ -78,13 +80,16 @@ class EngineService:
         self.model: LoadedModel | None = None  # set once loaded, read-only after
         self.runner: Runner | None = None
         self.ssd: Any = None  # ssd_tier.SsdTier when the SSD tier is on
+        self.embedding: Embedding | None = None  # set once loaded
+        self.embedding_model_dir: Path | None = None  # set if the model only embeds
         self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped)
         self._token_texts: dict[int, str] = {}  # the output thread's cache
         self._storage_epoch: int | None = None  # the storage worker's, from ChildStates
         self._io = IoThread(ctx, endpoints, launch.engine_id, launch.epoch, supervised, self.ch,
                             Handlers(generate=self.lanes.submit, abort=self._abort,
                                      flush=self._flush_request, shutdown=lambda _: self.stop(),
-                                     children=self._on_children, progress=self._progress))
+                                     children=self._on_children, progress=self._progress,
+                                     embed=self._embed))
         self._out = OutputThread(ctx, endpoints.outputs, launch.engine_id, launch.epoch, self.ch,
                                  self._status, lambda: self.runner.inbox if self.runner else None,
                                  self._token_text)
@@ -102,6 +107,8 @@ class EngineService:
         finally:
             self.ch.stop.set()
             self.lanes.stop()
+            if self.embedding is not None:
+                self.embedding.stop()
             self.ch.outq.put(StatusTick())
             for t in threads:
                 t.join(timeout=5)
@@ -109,13 +116,25 @@ class EngineService:
     def _load_and_serve(self) -> int:
         import mlx.core as mx
 
-        from mlxd.engine.model_loader import ModelLoadError, load_model
+        from mlxd.engine.embedding_model import (
+            CausalLMEmbedder,
+            load_encoder,
+            model_kind,
+        )
+        from mlxd.engine.model_loader import ModelLoadError, load_model, resolve_model_dir
         from mlxd.engine.ssd_tier import open_ssd_tier
         launch, settings = self.launch, self.launch.settings
         t0 = time.monotonic()
         try:
             faults.hit("engine.load")
-            model, tokenizer, config = load_model(launch.model, Path(launch.cache_dir),
+            model_dir = resolve_model_dir(launch.model, Path(launch.cache_dir),
+                                          self._load_progress)
+            if model_kind(model_dir) == "embed":  # an engine of its own kind: it only embeds
+                stream = mx.new_stream(mx.default_device())
+                embedding = Embedding(load_encoder(model_dir, settings.dtype, stream),
+                                      self.ch.outq, launch.engine_id, launch.epoch)
+                return self._serve_embeddings(embedding, model_dir, t0)
+            model, tokenizer, config = load_model(str(model_dir), Path(launch.cache_dir),
                                                   settings.dtype, self._load_progress)
         except (ModelLoadError, faults.FaultInjected) as e:
             log.error("model failed to load: %s", e)
@@ -137,6 +156,12 @@ class EngineService:
                              if persist else None,
                              checkpoint_every=settings.generation_checkpoint,
                              on_checkpoint=persist)
+        inbox = self.runner.inbox  # embeddings run between generation steps
+        self.embedding = Embedding(
+            CausalLMEmbedder(model, tokenizer, loaded.context_length,
+                             int(config.get("vocab_size") or 0), stream),
+            self.ch.outq, launch.engine_id, launch.epoch,
+            wake=lambda: inbox.put(Call(lambda _: self._run_embeddings())))
         self.model = loaded  # admission lanes take this as the sign of readiness
         self.load_progress = None
         log.info("model %s ready in %.1f s (loaded in %.1f s%s; context %d)",
@@ -152,6 +177,21 @@ class EngineService:
             if self.ssd is not None:
                 self.ssd.close()
         return exit_codes.OK
+
+    def _serve_embeddings(self, embedding: Embedding, model_dir: Path, t0: float) -> int:
+        """An embedding model's engine: no generation, no KV tiers; the MLX thread embeds."""
+        self.embedding, self.embedding_model_dir = embedding, model_dir
+        self.load_progress = None
+        log.info("embedding model %s ready in %.1f s", model_id(self.launch.model),
+                 time.monotonic() - t0)
+        self._set_state("ready")
+        self.ch.control_out.put(Ready(self.launch.engine_id, self.launch.epoch))
+        embedding.serve(self.ch.stop)
+        return exit_codes.OK
+
+    def _run_embeddings(self) -> None:
+        if self.embedding is not None:
+            self.embedding.run_pending()
 
     def _load_progress(self, task: str, done: int, total: int, unit: str) -> None:
         self.load_progress = (task, done, total, unit)
@@ -233,6 +273,10 @@ class EngineService:
     # ------------------------------------------------------------------ admission lanes
 
     def _prepare(self, msg: Generate) -> Admitted | Answered:
+        if self.embedding_model_dir is not None:
+            return Answered([Delta(msg.request_id, finish_reason="error", error_code=
+                                   "invalid_request", error=f"{model_id(self.launch.model)} is "
+                                   "an embedding model: it does not generate text")])
         return admission.prepare(msg, self.model, self._restore, time.monotonic())
 
     def _restore(self, prompt: list[int]) -> RestoredPrefix | None:
@@ -263,6 +307,13 @@ class EngineService:
             for rid in request_ids:
                 self.runner.inbox.put(AbortRequest(rid))
 
+    def _embed(self, msg: Embed) -> None:
+        if self.embedding is None:
+            self.ch.outq.put(Delta(msg.request_id, finish_reason="error",
+                                   error="the model is still loading", error_code="engine_loading"))
+        else:
+            self.embedding.submit(msg)
+
     def _on_children(self, msg: ChildStates) -> None:
         storage = next((c for c in msg.children if c.role == "storage"), None)
         if storage is None:
@@ -273,6 +324,8 @@ class EngineService:
             self.ssd.worker_restarted()
 
     def _progress(self) -> tuple[int, bool]:
+        if self.embedding_model_dir is not None and self.embedding is not None:
+            return self.embedding.progress()
         c = self.runner.counters if self.runner is not None else None
         return (c.steps, c.busy) if c is not None else (0, False)
 
@@ -288,6 +341,8 @@ class EngineService:
         launch = self.launch
         status = engine_status(launch.engine_id, launch.epoch, launch.model, self.state,
                                self.error, self.model, self.runner, self.ssd)
+        if self.embedding is not None:
+            status = self.embedding.status(status, self.embedding_model_dir)
         progress = self.load_progress
         return status if progress is None else msgspec.structs.replace(
             status, load_progress=progress)

@@ -81,7 +81,17 @@ class FlushCache(_Msg, tag="flush"):
     timeout: float = 60.0
 
 
-ToEngine = Generate | Abort | FlushCache
+class Embed(_Msg, tag="embed"):
+    """Embed each of `inputs` (texts), or of `input_token_ids`; answered by one `Embeddings`,
+    or by an error `Delta` (a client error, such as an input longer than the model takes)."""
+    request_id: str
+    inputs: list[str] = []
+    input_token_ids: list[list[int]] = []
+    truncate: bool = False  # cut inputs longer than the model takes (else a client error)
+    dimensions: int = 0  # keep each vector's first `dimensions` and renormalize (0: all)
+
+
+ToEngine = Generate | Abort | FlushCache | Embed
 
 
 # ---------------------------------------------------------------- engine -> proxy (outputs)
@@ -155,6 +165,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     ssd_blocks: int = 0
     ssd_evicted: int = 0
     ssd_write_queue: int = 0
+    embed_requests: int = 0  # Embed requests answered with vectors
+    embed_inputs: int = 0  # inputs embedded
+    embed_tokens: int = 0  # their tokens
+    embed_steps: int = 0  # forward passes that embedded them (up to 64 inputs each)
+    embed_peak_batch: int = 0  # most inputs embedded in one forward pass
 
 
 # A prompt's text is refused before tokenizing when it has more characters than
@@ -208,7 +223,19 @@ class CacheFlushed(_Msg, tag="flushed"):
     unwritten: int = 0  # blocks of cached entries still not on disk when the flush answered
 
 
-FromEngine = StepOutput | EngineStatus | CacheFlushed
+class Embeddings(_Msg, tag="embeddings"):
+    """The vectors of one `Embed`: `count` rows of `dimensions` float32 (little-endian), one
+    after the other, in the order of the inputs."""
+    engine_id: str
+    epoch: int
+    request_id: str
+    count: int
+    dimensions: int
+    vectors: bytes
+    prompt_tokens: int = 0  # tokens of every input together (after truncation)
+
+
+FromEngine = StepOutput | EngineStatus | CacheFlushed | Embeddings
 
 
 # ---------------------------------------------------------------- control (supervisor <-> child)

@@ -16,8 +16,10 @@ from aiohttp import web
 
 from mlxd.proxy import admin_routes, metrics, security
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
+from mlxd.proxy.dialects.embeddings import routes as embedding_routes
 from mlxd.proxy.dialects.ollama import routes as ollama_routes
 from mlxd.proxy.dialects.openai import routes as openai_routes
+from mlxd.proxy.dialects.responses import routes as responses_routes
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.errors import error_middleware
 from mlxd.proxy.generation import ResumeStats
@@ -55,6 +57,8 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)
     ollama_routes.add_routes(app)
+    embedding_routes.add_routes(app)
+    responses_routes.add_routes(app)
     admin_routes.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)

@@ -24,6 +24,8 @@ from mlxd.protocol.messages import (
     ChildInfo,
     ChildStates,
     Delta,
+    Embed,
+    Embeddings,
     EngineStatus,
     FlushCache,
     Generate,
@@ -98,6 +100,8 @@ class RequestStream:
     epoch: int
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     finished: bool = False
+    # An Embed's answer; its arrival is announced on `queue` by a delta that finishes it
+    embeddings: Embeddings | None = None
 
 
 class EngineGone(Exception):
@@ -163,7 +167,7 @@ class EngineClient:
                 return rec
         return None
 
-    async def submit(self, engine: EngineRecord, msg: Generate) -> RequestStream:
+    async def submit(self, engine: EngineRecord, msg: Generate | Embed) -> RequestStream:
         stream = RequestStream(msg.request_id, engine, engine.epoch)
         self.streams[msg.request_id] = stream
         try:
@@ -322,6 +326,8 @@ class EngineClient:
                     fut = self._flushes.pop(token, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
+                case Embeddings():
+                    self._on_embeddings(msg)
 
     def _on_deltas(self, epoch: int, deltas: list[Delta]) -> None:
         for d in deltas:
@@ -332,6 +338,16 @@ class EngineClient:
                 stream.finished = True
                 del self.streams[d.request_id]
             stream.queue.put_nowait(d)
+
+    def _on_embeddings(self, msg: Embeddings) -> None:
+        stream = self.streams.get(msg.request_id)
+        if stream is None or stream.epoch != msg.epoch:
+            return
+        stream.embeddings = msg
+        stream.finished = True
+        del self.streams[msg.request_id]
+        stream.queue.put_nowait(Delta(msg.request_id, finish_reason="stop",
+                                      prompt_tokens=msg.prompt_tokens))
 
     def _on_status(self, st: EngineStatus) -> None:
         rec = self.engines.get(st.engine_id)

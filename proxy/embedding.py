@@ -1,0 +1,123 @@
+"""One embedding request, whatever the dialect (runs in the proxy): the engine of the named
+model (an embedding model's, or a causal LM's), one `Embed` sent, its `Embeddings` awaited.
+Embedding keeps no state, so a request whose engine dies is sent again to the restarted engine,
+once (unless resume is off); a second death fails it. Dialects check their bodies first (bad
+input never reaches the router) and render the result."""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from mlxd.protocol.messages import Embed, Embeddings
+from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
+from mlxd.proxy.errors import APIError, unavailable
+from mlxd.proxy.generation import RECONNECT_POLL, _delta_error, new_request_id
+from mlxd.proxy.state import ProxyState
+
+MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingRequest:
+    """What to embed in no dialect's words: texts, or token ids, and how."""
+    model: str | None
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    truncate: bool = False  # cut an input longer than the model takes (else a 400)
+    dimensions: int = 0  # keep the first `dimensions` of each vector, renormalized (0: all)
+    keep_alive: float | None = None
+
+    def engine_message(self) -> Embed:
+        return Embed(new_request_id("embd"), inputs=self.texts, input_token_ids=self.token_ids,
+                     truncate=self.truncate, dimensions=self.dimensions)
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    model_id: str
+    vectors: np.ndarray  # (inputs, dimensions) float32
+    prompt_tokens: int
+    total_s: float  # from the request's arrival at the router to the vectors
+    load_s: float  # of which waiting for the model to load
+
+    def floats(self) -> list[list[float]]:
+        return self.vectors.tolist()
+
+    def base64(self) -> list[str]:
+        """Each vector's little-endian float32 bytes in base64 (what the openai SDK asks for
+        by default and decodes with numpy)."""
+        return [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in self.vectors]
+
+
+async def embed(state: ProxyState, req: EmbeddingRequest) -> EmbeddingResult:
+    router = state.router
+    t0 = time.monotonic()
+    engine = await router.acquire(req.model)
+    t_loaded = time.monotonic()
+    try:
+        got = await _run(state.client, engine, req.engine_message(), state.resume,
+                         router.load_wait)
+    finally:
+        await router.release(engine, req.keep_alive)
+    vectors = np.frombuffer(got.vectors, dtype="<f4").reshape(got.count, got.dimensions)
+    return EmbeddingResult(engine.model_id, vectors, got.prompt_tokens,
+                           time.monotonic() - t0, t_loaded - t0)
+
+
+async def load_only(state: ProxyState, model: str | None, keep_alive: float | None) -> str:
+    """An empty request loads the model (Ollama's way); its id."""
+    engine = await state.router.acquire(model)
+    await state.router.release(engine, keep_alive)
+    return engine.model_id
+
+
+async def _run(client: EngineClient, engine: EngineRecord, msg: Embed, resume: bool,
+               load_wait: float) -> Embeddings:
+    retried = False
+    while True:
+        stream = await _submit(client, engine, msg, load_wait)
+        try:
+            d = await stream.queue.get()
+        finally:
+            if not stream.finished:  # the client went away: the engine may drop it
+                await client.abort(stream)
+        if stream.embeddings is not None:
+            return stream.embeddings
+        if d.error_code == "engine_crashed" and resume and not retried \
+                and await client.wait_serving(engine, stream.epoch, load_wait):
+            retried = True
+            msg = msgspec.structs.replace(msg, request_id=new_request_id("embd"))
+            continue
+        raise _delta_error(d)
+
+
+async def _submit(client: EngineClient, engine: EngineRecord, msg: Embed,
+                  load_wait: float) -> RequestStream:
+    """Send; an engine not reachable yet (dying, or still connecting to a respawned proxy) is
+    tried again as its state changes, for up to `load_wait`."""
+    deadline = time.monotonic() + load_wait
+    why = f"the engine serving {engine.model_id} is {engine.state}"
+    while True:
+        if engine.state == "ready":
+            try:
+                return await client.submit(engine, msg)
+            except EngineGone as e:
+                why = str(e)
+        left = deadline - time.monotonic()
+        if left <= 0 or engine.state == "failed" \
+                or client.engines.get(engine.engine_id) is not engine:
+            raise unavailable(why, "engine_unavailable")
+        await client.wait_change(engine, min(left, RECONNECT_POLL))
+
+
+def check_dimensions(dimensions: int | None) -> int:
+    if dimensions is None:
+        return 0
+    if dimensions < 1:
+        raise APIError(400, "`dimensions` must be at least 1", param="dimensions")
+    return dimensions
