@@ -30,6 +30,7 @@ log = logging.getLogger("mlxd.daemon")
 
 def run_inprocess(cfg: ServeConfig) -> int:
     console = setup_logging(cfg.daemon.log_level, "mlxd", cfg.daemon.log_format)
+    log.info("starting: model %s, run dir %s", model_id(cfg.daemon.model), cfg.run_dir)
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     shm.remove_leftovers(cfg.run_dir)

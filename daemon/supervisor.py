@@ -453,6 +453,7 @@ class Supervisor:
 
 def run_supervisor(cfg: ServeConfig) -> int:
     console = setup_logging(cfg.daemon.log_level, "supervisor", cfg.daemon.log_format)
+    log.info("starting: model %s, run dir %s", model_id(cfg.daemon.model), cfg.run_dir)
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
     private_dirs(cfg)

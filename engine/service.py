@@ -56,10 +56,15 @@ from mlxd.protocol.settings import EngineLaunch
 log = logging.getLogger("mlxd.engine")
 
 SHUTDOWN_FLUSH_S = 10.0
-# The warm-up: a greedy and a sampled row (both sampler paths), a chat-template render, a
-# prefill and a few decode steps.
-WARM_UP_TOKENS = 3
-WARM_UP_MESSAGES = [{"role": "user", "content": "Hello! What can you do?"}]
+# The warm-up: a greedy chat request (the chat template rendered), then a sampled plain prompt
+# (the other sampler path), each alone in the batch as a first request usually is (on a GPU
+# kernels are built per shape), each a prefill and a few decode steps. The prompts are short:
+# on a CPU a prefill costs seconds. A template that refuses a system message gets the user's
+# alone; a model without one gets the plain prompt.
+WARM_UP_TOKENS = 2  # a prefill, then one decode step
+WARM_UP_CHATS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+                 [{"role": "user", "content": "Hi!"}]]
+WARM_UP_PROMPT = "Hi"
 WARM_UP_SAMPLING = [SamplingParams(max_tokens=WARM_UP_TOKENS),
                     SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=WARM_UP_TOKENS)]
 
@@ -383,28 +388,26 @@ class _WarmUpOutbox(queue.Queue):
 
 
 def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str | None:
-    """Run the warm-up generation on this (the MLX) thread; what went wrong, or None."""
-    outputs: dict[str, Any] = {}
-    requests = []
+    """Run the warm-up generations on this (the MLX) thread; what went wrong, or None."""
     for i, sampling in enumerate(WARM_UP_SAMPLING):
         rid = f"warm-up-{i}"
-        result = admission.prepare(Generate(rid, sampling, messages=WARM_UP_MESSAGES), loaded,
-                                   lambda _: None, 0.0)
-        if isinstance(result, Answered):  # no chat template: a plain prompt then
-            result = admission.prepare(Generate(rid, sampling, prompt="Hello"), loaded,
-                                       lambda _: None, 0.0)
+        tries = [Generate(rid, sampling, messages=m) for m in WARM_UP_CHATS] if i == 0 else []
+        tries.append(Generate(rid, sampling, prompt=WARM_UP_PROMPT))
+        for msg in tries:
+            result = admission.prepare(msg, loaded, lambda _: None, 0.0)
+            if isinstance(result, Admitted):
+                break
         if isinstance(result, Answered):
             return "; ".join(d.error or "" for d in result.deltas)
-        outputs[rid] = result.output
-        requests.append(result.request)
-    outbox = _WarmUpOutbox(outputs)
-    runner = Runner(model, sorted(loaded.eos_ids), batch_size=settings.batch,
-                    prefill_step=settings.prefill_step, outbox=outbox, stream=stream)
-    outbox.inbox = runner.inbox
-    for request in requests:
-        runner.inbox.put(request)
-    runner.run()
-    return outbox.error
+        outbox = _WarmUpOutbox({rid: result.output})
+        runner = Runner(model, sorted(loaded.eos_ids), batch_size=settings.batch,
+                        prefill_step=settings.prefill_step, outbox=outbox, stream=stream)
+        outbox.inbox = runner.inbox
+        runner.inbox.put(result.request)
+        runner.run()
+        if outbox.error is not None:
+            return outbox.error
+    return None
 
 
 def _loaded(tokenizer: Any, config: dict) -> LoadedModel:

@@ -41,7 +41,7 @@ from mlxd.protocol.logs import (
 )
 from mlxd.protocol.messages import EngineStatus
 from mlxd.protocol.settings import EngineLaunch, EngineSettings
-from support.harness import LISTENING, READY, TAG_ENV
+from support.harness import LISTENING, READY, RUN_DIRS, TAG_ENV
 
 CLI = [sys.executable, "-m", "mlxd.daemon.cli"]
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (\S+) "
@@ -188,6 +188,7 @@ def test_json_log_format_reaches_every_process(tiny_model, isolate):
     d = start_daemon(tiny_model, "--log-format", "json", isolate=isolate)
     try:
         d.wait_until(lambda s: s["engines"][0]["pid"], what="the engine's pid")
+        d.wait_for_line('"process": "storage#0"')  # its first line may come after ready
         stats = d.stats()
     finally:
         stop_and_check(d)
@@ -209,6 +210,7 @@ def test_json_log_format_reaches_every_process(tiny_model, isolate):
 
 def test_progress_bar_on_a_terminal(tiny_model):
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+    RUN_DIRS.append(run_dir)  # the session's end checks that none of its processes is left
     cache_dir = Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
     serve = pexpect.spawn(CLI[0], [*CLI[1:], "serve", str(tiny_model), "--isolate", "--port",
                                    "0", "--run-dir", str(run_dir), "--cache-dir",
@@ -234,6 +236,7 @@ def test_progress_bar_on_a_terminal(tiny_model):
 
 def test_an_engine_reports_its_load_progress_in_its_status(tiny_model, tmp_path):
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+    RUN_DIRS.append(run_dir)  # the session's end checks that none of its processes is left
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(Endpoints.ipc(run_dir).outputs)
@@ -410,3 +413,43 @@ def test_launch_structs_carry_the_log_format():
                    storage_launch(cfg, 0, supervised=True)):
         assert launch.log_format == "json"
         assert msgspec.msgpack.decode(codec.encode_launch(launch), type=type(launch)) == launch
+
+
+# ---------------------------------------------------------------- the README's set-up
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readmes_test_command_and_set_up_shows_progress():
+    readme = ROOT.joinpath("README.md").read_text()
+    setup = readme.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("\n", 1)[1].strip() for b in setup.split("```sh")[1:]]
+    commands = [b.split("```", 1)[0].strip() for b in blocks[:2]]
+    assert commands[0].endswith(".venv/bin/mlxd serve")
+    assert commands[1].endswith(".venv/bin/python -m pytest")
+    assert ROOT.joinpath(".ci", "run").read_text().strip().splitlines()[-1] == commands[1]
+    for command in commands:  # pip talks; the silent venv creation is announced first
+        assert " -q " not in command and command.startswith("echo ")
+    assert "pip install openai" in setup  # the OpenAI example's package
+    assert '--unix-socket "$(.venv/bin/mlxd socket)"' in setup
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["inprocess", "isolate"])
+def test_serve_says_something_within_5_s(tiny_model, isolate):
+    run_dir = Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
+    RUN_DIRS.append(run_dir)  # the session's end checks that none of its processes is left
+    t0 = time.monotonic()
+    proc = subprocess.Popen([*CLI, "serve", str(tiny_model), "--port", "0", "--run-dir",
+                             str(run_dir), "--ssd-cache", "off",
+                             *(["--isolate"] if isolate else [])],
+                            stderr=subprocess.PIPE, text=True,
+                            env=env(**{TAG_ENV: str(run_dir)}))
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        took = time.monotonic() - t0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert "INFO starting: model tiny-llama, run dir " in first and took < 5, (took, first)
