@@ -22,6 +22,7 @@ import numpy as np
 
 from mlxd.engine.admission import ClientError
 from mlxd.engine.embedding_model import MAX_STEP_INPUTS, check_token_ids, normalized, plan_steps
+from mlxd.protocol import faults
 from mlxd.protocol.messages import Delta, Embed, Embeddings, EngineStatus
 
 log = logging.getLogger("mlxd.engine")
@@ -135,9 +136,9 @@ class Embedding:
             self._rows.extend((job, i) for i in range(len(job.inputs)))
             self.run_pending()
 
-    def run_pending(self) -> None:
+    def run_pending(self, on_step: Callable[[], None] = lambda: None) -> None:
         """Embed every queued input, up to MAX_STEP_INPUTS per forward pass; requests that
-        arrive meanwhile join the next pass."""
+        arrive meanwhile join the next pass. `on_step` hears each pass."""
         while True:
             while True:
                 try:
@@ -150,11 +151,13 @@ class Embedding:
             window, self._rows = self._rows[:MAX_STEP_INPUTS], self._rows[MAX_STEP_INPUTS:]
             for step in plan_steps([len(job.inputs[i]) for job, i in window]):
                 self._step([window[k] for k in step])
+                on_step()
 
     def _step(self, rows: list[tuple[EmbedJob, int]]) -> None:
         c = self.counters
         c.busy = True
         try:
+            faults.hit("engine.embed")
             vectors = self.embedder.forward([job.inputs[i] for job, i in rows])
         except ClientError as e:
             self._fail_jobs(rows, str(e), e.code)

@@ -166,7 +166,7 @@ class EngineService:
             CausalLMEmbedder(model, tokenizer, loaded.context_length,
                              int(config.get("vocab_size") or 0), stream),
             self.ch.outq, launch.engine_id, launch.epoch,
-            wake=lambda: inbox.put(Call(lambda _: self._run_embeddings())))
+            wake=lambda: inbox.put(Call(self._run_embeddings)))
         self.model = loaded  # admission lanes take this as the sign of readiness
         self.load_progress = None
         log.info("model %s ready in %.1f s (loaded in %.1f s%s; context %d)",
@@ -194,9 +194,13 @@ class EngineService:
         embedding.serve(self.ch.stop)
         return exit_codes.OK
 
-    def _run_embeddings(self) -> None:
+    def _run_embeddings(self, runner: Runner) -> None:
+        """On the MLX thread, between generation steps; each forward pass counts as a step
+        (progress, for the hang watchdog)."""
+        def stepped() -> None:
+            runner.counters.steps += 1
         if self.embedding is not None:
-            self.embedding.run_pending()
+            self.embedding.run_pending(stepped)
 
     def _load_progress(self, task: str, done: int, total: int, unit: str) -> None:
         self.load_progress = (task, done, total, unit)

@@ -195,3 +195,22 @@ def test_unix_socket_and_missing_model(daemon):
                       timeout=30) as h:
         r = h.post("/v1/embeddings", json={"model": "nope", "input": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("deaths", [1, 2])
+def test_a_request_whose_engine_dies_is_sent_again_once(bert, reference, deaths):
+    """The embedding engine dies at its first forward pass (of its first `deaths` lives): the
+    request is sent again to the restarted engine once; a second death fails it."""
+    d = start_daemon(bert, isolate=True, env={"MLXD_FAULTS": f"engine.embed=kill@1#<{deaths}"})
+    try:
+        with d.http() as h:
+            r = h.post("/v1/embeddings", json={"model": MODEL, "input": TEXTS[:2],
+                                               "encoding_format": "float"})
+        if deaths == 1:
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose([e["embedding"] for e in r.json()["data"]],
+                                       reference(TEXTS[:2])[0], atol=1e-5)
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_crashed"
+    finally:
+        stop_and_check(d)
