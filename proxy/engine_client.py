@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -297,7 +298,10 @@ class EngineClient:
             sent = self._requests.send_multipart([rec.identity, self._enc.encode(Abort(["*"]))])
         except zmq.ZMQError:
             return
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # pyzmq's asyncio sockets return a Future (typed as an Awaitable): retrieve its
+        # exception so a failed send is not reported as never retrieved.
+        future = cast("asyncio.Future[None]", sent)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _abort_all(self, rec: EngineRecord) -> None:
         try:
