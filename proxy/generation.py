@@ -7,6 +7,7 @@ reaches the router), then format what `Generation` yields."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,8 @@ from mlxd.proxy.validation import check_prompt_fits
 CLIENT_ERROR_CODES = {"context_length_exceeded", "empty_prompt", "invalid_messages",
                       "invalid_token", "invalid_request"}
 
+
+log = logging.getLogger("mlxd.proxy")
 
 RECONNECT_POLL = 0.1  # seconds between sends to an engine that is not reachable yet
 
@@ -152,6 +155,7 @@ class Generation:
     that made progress between two deaths has not shown itself to be the cause."""
 
     MAX_FRUITLESS_CRASHES = 2
+    MAX_DROPS = 3  # engine-side aborts of a request this proxy still reads, re-sent each time
 
     def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
                  resume: bool = False, load_wait: float = 120.0,
@@ -172,6 +176,7 @@ class Generation:
         self.cached_tokens = 0
         self.crashes = 0  # engine deaths during this request
         self.fruitless_crashes = 0  # deaths since the last one after which tokens arrived
+        self.drops = 0
         self._delivered_at_crash = 0
         self.recovered_tokens = 0
         self.delivered_ids: list[int] = []
@@ -182,6 +187,8 @@ class Generation:
 
     async def start(self) -> None:
         first = await self._submit(self.msg)
+        if self._dropped(first):
+            return await self.start_resumed()
         if first.finish_reason == "error":
             if first.error_code == "engine_crashed" and await self._may_resume():
                 return await self.start_resumed()
@@ -197,6 +204,8 @@ class Generation:
                 self.msg, request_id=new_request_id("resume"), prefill_group="", group_size=1,
                 resume_token_ids=list(self.delivered_ids), resume_text_len=self.delivered_chars)
             first = await self._submit(msg)
+            if self._dropped(first):
+                continue
             if first.finish_reason == "error":
                 if first.error_code == "engine_crashed" and await self._may_resume():
                     continue
@@ -207,6 +216,20 @@ class Generation:
             self._pending = first if (first.text or first.finish_reason) else None
             self._resumed_prompt = first.prompt_tokens + len(self.delivered_ids)
             return
+
+    def _dropped(self, d: Delta) -> bool:
+        """An `abort` finish the client never asked for (this proxy aborts only requests whose
+        client left): the engine dropped the request, e.g. an abort-all meant for a dead
+        proxy's rows. It is re-sent with what was delivered, a few times, never shown as a
+        finish reason no API has."""
+        if d.finish_reason != "abort":
+            return False
+        self.drops += 1
+        if self.drops > self.MAX_DROPS:
+            raise unavailable(f"the engine serving {self.engine.model_id} dropped this request "
+                              f"{self.drops} times", "engine_dropped", retry_after=2)
+        log.warning("the engine dropped request %s; re-sending it", d.request_id)
+        return True
 
     async def _submit(self, msg: Generate) -> Delta:
         """Send and wait for the admission notice. An engine that cannot be reached yet is
@@ -264,6 +287,11 @@ class Generation:
         while True:
             if d is None:
                 d = await self._next()
+            if self._dropped(d):
+                await self.start_resumed()
+                d = self._pending
+                self._pending = None
+                continue
             if d.finish_reason == "error":
                 if d.error_code == "engine_crashed" and await self._may_resume():
                     await self.start_resumed()

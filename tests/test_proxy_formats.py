@@ -5,27 +5,16 @@ reasoning text) in each dialect, with the official clients. A real proxy process
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import anthropic
-import httpx2 as httpx
 import ollama
 import openai
 import pytest
 from anthropic.types import MessageParam, ToolParam
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from mlxd.daemon.launch import popen
-from mlxd.protocol.models import engine_id_for
-from mlxd.protocol.settings import EngineSettings, ProxyLaunch, ProxySettings
+from support.fake_engine import proxy_with_fake_engine
 from support.sdk import (
     function_calls,
     reasoning_of,
@@ -50,42 +39,8 @@ ASK_ANTHROPIC: list[MessageParam] = [{"role": "user", "content": "Weather in Par
 
 @pytest.fixture(scope="module")
 def proxy():
-    run_dir = Path(tempfile.mkdtemp(prefix="mlxd-pf-", dir="/tmp"))
-    os.chmod(run_dir, 0o700)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    eid = engine_id_for("fake")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    launch = ProxyLaunch(epoch=0, run_dir=str(run_dir), log_level="info", socket=None,
-                         engines={eid: "fake"}, settings=ProxySettings(port=port),
-                         engine=EngineSettings())
-    procs = [popen(launch, env=env),
-             subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "fake_engine.py"),
-                               "--run-dir", str(run_dir), "--engine-id", eid,
-                               "--reply", json.dumps(SCRIPT)], env=env)]
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # polling another process's readiness: no event to await across it
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the proxy did not become ready"
-            time.sleep(0.1)
+    with proxy_with_fake_engine("--reply", json.dumps(SCRIPT)) as url:
         yield url
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_openai_tool_calls_and_reasoning(proxy):
@@ -138,3 +93,18 @@ def test_ollama_tool_calls_and_thinking(proxy):
     streamed = [tc for p in parts for tc in (p.message.tool_calls or [])]
     assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
     assert parts[-1].done
+
+
+def test_an_engine_dropping_a_request_never_shows_the_client_an_abort():
+    """An engine that ends a request the proxy still reads with `abort` (an abort-all meant for
+    a dead proxy's rows): the proxy re-sends it with what was delivered; the client gets the
+    whole answer and a real finish reason."""
+    with proxy_with_fake_engine("--drop-after", "3") as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model="fake", messages=ASK, max_tokens=10)
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content == " tok" * 10
+        chunks = list(c.chat.completions.create(model="fake", messages=ASK, max_tokens=10,
+                                                stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == " tok" * 10 and chunks[-1].choices[0].finish_reason == "length"
