@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 PROMPTS = [f"Story {i}: tell me about the lighthouse keeper, the storm and the number {i}."
            for i in range(8)]
+FUZZ_CLIENTS = 4
 ROLES = {"mlxd.proxy": "proxy", "mlxd.engine": "engine", "mlxd.storage_worker": "storage"}
 
 
@@ -181,10 +182,13 @@ class Soak:
                 text, _, errors = await _stream(s, self.d.url, _body(i, self.args.max_tokens), 300)
                 assert not errors, errors
                 self.references[i] = text
+            fuzz = await asyncio.to_thread(self._fuzz_requests)  # drawn before the clock runs
             deadline = time.monotonic() + self.args.minutes * 60
             tasks = [asyncio.create_task(self._streamer(s, deadline, k))
                      for k in range(self.args.streams)]
-            tasks.append(asyncio.create_task(self._fuzzer(s, deadline)))
+            pending = iter(fuzz)
+            tasks += [asyncio.create_task(self._fuzzer(s, deadline, pending))
+                      for _ in range(FUZZ_CLIENTS)]
             tasks.append(asyncio.create_task(self._chaos(s, deadline)))
             await asyncio.gather(*tasks)
             await self._record(s, "end", "-")
@@ -227,21 +231,29 @@ class Soak:
             else:
                 c.streams_ok += 1
 
-    async def _fuzzer(self, s: aiohttp.ClientSession, deadline: float) -> None:
+    def _fuzz_requests(self) -> list:
+        """Every fuzzed request of the run, drawn up front (hypothesis is slow enough that
+        drawing them during the run would starve the streams' event loop)."""
         if self.args.fuzz_per_s <= 0:
-            return
+            return []
         from support import fuzz_requests  # the generators the fuzz tests use
+        count = int(self.args.minutes * 60 * self.args.fuzz_per_s) + 1
+        return list(fuzz_requests.iter_requests(count, self.d.model_id, seed=self.args.seed))
+
+    async def _fuzzer(self, s: aiohttp.ClientSession, deadline: float, pending) -> None:
+        """One of FUZZ_CLIENTS clients sending fuzzed requests, together at --fuzz-per-s."""
+        from support import fuzz_requests
         c = self.counts
         unix = aiohttp.ClientSession(connector=aiohttp.UnixConnector(
             path=str(self.d.run_dir / "mlxd.sock")))
-        count = int(self.args.minutes * 60 * self.args.fuzz_per_s) + 1
+        interval = FUZZ_CLIENTS / self.args.fuzz_per_s
         next_at = time.monotonic()
         try:
-            for req in fuzz_requests.iter_requests(count, self.d.model_id, seed=self.args.seed):
+            for req in pending:
                 now = time.monotonic()
                 if now >= deadline:
                     return
-                next_at = max(next_at + 1 / self.args.fuzz_per_s, now - 1)  # a steady rate
+                next_at = max(next_at + interval, now - 1)  # a steady rate
                 await asyncio.sleep(max(0.0, next_at - now))
                 c.fuzz_requests += 1
                 session, base = (unix, "http://localhost") if req.unix else (s, self.d.url)
