@@ -83,6 +83,7 @@ class Setting:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     secret: bool = False  # never printed, never sent to a child
+    words: tuple[str, ...] = ()  # words accepted instead of a value of `kind` (batch: "auto")
 
     @property
     def flag(self) -> str:
@@ -99,15 +100,22 @@ def _from_field(section: str, f: mi.Field, annotated: Any) -> Setting:
         extra = t.extra or {}
         help_ = (t.extra_json_schema or {}).get("description", "")
         t = t.type
-    if isinstance(t, mi.UnionType):  # `X | None`: an optional X
-        t = next(u for u in t.types if not isinstance(u, mi.NoneType))
+    words: tuple[str, ...] = ()
+    # `X | None`: an optional X; `Literal[words...] | X`: an X or one of the words
+    if isinstance(t, mi.UnionType):
+        members = [u for u in t.types if not isinstance(u, mi.NoneType)]
+        others = [u for u in members if not isinstance(u, mi.LiteralType)]
+        if others and len(others) < len(members):
+            words = tuple(str(v) for u in members if isinstance(u, mi.LiteralType)
+                          for v in u.values)
+        t = others[0] if others else members[0]
     default = f.default_factory() if f.default is mi.NODEFAULT else f.default
     return Setting(
         key=f.name, section=section, kind=extra.get("kind", _KIND_OF[type(t)]),
         default=default, help=help_, type=annotated,
         bounds=Bounds(*(getattr(t, b, None) for b in ("ge", "gt", "le", "lt"))),
         choices=_literal_values(annotated) if isinstance(t, mi.LiteralType) else None,
-        metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)))
+        metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)), words=words)
 
 
 def _literal_values(annotated: Any) -> tuple[str, ...]:
@@ -134,8 +142,9 @@ def _derive() -> tuple[Setting, ...]:
 SETTINGS: tuple[Setting, ...] = _derive()
 BY_KEY = {s.key: s for s in SETTINGS}
 ENV_NAMES = {s.env: s for s in SETTINGS}
-# MLXD_* variables that are not settings: fault injection for tests, the config file itself.
-OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON"}
+# MLXD_* variables that are not settings: fault injection for tests, the config file itself,
+# the memory an engine may use (engine/batch_sizing.py).
+OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON", "MLXD_ENGINE_MEMORY"}
 
 TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}
@@ -147,6 +156,8 @@ class ConfigError(ValueError):
 
 def parse_text(s: Setting, text: str, where: str) -> Any:
     """A value as written on a command line or in an environment variable."""
+    if text.strip().lower() in s.words:
+        return text.strip().lower()
     try:
         if s.kind == "int":
             return int(text)
@@ -163,7 +174,13 @@ def parse_text(s: Setting, text: str, where: str) -> Any:
             return _pairs([p.strip() for p in text.split(",") if p.strip()], s, where)
         return text
     except ValueError as e:
+        if s.words:
+            raise ConfigError(f"{s.key} ({where}): bad value {text!r}: expected "
+                              f"{' or '.join(s.words)} or {_A_KIND.get(s.kind, s.kind)}") from None
         raise ConfigError(f"{s.key} ({where}): bad value {text!r}: {e}") from None
+
+
+_A_KIND = {"int": "an integer", "float": "a number"}
 
 
 _TOML_TYPES: dict[Kind, type | tuple[type, ...]] = {
@@ -172,6 +189,8 @@ _TOML_TYPES: dict[Kind, type | tuple[type, ...]] = {
 
 def parse_toml(s: Setting, value: Any, where: str) -> Any:
     """A value as TOML gives it: native types, checked strictly (no silent coercion)."""
+    if isinstance(value, str) and value in s.words:
+        return value
     if s.kind == "list":
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
@@ -185,7 +204,8 @@ def parse_toml(s: Setting, value: Any, where: str) -> Any:
         raise ConfigError(f"{s.key} ({where}): expected a number, got {value!r}")
     native = isinstance(value, _TOML_TYPES[s.kind])  # a flag: `value` keeps its Any type
     if not native:
-        raise ConfigError(f"{s.key} ({where}): expected {s.kind}, got {value!r}")
+        either = "".join(f'"{w}" or ' for w in s.words)
+        raise ConfigError(f"{s.key} ({where}): expected {either}{s.kind}, got {value!r}")
     return float(value) if s.kind == "float" else value
 
 

@@ -51,6 +51,11 @@ class AdmissionLanes:
             ids = self._pending if "*" in request_ids else request_ids
             self._cancelled.update(r for r in ids if r in self._pending)
 
+    def preparing(self) -> int:
+        """Requests submitted and not yet handed over (read by the MLX thread's burst
+        admission; a set's length is read whole)."""
+        return len(self._pending)
+
     def stop(self) -> None:
         for q in self._queues.values():
             q.put(None)

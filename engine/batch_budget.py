@@ -6,6 +6,7 @@ plus its `max_tokens`, at most the context) fits beside what the running rows ma
 hold, within the budget: memory the machine can give minus the model's weights and a reserve.
 So the batch grows while requests are short and shrinks as contexts get long, and no
 admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
+`engine/batch_sizing.py` measures the figures at load; the runner's admission applies the rules.
 """
 
 from __future__ import annotations
@@ -80,3 +81,28 @@ def current_cap(b: Budget, running: int, running_reserved: int, typical_reserved
 
 def cap_of(b: Budget) -> int:
     return b.explicit_cap if b.explicit_cap is not None else CEILING
+
+
+def explicit_cap(batch: int | str) -> int | None:
+    """The `--batch` setting as a cap: N, or None for auto."""
+    return batch if isinstance(batch, int) else None
+
+
+def ceiling(batch: int | str) -> int:
+    """The most rows the generator is ever given: N, or CEILING for auto."""
+    return batch if isinstance(batch, int) else CEILING
+
+
+def explain(b: Budget, running: int, running_reserved: int,
+            typical_reserved: int) -> tuple[int, str]:
+    """The cap in force now and why, for /stats: which bound holds (an explicit --batch, the
+    ceiling, or memory for rows of the typical size), then how the budget was derived."""
+    cap = current_cap(b, running, running_reserved, typical_reserved)
+    if cap < cap_of(b):
+        limit = (f"memory: {b.kv_tokens - running_reserved} of {b.kv_tokens} KV tokens free "
+                 f"for rows of ~{typical_reserved} tokens")
+    elif b.explicit_cap is not None:
+        limit = f"--batch {b.explicit_cap}"
+    else:
+        limit = f"the ceiling ({CEILING}); memory would allow more"
+    return cap, f"{limit}; {b.why}"

@@ -3,6 +3,11 @@
 It does MLX work and little else: it takes commands from its inbox, reuses cached prefixes
 (RAM tier, or blocks the I/O thread already read from SSD), runs one generator step, and hands
 the step's raw token IDs to the output thread in one queue put.
+
+Admission: a request joins the running rows only while the KV budget (`batch_budget.py`,
+`--batch auto` or N) has room for it; the others wait here, in arrival order, until rows
+finish. A burst of requests reaching an idle engine within a few milliseconds is gathered into
+one insert, so mlx-lm prefills it as one batch rather than one prompt after the other.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,12 +24,18 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
 from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
 from mlxd.protocol import faults
 
 log = logging.getLogger("mlxd.engine")
 
 MIN_SHARED_PREFIX = 32  # tokens two simultaneous prompts must share to prefill them once
+# Burst admission: an idle engine that just got a request keeps gathering arrivals while they
+# come within BURST_QUIET_S of each other or more are being prepared (tokenized) on the
+# admission lanes, for at most BURST_WINDOW_S in all; then prefills them as one batch.
+BURST_QUIET_S = 0.001
+BURST_WINDOW_S = 0.005
 
 
 @dataclass
@@ -110,6 +122,10 @@ class RunnerCounters:
     step_s: float = 0.0  # MLX-thread time in generation steps, checkpoints included
     active: int = 0
     busy: bool = False
+    batch_cap: int = 0  # rows the budget allows now (see batch_budget.explain)
+    batch_why: str = ""
+    waiting: int = 0  # requests held back until rows finish
+    bursts: int = 0  # inserts of two or more requests gathered together while idle
 
 
 class Runner:
@@ -118,9 +134,22 @@ class Runner:
                  on_entry: Callable[[Entry], None] | None = None,
                  on_evict: Callable[[Entry], None] | None = None,
                  checkpoint_every: int = 0,
-                 on_checkpoint: Callable[[Entry], None] | None = None) -> None:
+                 on_checkpoint: Callable[[Entry], None] | None = None,
+                 budget: Budget | None = None, context: int = 0,
+                 preparing: Callable[[], int] | None = None) -> None:
+        """`batch_size`: the most rows the generator holds; `budget` (None: no memory rule)
+        decides which requests join the running rows; `preparing()` counts requests still
+        being prepared for this runner (burst admission waits for them)."""
         self._model = model
         self._batch_size = batch_size
+        self._budget = budget
+        self._context = context
+        self._preparing = preparing or (lambda: 0)
+        self._held: deque[AddRequest] = deque()  # waiting for room in the budget, in order
+        self._reserved: dict[str, int] = {}  # request id -> KV tokens it may come to hold
+        self._reserved_total = 0
+        self._last_reserved = 0  # the latest admitted request's: the typical size at idle
+        self._room_changed = False  # reservations were released since the gate last looked
         self._prefill_step = prefill_step
         self._stream = stream
         self._stop_sequences = StopSequences([[e] for e in eos_ids])
@@ -143,6 +172,7 @@ class Runner:
         self._groups: dict[str, PrefillGroup] = {}
         self._group_leaders: dict[int, str] = {}  # uid -> group, while its prompt prefills
         self._gen = self._new_generator()
+        self._update_cap()
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -158,6 +188,8 @@ class Runner:
             while self._handle_commands(block=not self._uid_to_rid):
                 if self._uid_to_rid:
                     self._step()
+                if self._held and self._room_changed:  # rows finished: room for more?
+                    self._admit(self._through_gate([]))
         finally:
             self._gen.close()
 
@@ -171,34 +203,100 @@ class Runner:
         adds: list[AddRequest] = []
         aborts: list[str] = []
         while True:
-            match cmd:
-                case StopRunner():
-                    self._fail_all("engine stopping")
-                    return False
-                case AddRequest():
-                    adds.append(cmd)
-                case AbortRequest(request_id=rid):
-                    aborts.append(rid)
-                case Call(fn=fn):
-                    fn(self)
+            if not self._take(cmd, adds, aborts):
+                return False
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
+        if adds and not self._uid_to_rid and not self._gather_burst(adds, aborts):
+            return False
         if aborts:
-            if "*" in aborts:  # every request: running, waiting for a leader, or just added
+            if "*" in aborts:  # every request: running, waiting for a leader, held, just added
                 aborts = [*self._rid_to_uid, *(a.request_id for w in self._followers.values()
                                                for a in w),
                           *(a.request_id for g in self._groups.values() for a in g.waiting),
-                          *(a.request_id for a in adds)]
+                          *(a.request_id for a in self._held), *(a.request_id for a in adds)]
             gone = set(aborts)
             adds = [a for a in adds if a.request_id not in gone]  # aborted before it started
             self._abort(aborts)
-        if adds:
-            self._admit(adds)
+        if adds or self._held:
+            admitted = self._through_gate(adds)
+            if len(admitted) > 1 and not self._uid_to_rid:
+                self.counters.bursts += 1
+            self._admit(admitted)
         self.counters.active = len(self._uid_to_rid)
         self.counters.busy = bool(self._uid_to_rid)
         return True
+
+    def _take(self, cmd: Any, adds: list[AddRequest], aborts: list[str]) -> bool:
+        """One command; False once the runner must stop."""
+        match cmd:
+            case StopRunner():
+                self._held.extend(adds)  # failed with the rest
+                self._fail_all("engine stopping")
+                return False
+            case AddRequest():
+                adds.append(cmd)
+            case AbortRequest(request_id=rid):
+                aborts.append(rid)
+            case Call(fn=fn):
+                fn(self)
+        return True
+
+    def _gather_burst(self, adds: list[AddRequest], aborts: list[str]) -> bool:
+        """An idle engine got a request: gather what arrives right behind it (see
+        BURST_QUIET_S), so that the burst is prefilled as one batch. False on StopRunner."""
+        deadline = time.monotonic() + BURST_WINDOW_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                cmd = self.inbox.get(timeout=min(left, BURST_QUIET_S))
+            except queue.Empty:
+                if not self._preparing():
+                    return True
+                continue
+            if not self._take(cmd, adds, aborts):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ the KV budget
+
+    def _through_gate(self, adds: list[AddRequest]) -> list[AddRequest]:
+        """The requests that may join the running rows now, oldest first; the rest wait (a
+        request is never passed by a later one, so none waits for ever)."""
+        self._held.extend(adds)
+        self._room_changed = False
+        admitted = []
+        while self._held:
+            add = self._held[0]
+            need = reserved_tokens(len(add.prompt), add.max_tokens, self._context)
+            if self._budget is not None and not may_admit(
+                    self._budget, len(self._reserved), self._reserved_total, need):
+                break
+            self._held.popleft()
+            self._reserved[add.request_id] = need
+            self._reserved_total += need
+            self._last_reserved = need
+            admitted.append(add)
+        self._update_cap()
+        return admitted
+
+    def _release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._reserved_total -= self._reserved.pop(rid, 0)
+        self._room_changed = True
+        self._update_cap()
+
+    def _update_cap(self) -> None:
+        c = self.counters
+        c.waiting = len(self._held)
+        if self._budget is None:
+            c.batch_cap, c.batch_why = self._batch_size, f"--batch {self._batch_size}"
+            return
+        running = len(self._reserved)
+        typical = (self._reserved_total // running if running
+                   else self._last_reserved or self._context or 4096)
+        c.batch_cap, c.batch_why = explain(self._budget, running, self._reserved_total, typical)
 
     def _admit(self, adds: list[AddRequest]) -> None:
         """Requests that share a long uncached prefix with one still prefilling (the leader)
@@ -341,6 +439,9 @@ class Runner:
         gone = set(rids)
         for waiting in [*self._followers.values(), *(g.waiting for g in self._groups.values())]:
             waiting[:] = [a for a in waiting if a.request_id not in gone]
+        if self._held:
+            self._held = deque(a for a in self._held if a.request_id not in gone)
+        self._release(rids)
         uids = [self._rid_to_uid.pop(r) for r in rids if r in self._rid_to_uid]
         for uid in uids:
             del self._uid_to_rid[uid]
@@ -380,7 +481,7 @@ class Runner:
             prompt_responses, responses = self._gen.next()
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
-            self._fail_all(f"generation step failed: {e}")
+            self._fail_all(f"generation step failed: {e}", held=False)
             self._gen.close()
             self._gen = self._new_generator()
             return
@@ -399,6 +500,7 @@ class Runner:
             return
         rows = []
         due = []
+        finished: list[str] = []
         logprobs = self._logprobs_of(responses) if self._logprobs else None
         if self._awaiting_first:
             now = time.monotonic()
@@ -423,10 +525,13 @@ class Runner:
                 self._logprobs.pop(r.uid, None)
                 del self._uid_to_rid[r.uid]
                 del self._rid_to_uid[rid]
+                finished.append(rid)
                 self._release_followers(r.uid)
                 prompt_len = self._prompt_len.pop(r.uid, 0)
                 if r.prompt_cache is not None and self.cache.max_bytes:
                     self._publish(r.all_tokens, r.prompt_cache, prompt_len)
+        if finished:
+            self._release(finished)
         if due:
             t0 = time.perf_counter()
             self._checkpoint(due)
@@ -504,7 +609,9 @@ class Runner:
             boundary = [(k[..., :cut, :], v[..., :cut, :]) for k, v in layers]
             self._on_entry(Entry(tuple(tokens[:cut]), boundary, 0))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, held: bool = True) -> None:
+        """Every request ends with `message`; those held back for room too unless `held` is
+        False (a failed step: they never ran, and are admitted into the rebuilt generator)."""
         rids = list(self._rid_to_uid)
         waiting = [a.request_id for w in self._followers.values() for a in w]
         self._followers.clear()
@@ -513,8 +620,15 @@ class Runner:
         self._awaiting_first.clear()
         self._logprobs.clear()
         waiting += [a.request_id for g in self._groups.values() for a in g.waiting]
+        if held:
+            waiting += [a.request_id for a in self._held]
+            self._held.clear()
         self._groups.clear()
         self._group_leaders.clear()
+        self._reserved.clear()
+        self._reserved_total = 0
+        self._room_changed = True
+        self._update_cap()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))
         self._uid_to_rid.clear()

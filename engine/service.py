@@ -21,6 +21,7 @@ import zmq
 from mlxd.engine import admission
 from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.admission_lanes import AdmissionLanes
+from mlxd.engine.batch_budget import ceiling
 from mlxd.engine.embedding_engine import Embedding
 from mlxd.engine.io_thread import Handlers, IoThread
 from mlxd.engine.output_thread import OutputThread
@@ -121,6 +122,7 @@ class EngineService:
     def _load_and_serve(self) -> int:
         import mlx.core as mx
 
+        from mlxd.engine.batch_sizing import measure_budget
         from mlxd.engine.embedding_model import (
             CausalLMEmbedder,
             load_encoder,
@@ -153,9 +155,12 @@ class EngineService:
         warm_s = self._warm_up(model, loaded, stream) if settings.warm_up else 0.0
         self.ssd = open_ssd_tier(launch, model, self.ctx, self.eps.storage)
         persist = self.ssd.persist if self.ssd is not None else None
-        self.runner = Runner(model, sorted(loaded.eos_ids), batch_size=settings.batch,
+        budget = measure_budget(model, settings.batch, stream)
+        log.info("batch: %s", budget.why)
+        self.runner = Runner(model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),
                              prefill_step=settings.prefill_step, outbox=self.ch.outq,
-                             stream=stream,
+                             stream=stream, budget=budget, context=loaded.context_length,
+                             preparing=self.lanes.preparing,
                              cache_bytes=int(settings.prompt_cache * 2**30), on_entry=persist,
                              on_evict=(lambda e: None if e.persisted else persist(e))
                              if persist else None,
@@ -404,7 +409,7 @@ def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str
         if isinstance(result, Answered):
             return "; ".join(d.error or "" for d in result.deltas)
         outbox = _WarmUpOutbox({rid: result.output})
-        runner = Runner(model, sorted(loaded.eos_ids), batch_size=settings.batch,
+        runner = Runner(model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),
                         prefill_step=settings.prefill_step, outbox=outbox, stream=stream)
         outbox.inbox = runner.inbox
         runner.inbox.put(result.request)

@@ -26,7 +26,8 @@ def engine_stats(runner: Any, ssd: Any) -> EngineStats:
         checkpoints=c.checkpoints, checkpoint_s=round(c.checkpoint_s, 4),
         step_s=round(c.step_s, 4), first_tokens=c.first_tokens,
         to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
-        mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory())
+        mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
+        bursts=c.bursts)
     if ssd is not None:
         ssd.fill_stats(st)
     return st
@@ -46,4 +47,6 @@ def engine_status(engine_id: str, epoch: int, spec: str, state: EngineState,
         stats=engine_stats(runner, ssd),
         max_token_bytes=model.max_token_bytes if model else 0,
         model_dir=str(getattr(model.tokenizer, "name_or_path", "")) if model else "",
-        capabilities=capabilities(model.tokenizer) if model else [])
+        capabilities=capabilities(model.tokenizer) if model else [],
+        batch_cap=c.batch_cap if c else 0, batch_why=c.batch_why if c else "",
+        waiting=c.waiting if c else 0)

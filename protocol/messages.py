@@ -170,6 +170,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     embed_tokens: int = 0  # their tokens
     embed_steps: int = 0  # forward passes that embedded them (up to 64 inputs each)
     embed_peak_batch: int = 0  # most inputs embedded in one forward pass
+    bursts: int = 0  # requests reaching an idle engine together, prefilled as one batch
 
 
 # A prompt's text is refused before tokenizing when it has more characters than
@@ -207,6 +208,11 @@ class EngineStatus(_Msg, tag="status"):
     # <think>), insert (its tokenizer has fill-in-the-middle tokens)
     model_dir: str = ""
     capabilities: list[str] = []
+    # The batch in force now (`--batch auto` or N): the rows the KV budget allows, why (which
+    # bound holds, and how the budget was derived), and requests held back until rows finish
+    batch_cap: int = 0
+    batch_why: str = ""
+    waiting: int = 0
 
 
 class CacheFlushed(_Msg, tag="flushed"):

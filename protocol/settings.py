@@ -115,7 +115,10 @@ class ProxySettings(msgspec.Struct, frozen=True, kw_only=True):
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Every engine's: batching, dtype, the RAM prefix cache and its side of the SSD tier."""
 
-    batch: Annotated[int, Meta(ge=1, description="concurrent sequences per engine")] = 8
+    batch: Annotated[Literal["auto"] | Annotated[int, Meta(ge=1)], Meta(
+        description=("sequences decoded together per engine: auto, as many as the memory "
+                     "left for KV cache holds (up to 128); N, at most N (memory permitting)"),
+        extra={"metavar": "auto|N"})] = "auto"
     prefill_step: Annotated[int, Meta(ge=16, description=(
         "prompt tokens per prefill chunk (decoding continues between chunks)"))] = 512
     dtype: Annotated[Literal["auto", "native", "float32", "float16", "bfloat16"], Meta(
@@ -169,7 +172,7 @@ class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
     socket: str | None  # None: no Unix socket
     engines: dict[str, str]  # engine id -> model spec, for the engines started with the daemon
     settings: ProxySettings
-    engine: EngineSettings  # the pool sizes an engine's memory from its batch
+    engine: EngineSettings  # the pool sizes an engine's memory from its batch (N, or auto)
     log_format: LogFormat = "text"
 
 

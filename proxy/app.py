@@ -75,6 +75,8 @@ async def stats(request: web.Request) -> web.Response:
             "engine_id": rec.engine_id, "model": rec.model_id, "names": rec.names,
             "state": rec.state, "epoch": rec.epoch, "pid": st.pid if st else None,
             "active_requests": st.active if st else 0, "peak_batch": st.peak_batch if st else 0,
+            "batch_cap": st.batch_cap if st else 0, "batch_why": st.batch_why if st else "",
+            "waiting_requests": st.waiting if st else 0,
             "steps": st.steps if st else 0, "context_length": st.context_length if st else 0,
             "prompt_tokens_total": st.prompt_tokens_total if st else 0,
             "generated_tokens_total": st.generated_tokens_total if st else 0,

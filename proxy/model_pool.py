@@ -140,8 +140,12 @@ def model_weight_bytes(spec: str) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def kv_budget_bytes(spec: str, batch: int, tokens: int = 4096) -> int:
-    """A KV budget for the memory check: every row at `tokens` of context, 2-byte KV."""
+def kv_budget_bytes(spec: str, batch: int | str, tokens: int = 4096) -> int:
+    """A KV budget for the memory check: every row at `tokens` of context, 2-byte KV. With
+    `--batch auto` the engine sizes its batch to the memory it finds once loaded, so the check
+    asks only for room for one row."""
+    if not isinstance(batch, int):
+        batch = 1
     try:
         cfg = json.loads((Path(spec).expanduser() / "config.json").read_text())
     except (OSError, ValueError):

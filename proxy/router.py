@@ -34,7 +34,8 @@ Send = Callable[[ToSupervisor], Awaitable[None]]
 
 class Router:
     def __init__(self, client: EngineClient, *, load_wait: float, aliases: dict[str, str],
-                 pool: ModelPool | None = None, send: Send | None = None, batch: int = 8,
+                 pool: ModelPool | None = None, send: Send | None = None,
+                 batch: int | str = "auto",
                  pool_wait: float = 60.0, pool_queue: int = 32) -> None:
         self.client = client
         self.load_wait = load_wait

@@ -299,3 +299,38 @@ def test_sd_notify_sends_datagrams(tmp_path):
     assert not off.enabled and not off.notify(READY=1) and off.watchdog_interval is None
     other = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval is None  # the watchdog is some other process's
+
+
+@pytest.mark.parametrize("argv, env, toml, expected", [
+    ((), {}, None, "auto"),  # the default: sized to the machine
+    (("--batch", "auto"), {}, None, "auto"),
+    (("--batch", "16"), {}, None, 16),
+    ((), {"MLXD_BATCH": "auto"}, None, "auto"),
+    ((), {"MLXD_BATCH": "12"}, None, 12),
+    ((), {}, 'batch = "auto"\n', "auto"),
+    ((), {}, "batch = 16\n", 16),
+    (("--batch", "4"), {"MLXD_BATCH": "auto"}, 'batch = "auto"\n', 4),  # flag wins
+])
+def test_batch_is_auto_or_a_count(tmp_path, argv, env, toml, expected):
+    extra = ("--config", str(_toml(tmp_path, toml))) if toml else ()
+    cfg = resolve(_args(*argv, *extra), env).config
+    assert cfg.engine.batch == expected
+    # and it reaches the engine and the proxy (whose pool reads it) unchanged, through msgpack
+    engine, proxy = launch.engine_launch(cfg, "e", "m", 0), launch.proxy_launch(cfg, 0)
+    assert codec.decode_launch(codec.encode_launch(engine), EngineLaunch).settings.batch \
+        == expected
+    assert codec.decode_launch(codec.encode_launch(proxy), ProxyLaunch).engine.batch == expected
+
+
+@pytest.mark.parametrize("argv, env, toml, message", [
+    (("--batch", "0"), {}, None, "batch (flag --batch): 0 must be >= 1"),
+    (("--batch", "lots"), {}, None,
+     "batch (flag --batch): bad value 'lots': expected auto or an integer"),
+    ((), {"MLXD_BATCH": "-3"}, None, "batch (env MLXD_BATCH): -3 must be >= 1"),
+    ((), {}, 'batch = "lots"\n', 'expected "auto" or int'),
+    ((), {}, "batch = 2.5\n", 'expected "auto" or int'),
+])
+def test_bad_batch_values_are_clear_errors(tmp_path, argv, env, toml, message):
+    extra = ("--config", str(_toml(tmp_path, toml))) if toml else ()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(_args(*argv, *extra), env)

@@ -1,0 +1,77 @@
+"""The figures `--batch auto` is sized from, measured once at load on the MLX thread: the
+memory the engine may use (free device memory on a GPU; available RAM on unified memory and
+on the CPU backend, plus what the model already holds), the model's weight bytes and the KV
+bytes one token costs, read from a real one-token forward pass (any model, any KV layout).
+The rules that use them are pure (`batch_budget.py`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, cast
+
+from mlxd.engine.batch_budget import Budget, KvShape, budget, explicit_cap
+
+log = logging.getLogger("mlxd.engine")
+
+# Tests (and users who want to leave memory to other programs) may name the bytes the engine
+# may use in all, weights included; the budget is then derived from it by the same rules.
+MEMORY_ENV = "MLXD_ENGINE_MEMORY"
+
+
+def measure_budget(model: Any, batch: int | str, stream: Any) -> Budget:
+    weights = weight_bytes(model)
+    available, source = available_memory(weights)
+    return budget(available, weights, kv_shape(model, stream), explicit_cap(batch), source)
+
+
+def weight_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sum(v.nbytes for _, v in params)
+
+
+def available_memory(weights: int) -> tuple[int, str]:
+    """(bytes the engine may use in all, weights included; where that figure came from)."""
+    import mlx.core as mx
+    import psutil
+    forced = os.environ.get(MEMORY_ENV)
+    if forced:
+        return int(float(forced)), f"{MEMORY_ENV}={forced}"
+    gib = 2**30
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001  an older MLX, or a device that says nothing: use RAM
+        info = {}
+    free = info.get("free_memory")
+    if isinstance(free, int):  # CUDA: the device's own memory, free now, plus what MLX holds
+        held = mx.get_active_memory() + mx.get_cache_memory()
+        return free + held, (f"GPU memory: {free / gib:.1f} GiB free + {held / gib:.1f} GiB "
+                             "held by MLX")
+    ram = psutil.virtual_memory().available + weights
+    limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if isinstance(limit, int) and limit < ram:  # Metal: unified memory, a working-set limit
+        return limit, f"unified memory: GPU working set {limit / gib:.1f} GiB"
+    return ram, f"RAM: {(ram - weights) / gib:.1f} GiB available + weights"
+
+
+def kv_shape(model: Any, stream: Any) -> KvShape:
+    """KV bytes per token as a forward pass lays them out: layers with keys, and the first
+    such layer's heads, head sizes and dtype."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    try:
+        with mx.stream(stream):
+            cache = make_prompt_cache(model)
+            model(mx.array([[0]]), cache=cache)
+            kv = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array)]
+            mx.eval([(c.keys, c.values) for c in kv])
+    except Exception as e:  # noqa: BLE001  a model that cannot run alone: no KV figure
+        log.warning("cannot measure the KV size per token (%s): the batch is capped only by "
+                    "its ceiling", e)
+        return KvShape(0, 0, 0, 0, 0)
+    if not kv:  # no per-token KV (a state-space model): memory does not limit the batch
+        return KvShape(0, 0, 0, 0, 0)
+    k, v = kv[0].keys, kv[0].values
+    return KvShape(layers=len(kv), kv_heads=k.shape[1], k_head_dim=k.shape[-1],
+                   v_head_dim=v.shape[-1], bytes_per_element=k.dtype.size)

@@ -1,0 +1,205 @@
+"""`--batch auto` wired into the engine (issue 14 item 1) and burst admission (item 3): the
+runner holds back requests the KV budget has no room for and admits them in arrival order as
+rows finish; an idle engine gathers a burst of arrivals into one prefill; the daemon measures
+its budget at load and shows the cap and why in /stats and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.sample_utils import greedy_sampler
+
+from conftest import start_daemon, stop_and_check
+from mlxd.engine import runner as runner_mod
+from mlxd.engine.batch_budget import CEILING, Budget
+from mlxd.engine.batch_sizing import MEMORY_ENV, measure_budget
+from mlxd.engine.model_loader import load_model
+from mlxd.engine.runner import AbortRequest, AddRequest, RequestStarted, Runner, StepTokens
+
+TINY_KV_PER_TOKEN = 2 * 2 * (16 + 16) * 4  # layers x kv heads x (k + v head dims) x float32
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tmp_path_factory):
+    m, tok, _ = load_model(str(tiny_model), tmp_path_factory.mktemp("c"))
+    return m, tok
+
+
+def _drive(r: Runner, outq: queue.Queue, rids: set[str]) -> tuple[list[str], int, dict]:
+    """Step until every request in `rids` finished: (finish order, most rows decoded in one
+    step, request id -> tokens)."""
+    order: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    peak = 0
+    while len(order) < len(rids):
+        r._handle_commands(block=False)
+        r._step()
+        if r._held and r._room_changed:
+            r._admit(r._through_gate([]))
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, StepTokens):
+                peak = max(peak, len(item.rows))
+                for rid, tok, fin in item.rows:
+                    tokens.setdefault(rid, []).append(tok)
+                    if fin:
+                        order.append(rid)
+    return order, peak, tokens
+
+
+def _add(rid: str, prompt: list[int], max_tokens: int) -> AddRequest:
+    return AddRequest(rid, prompt, max_tokens, greedy_sampler, [])
+
+
+def test_the_budget_holds_requests_back_in_order_and_admits_them_as_rows_finish(model):
+    m, tok = model
+    prompt = tok.encode("Once upon a time, in a lighthouse by the sea")
+    need = len(prompt) + 12  # what each request reserves
+    outq: queue.Queue = queue.Queue()
+    # room for two rows of `need` tokens, not three
+    budget = Budget(kv_bytes=int(2.5 * need), per_token=1, explicit_cap=None, why="test")
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
+    for i in range(5):
+        r.inbox.put(_add(f"r{i}", prompt, 12))
+    r._handle_commands(block=False)
+    assert [a.request_id for a in r._held] == ["r2", "r3", "r4"]
+    assert (r.counters.waiting, r.counters.batch_cap) == (3, 2)
+    assert "memory" in r.counters.batch_why and "test" in r.counters.batch_why
+    order, peak, tokens = _drive(r, outq, {f"r{i}" for i in range(5)})
+    assert peak == 2  # never more rows than the budget holds
+    assert order == [f"r{i}" for i in range(5)]  # none passed an earlier one
+    assert all(len(t) == 12 for t in tokens.values())
+    assert (r.counters.waiting, r._reserved_total, r._reserved) == (0, 0, {})
+
+
+def test_an_aborted_request_that_waits_leaves_the_queue(model):
+    m, tok = model
+    prompt = tok.encode("Hello there, general")
+    outq: queue.Queue = queue.Queue()
+    budget = Budget(kv_bytes=len(prompt) + 8, per_token=1, explicit_cap=None, why="test")
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
+    for i in range(3):
+        r.inbox.put(_add(f"a{i}", prompt, 8))
+    r._handle_commands(block=False)
+    assert [a.request_id for a in r._held] == ["a1", "a2"]
+    r.inbox.put(AbortRequest("a1"))
+    r._handle_commands(block=False)
+    assert [a.request_id for a in r._held] == ["a2"]
+    order, _, _ = _drive(r, outq, {"a0", "a2"})
+    assert order == ["a0", "a2"]
+
+
+def test_an_explicit_batch_caps_rows_whatever_the_memory(model):
+    m, tok = model
+    prompt = tok.encode("Tell me about the sea")
+    outq: queue.Queue = queue.Queue()
+    budget = Budget(kv_bytes=10**9, per_token=1, explicit_cap=3, why="test")
+    r = Runner(m, [], batch_size=3, prefill_step=64, outbox=outq, budget=budget)
+    for i in range(5):
+        r.inbox.put(_add(f"e{i}", prompt, 6))
+    r._handle_commands(block=False)
+    assert len(r._held) == 2 and r.counters.batch_cap == 3
+    assert r.counters.batch_why.startswith("--batch 3")
+    _, peak, _ = _drive(r, outq, {f"e{i}" for i in range(5)})
+    assert peak == 3
+
+
+def test_a_burst_reaching_an_idle_engine_is_prefilled_as_one_batch(model, monkeypatch):
+    """Requests arriving one after another while more are still being prepared (each only
+    after the runner found its inbox quiet) land in one insert, so their first tokens come
+    out of the same step."""
+    m, tok = model
+    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 2.0)  # the test's CPU may be busy
+    outq: queue.Queue = queue.Queue()
+    adds = [_add(f"b{i}", tok.encode(f"Story number {i} begins"), 4) for i in range(4)]
+    later = adds[1:]
+
+    def preparing() -> int:
+        """The admission lanes: one more request is delivered each time the runner looks."""
+        if later:
+            r.inbox.put(later.pop(0))
+            return 1
+        return 0
+
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, preparing=preparing)
+    r.inbox.put(adds[0])
+    r._handle_commands(block=False)
+    started = [x for x in list(outq.queue) if isinstance(x, RequestStarted)]
+    assert len(started) == 4 and r.counters.bursts == 1
+    first_rows = None
+    while first_rows is None:
+        r._step()
+        steps = [x for x in list(outq.queue) if isinstance(x, StepTokens)]
+        first_rows = steps[0].rows if steps else None
+    assert len(first_rows) == 4  # every first token from one step: one prefill batch
+
+
+def test_a_lone_request_is_not_held_for_the_window(model, monkeypatch):
+    m, tok = model
+    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 5.0)
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, preparing=lambda: 0)
+    r.inbox.put(_add("solo", tok.encode("Hi"), 2))
+    done = threading.Event()
+
+    def handle() -> None:
+        r._handle_commands(False)
+        done.set()
+
+    threading.Thread(target=handle).start()
+    assert done.wait(1.0)  # returned after the quiet gap, not the 5 s window
+    assert len(r._uid_to_rid) == 1
+
+
+def test_the_budget_is_measured_from_the_model(model):
+    m, _ = model
+    b = measure_budget(m, "auto", mx.new_stream(mx.default_device()))
+    assert b.per_token == TINY_KV_PER_TOKEN and b.explicit_cap is None
+    assert b.why.startswith("RAM: ") and b.kv_tokens > 1000
+    assert measure_budget(m, 16, mx.default_stream(mx.default_device())).explicit_cap == 16
+
+
+def test_a_daemon_with_little_memory_serves_what_fits_and_queues_the_rest(tiny_model):
+    """Room for two rows at full context (256 tokens): four streams are served two at a time,
+    each with the text it gets alone; /stats and /metrics show the cap and why."""
+    weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
+    memory = int((weights + 2.5 * 256 * TINY_KV_PER_TOKEN) / 0.9)
+    d = start_daemon(tiny_model, env={MEMORY_ENV: str(memory)})
+    try:
+        d.wait_until(lambda s: s["engines"][0]["state"] == "ready", what="the engine ready")
+        eng = d.stats()["engines"][0]
+        assert eng["batch_cap"] == 2 and MEMORY_ENV in eng["batch_why"], eng
+
+        async def one(ac: openai.AsyncOpenAI, i: int) -> str:
+            r = await ac.chat.completions.create(
+                model="tiny-llama",  # the default max_tokens, clamped to the context: 256
+                messages=[{"role": "user", "content": f"Request {i}: a story"}])
+            return r.choices[0].message.content or ""
+
+        async def all_of(n: int, together: bool) -> list[str]:
+            ac = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
+            try:
+                if together:
+                    return list(await asyncio.gather(*(one(ac, i) for i in range(n))))
+                return [await one(ac, i) for i in range(n)]
+            finally:
+                await ac.close()
+
+        together = asyncio.run(all_of(4, together=True))
+        eng = d.stats()["engines"][0]
+        assert eng["peak_batch"] == 2, eng  # the other two waited for rows to finish
+        assert eng["waiting_requests"] == 0 and eng["active_requests"] == 0
+        assert eng["batch_cap"] == 2 and eng["batch_why"].startswith("memory: ")
+        alone = asyncio.run(all_of(4, together=False))
+        assert together == alone and all(together)
+        with d.http() as c:
+            metrics = c.get("/metrics").text
+        assert 'mlxd_engine_batch_cap{model="tiny-llama"} 2.0' in metrics
+        assert 'mlxd_engine_waiting_requests{model="tiny-llama"} 0.0' in metrics
+    finally:
+        stop_and_check(d)
