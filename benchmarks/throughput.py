@@ -11,6 +11,11 @@ percentiles. Writes a markdown table, a JSON file and (with matplotlib) a PNG pl
 
     python benchmarks/throughput.py --shape tiny --concurrency 1,8 --out benchmarks/results/cpu
     python benchmarks/throughput.py --model default --targets inprocess,mlxd-isolate
+
+The servers get a batch as large as the highest concurrency (`--server-batch max`, the
+default) or are left at their own defaults (`--server-batch default`: mlxd `--batch auto`,
+mlx_lm.server's decode and prompt concurrency). `--repeat N` measures each level N times and
+keeps the median round.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class Round:
     itl: list[float] = field(default_factory=list)
     engine_ttft: float | None = None  # mean request receipt -> first token (engine clock)
     engine_admit: float | None = None  # mlxd: mean engine receipt -> inserted into the batch
+    engine_cap: int | None = None  # mlxd: the batch cap in force (/stats batch_cap)
+    engine_peak: int | None = None  # mlxd: most rows decoded together so far
+    errors: int = 0  # streams that broke off (connection reset, HTTP error)
 
     @property
     def tok_s(self) -> float:
@@ -124,31 +132,40 @@ _LOADED: tuple[str, Any, Any] | None = None  # (model dir, model, tokenizer) las
 # ---------------------------------------------------------------- HTTP targets
 
 async def _one_stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
-                      max_tokens: int, t0: float, ttft: list, itl: list) -> int:
+                      max_tokens: int, t0: float, ttft: list, itl: list,
+                      errors: list | None = None) -> int:
+    """Tokens the stream delivered; one that breaks off (a reset, an HTTP error) counts the
+    content chunks it delivered and adds to `errors` (raises without it)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     last = None
     usage = 0
     chunks = 0
-    async with session.post(url, json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                usage = obj["usage"]["completion_tokens"]
-            for ch in obj.get("choices") or []:
-                if (ch.get("delta") or {}).get("content"):
-                    now = time.perf_counter()
-                    chunks += 1
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        itl.append(now - last)
-                    last = now
+    try:
+        async with session.post(url, json=body) as resp:
+            resp.raise_for_status()
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    usage = obj["usage"]["completion_tokens"]
+                for ch in obj.get("choices") or []:
+                    if (ch.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        chunks += 1
+                        if last is None:
+                            ttft.append(now - t0)
+                        else:
+                            itl.append(now - last)
+                        last = now
+    except (TimeoutError, aiohttp.ClientError) as e:
+        if errors is None:
+            raise
+        errors.append(repr(e))
+        return chunks
     return usage or chunks
 
 
@@ -158,13 +175,18 @@ async def run_http(name: str, base: str, model: str, concurrency: int, max_token
     timeout = aiohttp.ClientTimeout(total=3600)
     ttft: list[float] = []
     itl: list[float] = []
+    errors: list[str] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(
-            _one_stream(session, base + "/v1/chat/completions", model, PROMPTS[i], max_tokens, t0,
-                        ttft, itl) for i in range(concurrency)))
+            _one_stream(session, base + "/v1/chat/completions", model, PROMPTS[i], max_tokens,
+                        t0, ttft, itl, errors)
+            for i in range(concurrency)))
         seconds = time.perf_counter() - t0
-    return Round(name, concurrency, sum(counts), seconds, ttft, itl)
+    if errors:
+        print(f"{name} c={concurrency}: {len(errors)} streams broke off, e.g. {errors[0]}",
+              flush=True)
+    return Round(name, concurrency, sum(counts), seconds, ttft, itl, errors=len(errors))
 
 
 class Server:
@@ -214,20 +236,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_target(target: str, model_dir: str, batch: int, dtype: str,
+def start_target(target: str, model_dir: str, batch: int | None, dtype: str,
                  extra: list[str] | None = None) -> tuple[Server, str, str]:
+    """`batch` None: the server's own default batch."""
     port = free_port()
     if target == "mlx_lm.server":
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port),
-                "--decode-concurrency", str(batch), "--prompt-concurrency", str(batch),
                 "--prompt-cache-bytes", "0" , "--log-level", "WARNING"]
+        if batch is not None:
+            argv += ["--decode-concurrency", str(batch), "--prompt-concurrency", str(batch)]
         base = f"http://127.0.0.1:{port}"
         return Server(argv, f"{base}/health"), base, model_dir
     run_dir = tempfile.mkdtemp(prefix="mlxd-b-", dir="/tmp")
     argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", model_dir, "--port", str(port),
-            "--run-dir", run_dir, "--batch", str(batch), "--dtype", dtype,
+            "--run-dir", run_dir, "--dtype", dtype,
             "--cache-dir", str(Path(tempfile.gettempdir()) / "mlxd-bench-cache"),
             "--log-level", "warning"]
+    if batch is not None:
+        argv += ["--batch", str(batch)]
     if target == "mlxd-isolate":
         argv.append("--isolate")
     argv += extra or []
@@ -260,36 +286,56 @@ async def main_async(args: argparse.Namespace) -> list[Round]:
         if target == "inprocess":
             for c in levels:
                 run_inprocess(model_dir, c, min(args.max_tokens, 16), args.dtype)  # warm-up
-                r = run_inprocess(model_dir, c, args.max_tokens, args.dtype)
+                r = median_round([run_inprocess(model_dir, c, args.max_tokens, args.dtype)
+                                  for _ in range(args.repeat)])
                 rounds.append(r)
                 print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
             continue
-        batch = max(levels)
+        batch = max(levels) if args.server_batch == "max" else None
         server, base, name = start_target(target, model_dir, batch, args.dtype,
                                           args.mlxd_args.split() if args.mlxd_args else None)
         try:
             await server.wait()
+            if target.startswith("mlxd"):
+                print(f"{target}: batch {(await engine_figures(base)).get('batch_why')}",
+                      flush=True)
             for c in levels:
                 await run_http(target, base, name, c, min(args.max_tokens, 16))  # warm-up
-                before = await engine_figures(base) if target.startswith("mlxd") else None
-                r = await run_http(target, base, name, c, args.max_tokens)
-                if before is not None:
-                    after = await engine_figures(base)
-                    n = after.get("first_tokens", 0) - before.get("first_tokens", 0)
-                    if n:
-                        r.engine_ttft = (after["to_first_token_s"]
-                                         - before["to_first_token_s"]) / n
-                        r.engine_admit = (after["to_admit_s"] - before["to_admit_s"]) / n
+                tries = []
+                for _ in range(args.repeat):
+                    tries.append(await measured_http(target, base, name, c, args.max_tokens))
+                r = median_round(tries)
                 rounds.append(r)
-                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
+                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s"
+                      + (f" (cap {r.engine_cap}, peak {r.engine_peak})"
+                         if r.engine_cap is not None else ""), flush=True)
         finally:
             server.stop()
     return rounds
 
 
+def median_round(tries: list[Round]) -> Round:
+    return sorted(tries, key=lambda r: r.tok_s)[len(tries) // 2]
+
+
+async def measured_http(target: str, base: str, name: str, c: int, max_tokens: int) -> Round:
+    """One measured round; for mlxd, with the engine's own account of it from /stats."""
+    before = await engine_figures(base) if target.startswith("mlxd") else None
+    r = await run_http(target, base, name, c, max_tokens)
+    if before is not None:
+        after = await engine_figures(base)
+        n = after["cache"].get("first_tokens", 0) - before["cache"].get("first_tokens", 0)
+        if n:
+            r.engine_ttft = (after["cache"]["to_first_token_s"]
+                             - before["cache"]["to_first_token_s"]) / n
+            r.engine_admit = (after["cache"]["to_admit_s"] - before["cache"]["to_admit_s"]) / n
+        r.engine_cap, r.engine_peak = after.get("batch_cap"), after.get("peak_batch")
+    return r
+
+
 async def engine_figures(base: str) -> dict:
     async with aiohttp.ClientSession() as s, s.get(base + "/stats") as r:
-        return (await r.json())["engines"][0]["cache"]
+        return (await r.json())["engines"][0]
 
 
 def _secs(x: float | None) -> str:
@@ -300,19 +346,23 @@ def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
     import mlx.core as mx
     ref = {r.concurrency: r.tok_s for r in rounds if r.target == "inprocess"}
     lines = [f"Model: {args.model or 'random ' + args.shape + ' (' + args.model_dtype + ')'}; "
-             f"{args.max_tokens} generated tokens per request, greedy; "
+             f"{args.max_tokens} generated tokens per request, greedy; servers' batch: "
+             f"{args.server_batch}; median of {args.repeat} round(s); "
              f"device {mx.default_device()}; "
              f"mlx {version('mlx')}; {platform.machine()} {os.cpu_count()} cores; "
              f"{time.strftime('%Y-%m-%d')}.", "",
              "| target | concurrency | tok/s | ratio to in-process | first text p50 (s) "
              "| first text p90 (s) | ITL p50 (ms) | ITL p90 (ms) | engine: to batch, mean (s) "
-             "| engine: to first token, mean (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine: to first token, mean (s) | mlxd batch cap (peak) | streams broken |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rounds:
         ratio = r.tok_s / ref[r.concurrency] if ref.get(r.concurrency) else float("nan")
         lines.append(f"| {r.target} | {r.concurrency} | {r.tok_s:.1f} | {ratio:.2f} | "
                      f"{pct(r.ttft, .5):.3f} | {pct(r.ttft, .9):.3f} | {pct(r.itl, .5) * 1e3:.1f} "
                      f"| {pct(r.itl, .9) * 1e3:.1f} | {_secs(r.engine_admit)} | "
-                     f"{_secs(r.engine_ttft)} |")
+                     f"{_secs(r.engine_ttft)} | "
+                     f"{'' if r.engine_cap is None else f'{r.engine_cap} ({r.engine_peak})'} | "
+                     f"{r.errors} |")
     table = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table)
@@ -349,6 +399,10 @@ def main() -> None:
     ap.add_argument("--targets", default="inprocess,mlxd-isolate,mlxd,mlx_lm.server")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--server-batch", choices=["max", "default"], default="max",
+                    help="max: servers get --batch / --decode-concurrency of the highest "
+                    "concurrency; default: their own defaults (mlxd --batch auto)")
+    ap.add_argument("--repeat", type=int, default=1, help="measured rounds per level (median)")
     ap.add_argument("--mlxd-args", default="", help="extra `mlxd serve` flags, e.g. "
                     "'--ssd-cache off --prompt-cache 0'")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput"))

@@ -37,7 +37,7 @@ def available_memory(weights: int) -> tuple[int, str]:
     import psutil
     forced = os.environ.get(MEMORY_ENV)
     if forced:
-        return int(float(forced)), f"{MEMORY_ENV}={forced}"
+        return int(float(forced)), MEMORY_ENV
     gib = 2**30
     try:
         info = mx.device_info()
@@ -46,13 +46,13 @@ def available_memory(weights: int) -> tuple[int, str]:
     free = info.get("free_memory")
     if isinstance(free, int):  # CUDA: the device's own memory, free now, plus what MLX holds
         held = mx.get_active_memory() + mx.get_cache_memory()
-        return free + held, (f"GPU memory: {free / gib:.1f} GiB free + {held / gib:.1f} GiB "
-                             "held by MLX")
+        return free + held, (f"GPU memory ({free / gib:.1f} GiB free + {held / gib:.1f} GiB "
+                             "held by MLX)")
     ram = psutil.virtual_memory().available + weights
     limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
     if isinstance(limit, int) and limit < ram:  # Metal: unified memory, a working-set limit
-        return limit, f"unified memory: GPU working set {limit / gib:.1f} GiB"
-    return ram, f"RAM: {(ram - weights) / gib:.1f} GiB available + weights"
+        return limit, "unified memory (the GPU's recommended working set)"
+    return ram, f"RAM ({(ram - weights) / gib:.1f} GiB available + weights)"
 
 
 def kv_shape(model: Any, stream: Any) -> KvShape:

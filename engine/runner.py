@@ -35,7 +35,7 @@ MIN_SHARED_PREFIX = 32  # tokens two simultaneous prompts must share to prefill 
 # come within BURST_QUIET_S of each other or more are being prepared (tokenized) on the
 # admission lanes, for at most BURST_WINDOW_S in all; then prefills them as one batch.
 BURST_QUIET_S = 0.001
-BURST_WINDOW_S = 0.005
+BURST_WINDOW_S = 0.010
 
 
 @dataclass

@@ -160,7 +160,7 @@ def test_the_budget_is_measured_from_the_model(model):
     m, _ = model
     b = measure_budget(m, "auto", mx.new_stream(mx.default_device()))
     assert b.per_token == TINY_KV_PER_TOKEN and b.explicit_cap is None
-    assert b.why.startswith("RAM: ") and b.kv_tokens > 1000
+    assert b.why.startswith("RAM (") and b.kv_tokens > 1000
     assert measure_budget(m, 16, mx.default_stream(mx.default_device())).explicit_cap == 16
 
 
