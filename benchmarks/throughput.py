@@ -289,7 +289,8 @@ async def main_async(args: argparse.Namespace) -> list[Round]:
                 r = median_round([run_inprocess(model_dir, c, args.max_tokens, args.dtype)
                                   for _ in range(args.repeat)])
                 rounds.append(r)
-                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s", flush=True)
+                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s, first text p50 "
+                      f"{pct(r.ttft, .5):.3f} s, first token {_secs(r.engine_ttft)} s", flush=True)
             continue
         batch = max(levels) if args.server_batch == "max" else None
         server, base, name = start_target(target, model_dir, batch, args.dtype,
@@ -306,7 +307,8 @@ async def main_async(args: argparse.Namespace) -> list[Round]:
                     tries.append(await measured_http(target, base, name, c, args.max_tokens))
                 r = median_round(tries)
                 rounds.append(r)
-                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s"
+                print(f"{target:14s} c={c:3d} {r.tok_s:9.1f} tok/s, first text p50 "
+                      f"{pct(r.ttft, .5):.3f} s, engine to first token {_secs(r.engine_ttft)} s"
                       + (f" (cap {r.engine_cap}, peak {r.engine_peak})"
                          if r.engine_cap is not None else ""), flush=True)
         finally:
