@@ -3,7 +3,8 @@ for KV cache. Pure logic: the engine passes the figures in (engine/runner.py app
 
 A request is admitted into the running batch only if the KV it may come to hold (its prompt
 plus its `max_tokens`, at most the context) fits beside what the running rows may come to
-hold, within the budget: memory the machine can give minus the model's weights and a reserve.
+hold, within the budget: memory the machine can give minus the model's weights, the RAM prefix
+cache's capacity (its entries are KV in the same memory) and a reserve.
 So the batch grows while requests are short and shrinks as contexts get long, and no
 admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
 `engine/batch_sizing.py` measures the figures at load; the runner's admission applies the rules.
@@ -44,13 +45,15 @@ class Budget:
 
 
 def budget(available_bytes: int, model_bytes: int, shape: KvShape,
-           explicit_cap: int | None, source: str) -> Budget:
+           explicit_cap: int | None, source: str, cache_bytes: int = 0) -> Budget:
     """`available_bytes`: what the engine may use in all (free memory plus what the model
-    already holds, on unified memory; the device's memory on a GPU)."""
-    usable = int(available_bytes * (1 - RESERVE_FRACTION)) - model_bytes
+    already holds, on unified memory; the device's memory on a GPU). `cache_bytes`: the RAM
+    prefix cache's capacity."""
+    usable = int(available_bytes * (1 - RESERVE_FRACTION)) - model_bytes - cache_bytes
     kv = max(0, usable)
+    cache = f", prefix cache {cache_bytes / 2**30:.1f} GiB" if cache_bytes else ""
     why = (f"{source}: {available_bytes / 2**30:.1f} GiB, weights {model_bytes / 2**30:.1f} "
-           f"GiB, {RESERVE_FRACTION:.0%} reserve -> {kv / 2**30:.1f} GiB for KV at "
+           f"GiB{cache}, {RESERVE_FRACTION:.0%} reserve -> {kv / 2**30:.1f} GiB for KV at "
            f"{shape.bytes_per_token / 1024:.1f} KiB/token")
     return Budget(kv, shape.bytes_per_token, explicit_cap, why)
 

@@ -19,10 +19,12 @@ log = logging.getLogger("mlxd.engine")
 MEMORY_ENV = "MLXD_ENGINE_MEMORY"
 
 
-def measure_budget(model: Any, batch: int | str, stream: Any) -> Budget:
+def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int = 0) -> Budget:
+    """`cache_bytes`: the RAM prefix cache's capacity, KV in the same memory as the rows'."""
     weights = weight_bytes(model)
     available, source = available_memory(weights)
-    return budget(available, weights, kv_shape(model, stream), explicit_cap(batch), source)
+    return budget(available, weights, kv_shape(model, stream), explicit_cap(batch), source,
+                  cache_bytes)
 
 
 def weight_bytes(model: Any) -> int:

@@ -155,13 +155,14 @@ class EngineService:
         warm_s = self._warm_up(model, loaded, stream) if settings.warm_up else 0.0
         self.ssd = open_ssd_tier(launch, model, self.ctx, self.eps.storage)
         persist = self.ssd.persist if self.ssd is not None else None
-        budget = measure_budget(model, settings.batch, stream)
+        cache_bytes = int(settings.prompt_cache * 2**30)
+        budget = measure_budget(model, settings.batch, stream, cache_bytes)
         log.info("batch: %s", budget.why)
         self.runner = Runner(model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),
                              prefill_step=settings.prefill_step, outbox=self.ch.outq,
                              stream=stream, budget=budget, context=loaded.context_length,
-                             preparing=self.lanes.preparing,
-                             cache_bytes=int(settings.prompt_cache * 2**30), on_entry=persist,
+                             preparing=self.lanes.preparing, cache_bytes=cache_bytes,
+                             on_entry=persist,
                              on_evict=(lambda e: None if e.persisted else persist(e))
                              if persist else None,
                              checkpoint_every=settings.generation_checkpoint,

@@ -165,10 +165,11 @@ def test_the_budget_is_measured_from_the_model(model):
 
 
 def test_a_daemon_with_little_memory_serves_what_fits_and_queues_the_rest(tiny_model):
-    """Room for two rows at full context (256 tokens): four streams are served two at a time,
-    each with the text it gets alone; /stats and /metrics show the cap and why."""
+    """Room for two rows at full context (256 tokens) beside the weights and the RAM prefix
+    cache's 4 GiB: four streams are served two at a time, each with the text it gets alone;
+    /stats and /metrics show the cap and why."""
     weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
-    memory = int((weights + 2.5 * 256 * TINY_KV_PER_TOKEN) / 0.9)
+    memory = int((weights + 4 * 2**30 + 2.5 * 256 * TINY_KV_PER_TOKEN) / 0.9)
     d = start_daemon(tiny_model, env={MEMORY_ENV: str(memory)})
     try:
         d.wait_until(lambda s: s["engines"][0]["state"] == "ready", what="the engine ready")

@@ -6,7 +6,10 @@ from mlxd.engine.batch_budget import (
     CEILING,
     KvShape,
     budget,
+    ceiling,
     current_cap,
+    explain,
+    explicit_cap,
     may_admit,
     reserved_tokens,
 )
@@ -53,3 +56,27 @@ def test_the_ceiling_and_an_explicit_cap():
 def test_reserved_tokens_stop_at_the_context():
     assert reserved_tokens(100, 50, 1000) == 150
     assert reserved_tokens(900, 512, 1000) == 1000
+
+
+def test_the_prefix_cache_capacity_comes_off_the_budget():
+    without = budget(10 * GiB, 2 * GiB, LLAMA_1B, None, "test")
+    with_cache = budget(10 * GiB, 2 * GiB, LLAMA_1B, None, "test", cache_bytes=4 * GiB)
+    assert without.kv_bytes - with_cache.kv_bytes == 4 * GiB
+    assert "prefix cache 4.0 GiB" in with_cache.why and "prefix cache" not in without.why
+
+
+def test_the_setting_gives_the_cap_and_the_generator_ceiling():
+    assert (explicit_cap("auto"), ceiling("auto")) == (None, CEILING)
+    assert (explicit_cap(16), ceiling(16)) == (16, 16)
+
+
+def test_explain_names_the_bound_that_holds():
+    roomy = budget(1000 * GiB, 1 * GiB, LLAMA_1B, None, "GPU memory")
+    cap, why = explain(roomy, 0, 0, 300)
+    assert cap == CEILING and why.startswith("the ceiling (128)") and "GPU memory" in why
+    cap, why = explain(budget(1000 * GiB, 1 * GiB, LLAMA_1B, 16, "x"), 3, 900, 300)
+    assert cap == 16 and why.startswith("--batch 16")
+    small = budget(4 * GiB, 3 * GiB, LLAMA_1B, None, "RAM")  # ~19k tokens
+    cap, why = explain(small, 2, 16_000, 1000)
+    assert cap == 2 + (small.kv_tokens - 16_000) // 1000 and why.startswith("memory: ")
+    assert f"{small.kv_tokens - 16_000} of {small.kv_tokens} KV tokens free" in why
