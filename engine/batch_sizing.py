@@ -50,11 +50,12 @@ def available_memory(weights: int) -> tuple[int, str]:
         held = mx.get_active_memory() + mx.get_cache_memory()
         return free + held, (f"GPU memory ({free / gib:.1f} GiB free + {held / gib:.1f} GiB "
                              "held by MLX)")
-    ram = psutil.virtual_memory().available + weights
+    # freed buffers MLX keeps for reuse are memory new KV can take, though the OS counts them used
+    ram = psutil.virtual_memory().available + weights + mx.get_cache_memory()
     limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
     if isinstance(limit, int) and limit < ram:  # Metal: unified memory, a working-set limit
         return limit, "unified memory (the GPU's recommended working set)"
-    return ram, f"RAM ({(ram - weights) / gib:.1f} GiB available + weights)"
+    return ram, f"RAM ({(ram - weights) / gib:.1f} GiB available + the weights)"
 
 
 def kv_shape(model: Any, stream: Any) -> KvShape:
