@@ -1,0 +1,95 @@
+"""The seams stay where docs/architecture.md says they are: the top-level layout, processes that
+import each other only through `protocol/`, settings declared once, and wire messages whose
+every field is typed (no bare dict or list crossing a process boundary)."""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+
+import pytest
+
+from mlxd.protocol import messages
+
+ROOT = Path(__file__).resolve().parent.parent
+PROCESSES = ("daemon", "proxy", "engine", "storage_worker")
+
+
+def test_the_top_level_layout():
+    for folder in (*PROCESSES, "protocol", "tests", "deploy", "benchmarks"):
+        assert (ROOT / folder).is_dir(), folder
+
+
+def _mlxd_imports(path: Path) -> set[str]:
+    """The mlxd subpackages a file imports (`mlxd.engine.x` -> `engine`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "mlxd" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("process", ["proxy", "engine", "storage_worker", "protocol"])
+def test_processes_import_each_other_only_through_protocol(process):
+    for path in (ROOT / process).rglob("*.py"):
+        foreign = _mlxd_imports(path) - {process, "protocol"}
+        assert not foreign, f"{path.relative_to(ROOT)} imports mlxd.{sorted(foreign)}"
+
+
+def test_the_supervisor_runs_the_proxy_and_engine_only_in_the_one_process_mode():
+    for path in (ROOT / "daemon").rglob("*.py"):
+        if path.name == "inprocess.py":
+            continue
+        assert not _mlxd_imports(path) & {"proxy", "engine", "storage_worker"}, path.name
+
+
+def test_only_the_mlxd_command_declares_flags():
+    """Settings are fields of protocol/settings.py; children read a launch struct on stdin."""
+    for process in PROCESSES[1:]:
+        for path in (ROOT / process).rglob("*.py"):
+            assert "add_argument(" not in path.read_text(), path.relative_to(ROOT)
+
+
+def _called_name(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def test_engine_settings_are_never_built_with_restated_defaults():
+    """Each EngineSettings field is declared once, with its default; nothing in the product
+    builds the settings or an engine's launch from literals again (issue 13 found six places
+    that did)."""
+    for process in (*PROCESSES, "protocol"):
+        for path in (ROOT / process).rglob("*.py"):
+            if path.relative_to(ROOT).as_posix() == "protocol/settings.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and _called_name(node) in (
+                        "EngineSettings", "EngineLaunch"):
+                    literal = [k.arg for k in node.keywords if isinstance(k.value, ast.Constant)]
+                    literal += ["positional" for a in node.args if isinstance(a, ast.Constant)]
+                    assert not literal, f"{path.relative_to(ROOT)} builds settings from {literal}"
+
+
+def _untyped(tp: object) -> bool:
+    """A bare dict / list / Any anywhere in an annotation."""
+    if tp in (dict, list, typing.Any):
+        return True
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (dict, list) and not args:
+        return True
+    return any(_untyped(a) for a in args if a is not Ellipsis)
+
+
+@pytest.mark.parametrize("struct", [messages.EngineStatus, messages.EngineStats,
+                                    messages.StoreBlocks])
+def test_wire_messages_carry_no_untyped_dict_or_list(struct):
+    hints = typing.get_type_hints(struct, include_extras=False)
+    for name, tp in hints.items():
+        assert not _untyped(tp), f"{struct.__name__}.{name}: {tp}"
