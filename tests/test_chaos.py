@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_chaos_run_loses_no_work(tmp_path):
     out = tmp_path / "chaos"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.75",
-         "--streams", "6", "--kill-every", "5", "--stop-share", "0.3", "--fuzz-per-s", "6",
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.6",
+         "--streams", "6", "--kill-every", "4", "--stop-share", "0.3", "--fuzz-per-s", "6",
          "--hang-timeout", "3", "--request-timeout", "90", "--seed", "3", "--out", str(out)],
         capture_output=True, text=True, timeout=280)
     summary = json.loads(out.with_suffix(".json").read_text())["summary"] \
