@@ -39,7 +39,10 @@ def available_memory(weights: int) -> tuple[int, str]:
     import psutil
     forced = os.environ.get(MEMORY_ENV)
     if forced:
-        return int(float(forced)), MEMORY_ENV
+        try:
+            return max(0, int(float(forced))), MEMORY_ENV
+        except ValueError:  # a typo must not keep the engine from loading
+            log.warning("%s=%r is not a number of bytes: ignored", MEMORY_ENV, forced[:40])
     gib = 2**30
     try:
         info = mx.device_info()
