@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from mlxd.daemon.config import ServeConfig
+from mlxd.daemon.group import layout_for
 from mlxd.protocol import codec
 from mlxd.protocol.messages import Role
 from mlxd.protocol.settings import EngineLaunch, Launch, ProxyLaunch, StorageLaunch
@@ -29,7 +31,10 @@ def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int) -> En
         engine_id=engine_id, epoch=epoch, model=spec, run_dir=str(cfg.run_dir),
         cache_dir=str(cfg.cache_dir),
         ssd_root=None if cfg.ssd_cache is None else str(cfg.ssd_cache),
-        log_level=cfg.daemon.log_level, log_format=cfg.daemon.log_format, settings=cfg.engine)
+        log_level=cfg.daemon.log_level, log_format=cfg.daemon.log_format, settings=cfg.engine,
+        group=layout_for(spec, cfg.engine.shard, cfg.proxy.model_alias),
+        group_hosts=str(Path(cfg.engine.shard_hosts).expanduser().resolve())
+        if cfg.engine.shard_hosts else None)
 
 
 def proxy_launch(cfg: ServeConfig, epoch: int) -> ProxyLaunch:

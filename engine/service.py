@@ -88,6 +88,8 @@ class EngineService:
         self.ssd: Any = None  # ssd_tier.SsdTier when the SSD tier is on
         self.embedding: Embedding | None = None  # set once loaded
         self.embedding_model_dir: Path | None = None  # set if the model only embeds
+        self.group: Any = None  # group_leader.GroupLeader: rank 0 of a sharded engine
+        self.supervised = supervised
         self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped)
         self._token_texts: dict[int, str] = {}  # the output thread's cache
         self._storage_epoch: int | None = None  # the storage worker's, from ChildStates
@@ -141,8 +143,13 @@ class EngineService:
                 embedding = Embedding(load_encoder(model_dir, settings.dtype, stream),
                                       self.ch.outq, launch.engine_id, launch.epoch)
                 return self._serve_embeddings(embedding, model_dir, t0)
-            model, tokenizer, config = load_model(str(model_dir), Path(launch.cache_dir),
-                                                  settings.dtype, self._load_progress)
+            if launch.group:  # rank 0 of a sharded engine: it starts and joins the group
+                from mlxd.engine.group_leader import start_group
+                self.group = start_group(launch, model_dir, self.supervised)
+                model, tokenizer, config = self.group.load()
+            else:
+                model, tokenizer, config = load_model(str(model_dir), Path(launch.cache_dir),
+                                                      settings.dtype, self._load_progress)
         except (ModelLoadError, faults.FaultInjected) as e:
             log.error("model failed to load: %s", e)
             self._set_state("failed", str(e))
@@ -152,13 +159,16 @@ class EngineService:
         loaded = _loaded(tokenizer, config)
         loaded_s = time.monotonic() - t0
         stream = mx.new_stream(mx.default_device())
-        warm_s = self._warm_up(model, loaded, stream) if settings.warm_up else 0.0
-        self.ssd = open_ssd_tier(launch, model, self.ctx, self.eps.storage)
+        warm_up = settings.warm_up and self.group is None  # a group: no lone forward
+        warm_s = self._warm_up(model, loaded, stream) if warm_up else 0.0
+        probe = model if self.group is None else self.group.probe_model(model, loaded)
+        self.ssd = open_ssd_tier(launch, probe, self.ctx, self.eps.storage)
         persist = self.ssd.persist if self.ssd is not None else None
         cache_bytes = int(settings.prompt_cache * 2**30)
-        budget = measure_budget(model, settings.batch, stream, cache_bytes)
+        budget = measure_budget(probe, settings.batch, stream, cache_bytes)
         log.info("batch: %s", budget.why)
-        self.runner = Runner(model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),
+        runner = Runner if self.group is None else self.group.runner_class()
+        self.runner = runner(model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),
                              prefill_step=settings.prefill_step, outbox=self.ch.outq,
                              stream=stream, budget=budget, context=loaded.context_length,
                              preparing=self.lanes.preparing, cache_bytes=cache_bytes,
@@ -187,6 +197,8 @@ class EngineService:
         finally:
             if self.ssd is not None:
                 self.ssd.close()
+            if self.group is not None:
+                self.group.close()
         return exit_codes.OK
 
     def _serve_embeddings(self, embedding: Embedding, model_dir: Path, t0: float) -> int:
@@ -288,6 +300,8 @@ class EngineService:
     # ------------------------------------------------------------------ admission lanes
 
     def _prepare(self, msg: Generate) -> Admitted | Answered:
+        if self.group is not None:  # a sharded engine: what its followers repeat is noted
+            return self.group.prepare(msg, self.model, time.monotonic())
         if self.embedding_model_dir is not None:
             return Answered([Delta(msg.request_id, finish_reason="error", error_code=
                                    "invalid_request", error=f"{model_id(self.launch.model)} is "
@@ -295,7 +309,7 @@ class EngineService:
         return admission.prepare(msg, self.model, self._restore, time.monotonic())
 
     def _restore(self, prompt: list[int]) -> RestoredPrefix | None:
-        if self.ssd is None or self.runner is None:
+        if self.ssd is None or self.runner is None or self.group is not None:
             return None
         return self.ssd.reader.better_than_ram(prompt, self.runner.cache.peek(prompt))
 
@@ -323,7 +337,10 @@ class EngineService:
                 self.runner.inbox.put(AbortRequest(rid))
 
     def _embed(self, msg: Embed) -> None:
-        if self.embedding is None:
+        if self.group is not None:
+            self.ch.outq.put(Delta(msg.request_id, finish_reason="error", error_code=
+                                   "invalid_request", error="a sharded engine does not embed"))
+        elif self.embedding is None:
             self.ch.outq.put(Delta(msg.request_id, finish_reason="error",
                                    error="the model is still loading", error_code="engine_loading"))
         else:

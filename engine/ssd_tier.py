@@ -427,6 +427,8 @@ def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> S
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
     description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
                    f"mlx {mlx_version}|{layout}")
+    if getattr(launch, "group", ""):  # a sharded engine's blocks hold rank 0's shard only
+        description += f"|group {launch.group} rank 0"
     try:
         return SsdTier(root=Path(launch.ssd_root), layout=layout, description=description,
                        block_tokens=block_tokens, run_dir=Path(launch.run_dir),

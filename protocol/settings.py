@@ -140,6 +140,15 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     warm_up: Annotated[bool, Meta(description=(
         "before an engine reports ready, run one short generation through it (kernels "
         "compiled, buffers allocated), so that the first request is as fast as the next"))] = True
+    shard: Annotated[dict[str, Annotated[str, Meta(pattern=r"^(tensor|pipeline):[1-9][0-9]*$")]],
+                     Meta(description=(
+        "with --isolate: serve model NAME (an alias or a model) by a group of N processes "
+        "through mlx.distributed, its weights split tensor-parallel or by layers (repeatable)"),
+        extra={"metavar": "NAME=tensor:N|pipeline:N"})] = {}
+    shard_hosts: Annotated[str | None, Meta(description=(
+        "hosts file for --shard groups in mlx.launch's JSON format, rank 0 (this machine) "
+        "first (default: every rank on this machine)"),
+        extra={"kind": "path"})] = None
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +172,8 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str
     settings: EngineSettings
     log_format: LogFormat = "text"
+    group: str = ""  # a sharded engine's layout ("tensor:2"); "": one process
+    group_hosts: str | None = None  # its hosts file (None: every rank on this machine)
 
 
 class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
