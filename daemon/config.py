@@ -24,7 +24,7 @@ from mlxd.daemon.settings import (
     parse_toml,
     validate,
 )
-from mlxd.protocol.models import engine_id_for
+from mlxd.protocol.models import adapter_problem, canonical_spec, engine_id_for, parse_adapter
 from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings, StorageSettings
 
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
@@ -138,6 +138,7 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> R
         values[s.key] = validate(s, values[s.key], sources[s.key])
     _read_api_key_file(values, sources)
     _check_together(values, sources)
+    _check_adapters(values, sources)
     return Resolved(_build(values), sources, path)
 
 
@@ -188,6 +189,31 @@ def _check_together(values: dict[str, Any], sources: dict[str, str]) -> None:
                           "serving beyond this machine needs --api-key (or MLXD_API_KEY)")
     if values["api_key"] is not None and len(values["api_key"]) < 8:
         raise ConfigError(f"api_key ({sources['api_key']}): use at least 8 characters")
+
+
+def _check_adapters(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """Every `--adapter NAME=BASE:DIR` names a readable mlx-lm LoRA directory, on a base this
+    daemon can serve, under a name no alias takes (whether its weights fit the base is known
+    only once the base is loaded: its engine then fails with the reason)."""
+    where = sources["adapter"]
+    resolved = {}
+    for name, value in values["adapter"].items():
+        try:
+            base, adapter_dir = parse_adapter(value)
+        except ValueError as e:
+            raise ConfigError(f"adapter ({where}): {name}: {e}") from None
+        problem = adapter_problem(adapter_dir)
+        if problem is not None:
+            raise ConfigError(f"adapter ({where}): {name}: {problem}")
+        if name in values["model_alias"]:
+            raise ConfigError(f"adapter ({where}): {name} is also a model alias "
+                              f"({sources['model_alias']})")
+        if not values["isolate"] and canonical_spec(base) != canonical_spec(values["model"]):
+            raise ConfigError(f"adapter ({where}): {name}: its base {base!r} is not the model "
+                              "served; without --isolate adapters apply to --model only")
+        # absolute, as every process (started anywhere) must read the same directory
+        resolved[name] = f"{canonical_spec(base)}:{Path(adapter_dir).expanduser().resolve()}"
+    values["adapter"] = resolved
 
 
 def _path(text: str | None) -> Path | None:

@@ -51,7 +51,7 @@ from mlxd.protocol.messages import (
     Ready,
     SamplingParams,
 )
-from mlxd.protocol.models import model_id
+from mlxd.protocol.models import adapters_of, model_id
 from mlxd.protocol.settings import EngineLaunch
 
 log = logging.getLogger("mlxd.engine")
@@ -88,6 +88,7 @@ class EngineService:
         self.ssd: Any = None  # ssd_tier.SsdTier when the SSD tier is on
         self.embedding: Embedding | None = None  # set once loaded
         self.embedding_model_dir: Path | None = None  # set if the model only embeds
+        self.lora: Any = None  # lora.LoraSet when adapters are registered on this base
         self.group: Any = None  # group_leader.GroupLeader: rank 0 of a sharded engine
         self.supervised = supervised
         self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped)
@@ -130,6 +131,7 @@ class EngineService:
             load_encoder,
             model_kind,
         )
+        from mlxd.engine.lora import AdapterError, apply_adapters
         from mlxd.engine.model_loader import ModelLoadError, load_model, resolve_model_dir
         from mlxd.engine.ssd_tier import open_ssd_tier
         launch, settings = self.launch, self.launch.settings
@@ -150,7 +152,11 @@ class EngineService:
             else:
                 model, tokenizer, config = load_model(str(model_dir), Path(launch.cache_dir),
                                                       settings.dtype, self._load_progress)
-        except (ModelLoadError, faults.FaultInjected) as e:
+            adapters = adapters_of(settings.adapter, launch.model)
+            if adapters and launch.group:
+                raise AdapterError("LoRA adapters are not supported on a sharded engine")
+            self.lora = apply_adapters(model, adapters)
+        except (ModelLoadError, AdapterError, faults.FaultInjected) as e:
             log.error("model failed to load: %s", e)
             self._set_state("failed", str(e))
             self.ch.control_out.put(ChildFailed(launch.engine_id, launch.epoch, str(e)))
@@ -306,7 +312,27 @@ class EngineService:
             return Answered([Delta(msg.request_id, finish_reason="error", error_code=
                                    "invalid_request", error=f"{model_id(self.launch.model)} is "
                                    "an embedding model: it does not generate text")])
+        if msg.adapter:
+            return self._prepare_adapter(msg)
         return admission.prepare(msg, self.model, self._restore, time.monotonic())
+
+    def _prepare_adapter(self, msg: Generate) -> Admitted | Answered:
+        """An adapter's request: its prompt's first token marked with the adapter (see
+        lora.py), so that its rows run the adapter and its cache keys are the adapter's."""
+        from mlxd.engine.lora import mark_prompt, unmarked_processors
+        index = self.lora.index(msg.adapter) if self.lora is not None else None
+        if index is None:
+            return Answered([Delta(msg.request_id, finish_reason="error", error_code=
+                                   "invalid_request", error=f"{model_id(self.launch.model)} "
+                                   f"has no adapter {msg.adapter[:200]!r}")])
+        vocab = self.lora.vocab
+        result = admission.prepare(
+            msg, self.model, lambda p: self._restore(mark_prompt(p, index, vocab)),
+            time.monotonic())
+        if isinstance(result, Admitted):
+            result.request.prompt = mark_prompt(result.request.prompt, index, vocab)
+            result.request.processors = unmarked_processors(result.request.processors, vocab)
+        return result
 
     def _restore(self, prompt: list[int]) -> RestoredPrefix | None:
         if self.ssd is None or self.runner is None or self.group is not None:

@@ -405,6 +405,7 @@ def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> S
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from mlxd.engine.lora import lora_of
     from mlxd.engine.model_loader import resolve_model_dir
     from mlxd.protocol.models import model_id
     if launch.ssd_root is None or not endpoint:
@@ -427,6 +428,9 @@ def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> S
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
     description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
                    f"mlx {mlx_version}|{layout}")
+    lora = lora_of(model)  # what each adapter index means: blocks under it are keyed apart
+    if lora is not None:
+        description += f"|lora {lora.identity()}"
     if getattr(launch, "group", ""):  # a sharded engine's blocks hold rank 0's shard only
         description += f"|group {launch.group} rank 0"
     try:

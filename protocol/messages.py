@@ -69,6 +69,8 @@ class Generate(_Msg, tag="gen"):
     # Completions' `echo` of a prompt given as token ids: the admission notice carries the
     # prompt's text (`Delta.prompt_text`).
     echo_prompt: bool = False
+    # A LoRA adapter's name (`--adapter`) that this request's rows run with ("": the base).
+    adapter: str = ""
 
 
 class Abort(_Msg, tag="abort"):

@@ -6,6 +6,7 @@ imports nothing heavy."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -72,3 +73,70 @@ def canonical_spec(spec: str) -> str:
 def engine_id_for(spec: str) -> str:
     """A short, stable engine id per model, the same in every process and across restarts."""
     return "e" + hashlib.sha1(canonical_spec(spec).encode()).hexdigest()[:8]
+
+
+# ---------------------------------------------------------------------- LoRA adapters
+# `--adapter NAME=BASE_SPEC:ADAPTER_DIR`: NAME is served by BASE_SPEC's engine with the mlx-lm
+# adapter in ADAPTER_DIR applied to that request's rows.
+
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
+
+
+def parse_adapter(value: str) -> tuple[str, str]:
+    """(base spec, adapter directory) from `BASE_SPEC:ADAPTER_DIR`; ValueError if malformed.
+    The base is everything before the first ':' (a spec is a directory, a repo id or
+    `default`); the directory may itself hold ':'."""
+    base, sep, adapter_dir = value.partition(":")
+    if not sep or not base.strip() or not adapter_dir.strip():
+        raise ValueError(f"expected BASE_MODEL:ADAPTER_DIR, got {value!r}")
+    return base.strip(), adapter_dir.strip()
+
+
+def adapter_problem(adapter_dir: str) -> str | None:
+    """Why `adapter_dir` is not a usable mlx-lm LoRA adapter directory, or None. Checks what
+    can be checked without the base model: the files, the config's JSON and its type."""
+    path = local_path(adapter_dir)
+    if path is None or not path.is_dir():
+        return f"{adapter_dir} is not a directory"
+    for name in ADAPTER_FILES:
+        if not (path / name).is_file():
+            return (f"{path} has no {name} (an mlx-lm adapter directory holds "
+                    f"{' and '.join(ADAPTER_FILES)})")
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{path / 'adapter_config.json'} is not readable JSON: {e}"
+    if not isinstance(config, dict):
+        return f"{path / 'adapter_config.json'} is not a JSON object"
+    kind = config.get("fine_tune_type", "lora")
+    if kind != "lora":
+        return f"{path}: fine_tune_type {kind!r} is not supported (only lora adapters are)"
+    params = config.get("lora_parameters")
+    if not isinstance(params, dict) or not isinstance(params.get("scale"), int | float):
+        return f"{path / 'adapter_config.json'} has no lora_parameters.scale"
+    return None
+
+
+def adapters_of(adapters: dict[str, str], base_spec: str) -> dict[str, str]:
+    """name -> adapter directory for the adapters registered on `base_spec`, by name."""
+    base = canonical_spec(base_spec)
+    out = {}
+    for name in sorted(adapters):
+        try:
+            spec, adapter_dir = parse_adapter(adapters[name])
+        except ValueError:
+            continue
+        if canonical_spec(spec) == base:
+            out[name] = adapter_dir
+    return out
+
+
+def adapter_bytes(adapters: dict[str, str], base_spec: str) -> int:
+    """Bytes of the adapter weights that `base_spec`'s engine holds besides its own."""
+    total = 0
+    for adapter_dir in adapters_of(adapters, base_spec).values():
+        try:
+            total += (Path(adapter_dir).expanduser() / "adapters.safetensors").stat().st_size
+        except OSError:
+            pass
+    return total

@@ -140,6 +140,11 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     warm_up: Annotated[bool, Meta(description=(
         "before an engine reports ready, run one short generation through it (kernels "
         "compiled, buffers allocated), so that the first request is as fast as the next"))] = True
+    adapter: Annotated[dict[str, str], Meta(
+        description=("serve NAME as the base model with an mlx-lm LoRA adapter directory "
+                     "(adapters.safetensors, adapter_config.json) applied; adapters of one base "
+                     "share its engine and its batches (repeatable)"),
+        extra={"metavar": "NAME=BASE_MODEL:ADAPTER_DIR"})] = {}
     shard: Annotated[dict[str, Annotated[str, Meta(pattern=r"^(tensor|pipeline):[1-9][0-9]*$")]],
                      Meta(description=(
         "with --isolate: serve model NAME (an alias or a model) by a group of N processes "

@@ -111,6 +111,9 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
     gens: list[Generation] = []
     try:
         msg = req.engine_message(engine.status.context_length if engine.status else 0)
+        adapter = router.adapter_of(req.model)
+        if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
+            msg = msgspec.structs.replace(msg, adapter=adapter)
         check_prompt_fits(msg, engine.status)
         for one in group_messages(msg, n):
             gens.append(Generation(state.client, engine, one, resume=state.resume,

@@ -11,7 +11,13 @@ from collections.abc import Awaitable, Callable
 import psutil
 
 from mlxd.protocol.messages import ResetChild, StartEngine, StopEngine, ToSupervisor
-from mlxd.protocol.models import canonical_spec, engine_id_for, local_model_dir
+from mlxd.protocol.models import (
+    adapter_bytes,
+    canonical_spec,
+    engine_id_for,
+    local_model_dir,
+    parse_adapter,
+)
 from mlxd.proxy.bounds import MAX_REPO_PART, clip
 from mlxd.proxy.engine_client import EngineClient, EngineRecord
 from mlxd.proxy.errors import APIError, unavailable
@@ -36,8 +42,17 @@ class Router:
     def __init__(self, client: EngineClient, *, load_wait: float, aliases: dict[str, str],
                  pool: ModelPool | None = None, send: Send | None = None,
                  batch: int | str = "auto",
-                 pool_wait: float = 60.0, pool_queue: int = 32) -> None:
+                 pool_wait: float = 60.0, pool_queue: int = 32,
+                 adapters: dict[str, str] | None = None) -> None:
         self.client = client
+        # LoRA adapter name -> its base's spec (canonical): served by the base's engine
+        self.adapters: dict[str, str] = {}
+        self.adapter_dirs = adapters or {}  # name -> "BASE:DIR", as configured
+        for name, value in self.adapter_dirs.items():
+            try:
+                self.adapters[name] = canonical_spec(parse_adapter(value)[0])
+            except ValueError:
+                log.warning("adapter %s: %r is not BASE:DIR; ignored", name, value)
         self.load_wait = load_wait
         self.aliases = aliases
         self.pool = pool  # None without --isolate: only the configured engines exist
@@ -56,12 +71,22 @@ class Router:
         if pool is not None:
             now = time.monotonic()
             for eid, rec in client.engines.items():
-                pool.add(eid, now, model_weight_bytes(rec.spec))
+                pool.add(eid, now, self.weight_bytes(rec.spec))
 
     # ------------------------------------------------------------------ names
 
+    def weight_bytes(self, spec: str) -> int:
+        """A model's weights in memory: its files plus the adapters its engine holds."""
+        return model_weight_bytes(spec) + adapter_bytes(self.adapter_dirs, spec)
+
+    def adapter_of(self, name: str | None) -> str:
+        """The adapter a request's model name selects ("": the base model itself)."""
+        return name if name and name in self.adapters else ""
+
     def lookup(self, name: str | None) -> str:
         """The model spec a request names; 404 if it names nothing we can serve."""
+        if name and name in self.adapters:
+            return self.adapters[name]
         rec = self.client.find(name)
         if rec is not None:
             return rec.spec
@@ -76,7 +101,7 @@ class Router:
                     len(part) <= MAX_REPO_PART for part in name.split("/")):
                 return name
         known = sorted({n for r in self.client.engines.values() for n in r.names}
-                       | set(self.aliases))
+                       | set(self.aliases) | set(self.adapters))
         raise APIError(404, f"the model {clip(name)!r} does not exist; available: "
                        f"{clip(', '.join(known), 2000)}", code="model_not_found", param="model")
 
@@ -99,7 +124,7 @@ class Router:
                 self._leave()
                 raise
         rec = self.client.record(eid, spec)
-        if name and name not in rec.names:
+        if name and name not in rec.names and name not in self.adapters:
             rec.names.append(name)  # an alias or another spelling of the path
         if self.pool is not None:
             self.pool.begin(eid, time.monotonic())
@@ -172,7 +197,7 @@ class Router:
     async def _load(self, eid: str, spec: str) -> None:
         assert self.pool is not None and self.send is not None
         deadline = time.monotonic() + self.pool_wait
-        need = model_weight_bytes(spec) + kv_budget_bytes(spec, self.batch)
+        need = self.weight_bytes(spec) + kv_budget_bytes(spec, self.batch)
         while True:
             if eid in self.pool.resident:
                 return
@@ -188,7 +213,7 @@ class Router:
             # Decided with no await in between: no request can be routed to a victim now.
             for victim in plan.evict:
                 self.pool.remove(victim)
-            self.pool.add(eid, time.monotonic(), model_weight_bytes(spec))
+            self.pool.add(eid, time.monotonic(), self.weight_bytes(spec))
             rec = self.client.record(eid, spec)
             rec.ready.clear()
             rec.status = None

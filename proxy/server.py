@@ -123,7 +123,8 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
     router = Router(client, load_wait=s.load_wait, aliases=s.model_alias,
                     pool=ModelPool(s.model_pool, s.idle_unload) if supervised else None,
                     send=link.send if link else None, batch=launch.engine.batch,
-                    pool_wait=s.pool_wait, pool_queue=s.pool_queue)
+                    pool_wait=s.pool_wait, pool_queue=s.pool_queue,
+                    adapters=launch.engine.adapter)
     if link is not None:
         def request_stop() -> None:
             asyncio.ensure_future(link.send(StopDaemon("POST /admin/shutdown")))
