@@ -46,7 +46,7 @@ def references(tiny_model, adapters):
     """name ("" the base) -> prompt index -> mlx-lm's own greedy tokens."""
     out = {}
     for name in ["", *adapters]:
-        model, tok = load(str(tiny_model), adapter_path=str(adapters[name]) if name else None)
+        model, tok = load(str(tiny_model), adapter_path=str(adapters[name]) if name else None)[:2]
         out[name] = [[int(t) for (t, _), _ in zip(
             generate_step(mx.array(tok.encode(p)), model, sampler=greedy_sampler), range(N),
             strict=False)] for p in PROMPTS]
