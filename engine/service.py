@@ -88,6 +88,7 @@ class EngineService:
         self.ssd: Any = None  # ssd_tier.SsdTier when the SSD tier is on
         self.embedding: Embedding | None = None  # set once loaded
         self.embedding_model_dir: Path | None = None  # set if the model only embeds
+        self.vision: Any = None  # vision_engine.VisionAdmission for a vision model
         self.lora: Any = None  # lora.LoraSet when adapters are registered on this base
         self.group: Any = None  # group_leader.GroupLeader: rank 0 of a sharded engine
         self.supervised = supervised
@@ -134,6 +135,8 @@ class EngineService:
         from mlxd.engine.lora import AdapterError, apply_adapters
         from mlxd.engine.model_loader import ModelLoadError, load_model, resolve_model_dir
         from mlxd.engine.ssd_tier import open_ssd_tier
+        from mlxd.engine.vision_engine import VisionAdmission
+        from mlxd.engine.vision_model import is_vision_dir, load_vision
         launch, settings = self.launch, self.launch.settings
         t0 = time.monotonic()
         try:
@@ -145,7 +148,10 @@ class EngineService:
                 embedding = Embedding(load_encoder(model_dir, settings.dtype, stream),
                                       self.ch.outq, launch.engine_id, launch.epoch)
                 return self._serve_embeddings(embedding, model_dir, t0)
-            if launch.group:  # rank 0 of a sharded engine: it starts and joins the group
+            if is_vision_dir(model_dir):  # through mlx-vlm: the text engine, with images
+                model, tokenizer, config, parts = load_vision(model_dir, settings.dtype)
+                self.vision = VisionAdmission(parts)
+            elif launch.group:  # rank 0 of a sharded engine: it starts and joins the group
                 from mlxd.engine.group_leader import start_group
                 self.group = start_group(launch, model_dir, self.supervised)
                 model, tokenizer, config = self.group.load()
@@ -312,6 +318,12 @@ class EngineService:
             return Answered([Delta(msg.request_id, finish_reason="error", error_code=
                                    "invalid_request", error=f"{model_id(self.launch.model)} is "
                                    "an embedding model: it does not generate text")])
+        if self.vision is not None:
+            return self.vision.prepare(msg, self.model, self._restore, time.monotonic())
+        if msg.images:
+            return Answered([Delta(msg.request_id, finish_reason="error", error_code=
+                                   "invalid_request", error=f"{model_id(self.launch.model)} "
+                                   "does not take images")])
         if msg.adapter:
             return self._prepare_adapter(msg)
         return admission.prepare(msg, self.model, self._restore, time.monotonic())
@@ -401,6 +413,9 @@ class EngineService:
                                self.error, self.model, self.runner, self.ssd)
         if self.embedding is not None:
             status = self.embedding.status(status, self.embedding_model_dir)
+        if self.vision is not None:
+            status = msgspec.structs.replace(status, capabilities=[*status.capabilities,
+                                                                   "vision"])
         progress = self.load_progress
         return status if progress is None else msgspec.structs.replace(
             status, load_progress=progress)

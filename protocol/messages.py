@@ -41,6 +41,23 @@ class SamplingParams(msgspec.Struct, array_like=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
 
 
+class ImageInput(msgspec.Struct, array_like=True):
+    """A decoded image (the proxy decodes; an engine never sees encoded bytes): RGB, 3 bytes a
+    pixel, row by row, and `key`, the blake3 of its size and pixels (its content hash)."""
+    width: int
+    height: int
+    pixels: bytes
+    key: bytes
+
+
+def image_key(width: int, height: int, pixels: bytes) -> bytes:
+    """An image's content hash: blake3 of its size (two u32 LE) and its RGB pixels."""
+    import blake3
+    h = blake3.blake3(width.to_bytes(4, "little") + height.to_bytes(4, "little"))
+    h.update(pixels)
+    return h.digest()
+
+
 class Generate(_Msg, tag="gen"):
     """Start a request. Exactly one of `messages` (chat) or `prompt` (completion) is used."""
     request_id: str
@@ -71,6 +88,9 @@ class Generate(_Msg, tag="gen"):
     echo_prompt: bool = False
     # A LoRA adapter's name (`--adapter`) that this request's rows run with ("": the base).
     adapter: str = ""
+    # Images (vision models): the messages' image parts in order, or with `prompt`, images
+    # that come before the prompt's text.
+    images: list[ImageInput] = []
 
 
 class Abort(_Msg, tag="abort"):

@@ -110,6 +110,9 @@ class ProxySettings(msgspec.Struct, frozen=True, kw_only=True):
         description=("continue a request whose engine died on the restarted engine, "
                      "transparently to the client"),
         extra={"kind": "onoff"})] = True
+    allow_image_urls: Annotated[bool, Meta(description=(
+        "fetch images that requests name by http(s) URL (otherwise only images sent in the "
+        "request, as data URLs or base64, are taken; a URL is a 400)"))] = False
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,6 +19,7 @@ import msgspec
 from mlxd.protocol.messages import Delta, Generate, TokenLogprob
 from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, bad_request, unavailable
+from mlxd.proxy.images import ImageRef, decode_images
 from mlxd.proxy.metrics import RequestMetrics
 from mlxd.proxy.sampling import SEED_MASK, CheckedSampling
 from mlxd.proxy.state import ProxyState
@@ -67,6 +68,7 @@ class GenerationRequest:
     count_only: bool = False
     suffix: str | None = None  # fill-in-the-middle: the text after the hole
     echo_prompt: bool = False  # the admission notice carries the prompt's text
+    images: tuple[ImageRef, ...] = ()  # image parts, in order (vision models)
 
     def engine_message(self, context_length: int) -> Generate:
         """The engine's `Generate`, under a new request id, for an engine with that context
@@ -107,6 +109,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
     """`n` started Generations of one request (OpenAI's `n`), on one engine, sharing one
     prefill there; each resumes on its own after an engine death."""
     router = state.router
+    images = await decode_images(list(req.images), state.allow_image_urls) \
+        if req.images else []  # a bad image is a 400 before any engine is chosen
     engine = await router.acquire(req.model)
     gens: list[Generation] = []
     try:
@@ -114,6 +118,11 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
         adapter = router.adapter_of(req.model)
         if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
             msg = msgspec.structs.replace(msg, adapter=adapter)
+        if images:
+            if "vision" not in (engine.status.capabilities if engine.status else []):
+                raise bad_request(f"{engine.model_id} does not take images (it is not a "
+                                  "vision model)", code="invalid_request")
+            msg = msgspec.structs.replace(msg, images=images)
         check_prompt_fits(msg, engine.status)
         for one in group_messages(msg, n):
             gens.append(Generation(state.client, engine, one, resume=state.resume,

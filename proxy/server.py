@@ -134,6 +134,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
                    resume=s.resume and supervised,  # without --isolate no engine comes back
                    shutdown_timeout=shutdown_timeout, request_stop=request_stop)
     state = app[STATE]
+    state.allow_image_urls = s.allow_image_urls
     try:
         runner, where = await start_listeners(app)
     except ListenError as e:

@@ -43,6 +43,7 @@ class ProxyState:
     metrics_registry: CollectorRegistry
     resume_stats: ResumeStats
     resume: bool = False  # resume requests on a restarted engine (only under --isolate)
+    allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls)
     shutdown_timeout: float = 15.0
     request_stop: Callable[[], None] = lambda: None  # POST /admin/shutdown
     started: int = field(default_factory=lambda: int(time.time()))  # wall-clock seconds

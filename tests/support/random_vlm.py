@@ -13,7 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from tests.support.random_model import CHATML, write_tokenizer
+try:
+    from support.random_model import CHATML, write_tokenizer
+except ImportError:  # run as a script, or with tests/support on the path (benchmarks)
+    from random_model import CHATML, write_tokenizer  # type: ignore[import-not-found,no-redef]
 
 IMAGE_TOKEN = "<image>"
 PATCH = 14

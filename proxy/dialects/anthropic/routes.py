@@ -38,7 +38,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         constraints.schema_grammar(fmt, "output_config.format.schema") if fmt else None
     job = GenerationRequest(
         model=req.model, sampling=checked, id_prefix="msg", messages=msgs,
-        tools=[t.as_template_tool() for t in tools] if offered else None, grammar=grammar)
+        tools=[t.as_template_tool() for t in tools] if offered else None, grammar=grammar,
+        images=schema.chat_images(req))
     async with started_generation(request.app[STATE], job) as gen:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
@@ -192,7 +193,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     msgs = schema.chat_messages(req)
     tools, _, offered = schema.tools_and_choice(req)
     job = GenerationRequest(model=req.model, sampling=count_only(), id_prefix="count",
-                            messages=msgs, count_only=True,
+                            messages=msgs, count_only=True, images=schema.chat_images(req),
                             tools=[t.as_template_tool() for t in tools] if offered else None)
     async with started_generation(request.app[STATE], job) as gen:
         await gen.collect()

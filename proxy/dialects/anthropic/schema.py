@@ -10,11 +10,20 @@ import msgspec
 from mlxd.proxy.bounds import MAX_IDENT_CHARS, Ident, ModelName, StopString, TokenCount, TopK
 from mlxd.proxy.constraints import Tool, forced_tools, parse_tools
 from mlxd.proxy.errors import bad_request
+from mlxd.proxy.images import ImageRef
 from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
+
+
+class ImageSource(msgspec.Struct, kw_only=True):
+    type: Ident  # "base64" | "url"
+    media_type: Ident | None = None
+    data: str | None = None
+    url: str | None = None
 
 
 class Block(msgspec.Struct, kw_only=True):
     type: Ident
+    source: ImageSource | None = None
     text: str | None = None
     id: Ident | None = None
     name: Ident | None = None
@@ -107,12 +116,17 @@ def chat_messages(req: CommonFields) -> list[dict]:
         blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) \
             else m.content
         texts, calls, results = [], [], []
+        parts: list[dict] = []  # with images: the content as parts (see chat_images)
         for j, b in enumerate(blocks):
             at = f"{where}.content.{j}"
             if b.type == "text":
                 if b.text is None:
                     raise bad_request(f"{at}: a text block needs `text`")
                 texts.append(b.text)
+                parts.append({"type": "text", "text": b.text})
+            elif b.type == "image" and m.role == "user":
+                _image_ref(b, at)
+                parts.append({"type": "image"})
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
                 continue  # earlier reasoning is not fed back to the model
             elif b.type == "tool_use" and m.role == "assistant":
@@ -131,7 +145,9 @@ def chat_messages(req: CommonFields) -> list[dict]:
             else:
                 raise bad_request(f"{at}: `{b.type}` blocks are not supported in a "
                                   f"{m.role} message")
-        text = "".join(texts)
+        text: str | list[dict] = "".join(texts)
+        if any(p["type"] == "image" for p in parts):
+            text = parts
         if results:
             out.extend(results)
             if text:
@@ -139,12 +155,41 @@ def chat_messages(req: CommonFields) -> list[dict]:
         elif calls:
             out.append({"role": "assistant", "content": text, "tool_calls": calls})
         elif out and out[-1]["role"] == m.role and "tool_calls" not in out[-1]:
-            out[-1]["content"] += "\n\n" + text  # consecutive turns of one role are one turn
+            out[-1]["content"] = _joined(out[-1]["content"], text)  # one role's turns: one
         else:
             out.append({"role": m.role, "content": text})
     if all(not m["content"] and not m.get("tool_calls") for m in out):
         raise bad_request("messages: every message is empty")
     return out
+
+
+def _joined(a: str | list[dict], b: str | list[dict]) -> str | list[dict]:
+    """Two turns' contents as one, with a blank line between."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + "\n\n" + b
+    def parts(c: str | list[dict]) -> list[dict]:
+        return [{"type": "text", "text": c}] if isinstance(c, str) else c
+    return [*parts(a), {"type": "text", "text": "\n\n"}, *parts(b)]
+
+
+def _image_ref(b: Block, at: str) -> ImageRef:
+    src = b.source
+    if src is not None and src.type == "base64" and src.data is not None:
+        return ImageRef(src.data, at)
+    if src is not None and src.type == "url" and src.url is not None:
+        if not src.url.startswith(("http://", "https://")):
+            raise bad_request(f"{at}: an image url must be http(s)")
+        return ImageRef(src.url, at, url=True)
+    raise bad_request(f"{at}: an image block needs a `source` of type base64 (with `data`) "
+                      "or url (with `url`)")
+
+
+def chat_images(req: CommonFields) -> tuple[ImageRef, ...]:
+    """The user messages' image blocks, in the order `chat_messages` marks them."""
+    return tuple(_image_ref(b, f"messages.{i}.content.{j}")
+                 for i, m in enumerate(req.messages) if m.role == "user"
+                 and not isinstance(m.content, str)
+                 for j, b in enumerate(m.content) if b.type == "image")
 
 
 def _plain(blocks: str | list[Block], where: str) -> str:

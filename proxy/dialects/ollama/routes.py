@@ -19,9 +19,12 @@ from mlxd.proxy.dialects.ollama.schema import (
     ChatRequest,
     GenerateRequest,
     ModelRequest,
+    chat_images,
     chat_messages,
     format_grammar,
+    generate_images,
     sampling,
+    with_images,
 )
 from mlxd.proxy.engine_client import EngineRecord
 from mlxd.proxy.errors import APIError, bad_request
@@ -60,7 +63,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                                 {"role": "assistant", "content": ""})
     checked = sampling(req, state.defaults)
     job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
-                            keep_alive=keep_alive, messages=msgs,
+                            keep_alive=keep_alive, messages=msgs, images=chat_images(req),
                             grammar=format_grammar(req.format),
                             tools=[t.as_template_tool() for t in tools] or None)
     async with started_generation(state, job) as gen:
@@ -71,8 +74,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), GenerateRequest)
     state = request.app[STATE]
     keep_alive = keep_alive_seconds(req.keep_alive)
-    if req.images:
-        raise bad_request("images are not supported")
     if req.template:
         raise bad_request("`template` is not supported (the model's own chat template is used)")
     if req.context:
@@ -87,14 +88,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
         job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
                                 keep_alive=keep_alive, grammar=grammar, prompt=prompt,
                                 suffix=req.suffix)
-    elif req.raw:
+    elif req.raw:  # images come before the prompt's text
         job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
-                                keep_alive=keep_alive, grammar=grammar, prompt=prompt)
+                                keep_alive=keep_alive, grammar=grammar, prompt=prompt,
+                                images=generate_images(req))
     else:
         msgs = [{"role": "system", "content": req.system}] if req.system else []
         job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
                                 keep_alive=keep_alive, grammar=grammar,
-                                messages=[*msgs, {"role": "user", "content": prompt}])
+                                messages=[*msgs, {"role": "user", "content":
+                                                  with_images(prompt, req.images)}],
+                                images=generate_images(req))
     async with started_generation(state, job) as gen:
         return await _respond(request, gen, req.stream is not False, req.model, "response")
 

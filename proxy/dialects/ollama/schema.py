@@ -21,6 +21,7 @@ from mlxd.proxy.bounds import (
     TopK,
 )
 from mlxd.proxy.errors import bad_request
+from mlxd.proxy.images import ImageRef
 from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 
 NumPredict = Annotated[int, msgspec.Meta(ge=-2, le=MAX_COUNT)]  # -1: until done, -2: fill context
@@ -85,13 +86,28 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         if m.role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, user, "
                               "assistant, tool")
-        if m.images:
-            raise bad_request(f"messages[{i}]: images are not supported")
-        msg: dict = {"role": m.role, "content": m.content or ""}
+        msg: dict = {"role": m.role, "content": with_images(m.content or "", m.images)}
         if m.tool_calls:
             msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
         msgs.append(msg)
     return msgs
+
+
+def with_images(text: str, images: list[str] | None) -> str | list[dict]:
+    """A message's content with its images (Ollama puts them before the text)."""
+    if not images:
+        return text
+    return [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+
+
+def chat_images(req: ChatRequest) -> tuple[ImageRef, ...]:
+    """The messages' base64 `images`, in the order `chat_messages` marks them."""
+    return tuple(ImageRef(data, f"messages[{i}].images[{j}]")
+                 for i, m in enumerate(req.messages or []) for j, data in enumerate(m.images or []))
+
+
+def generate_images(req: GenerateRequest) -> tuple[ImageRef, ...]:
+    return tuple(ImageRef(data, f"images[{j}]") for j, data in enumerate(req.images or []))
 
 
 def _template_call(call: Any, i: int) -> dict:

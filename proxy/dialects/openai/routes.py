@@ -18,6 +18,7 @@ from mlxd.proxy.bounds import clip, decode_body
 from mlxd.proxy.dialects.openai.schema import (
     ChatRequest,
     CompletionRequest,
+    chat_images,
     chat_messages,
     check_chat_fields,
     choices,
@@ -289,7 +290,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     template_tools = [t.as_template_tool() for t in tools] \
         if tools and req.tool_choice != "none" else None
     job = _generation_request(request, req, "chatcmpl", messages=messages, grammar=grammar,
-                              tools=template_tools)
+                              tools=template_tools, images=chat_images(req))
     return await _run(request, req, job, _Shape("chat.completion", forced=forced))
 
 

@@ -24,12 +24,19 @@ from mlxd.proxy.bounds import (
     loads,
 )
 from mlxd.proxy.errors import bad_request
+from mlxd.proxy.images import ImageRef, from_url
 from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
+
+
+class ImageURL(msgspec.Struct):
+    url: str
+    detail: Ident | None = None
 
 
 class ContentPart(msgspec.Struct):
     type: Ident
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(msgspec.Struct):
@@ -151,14 +158,20 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         if m.role not in ("system", "user", "assistant", "developer", "tool"):
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, user, "
                               "assistant, developer, tool", param=f"messages[{i}].role")
+        content: str | list[dict]
         if isinstance(m.content, list):
-            texts = []
+            parts: list[dict] = []
             for part in m.content:
-                if part.type != "text" or part.text is None:
+                if part.type == "image_url" and part.image_url is not None:
+                    parts.append({"type": "image"})  # its image: chat_images(req)
+                elif part.type == "text" and part.text is not None:
+                    parts.append({"type": "text", "text": part.text})
+                else:
                     raise bad_request(f"messages[{i}] has a {part.type!r} content part; only "
-                                      "text parts are supported", param=f"messages[{i}].content")
-                texts.append(part.text)
-            content = "".join(texts)
+                                      "text and image_url parts are supported",
+                                      param=f"messages[{i}].content")
+            content = parts if any(p["type"] == "image" for p in parts) \
+                else "".join(p["text"] for p in parts)
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role
@@ -183,6 +196,14 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     if all(not turn["content"] and not turn.get("tool_calls") for turn in out):
         raise bad_request("every message is empty: the prompt is empty", param="messages")
     return out
+
+
+def chat_images(req: ChatRequest) -> tuple[ImageRef, ...]:
+    """The `image_url` parts' images, in the order `chat_messages` marks them."""
+    return tuple(from_url(part.image_url.url, f"messages[{i}].content[{j}].image_url")
+                 for i, m in enumerate(req.messages) if isinstance(m.content, list)
+                 for j, part in enumerate(m.content)
+                 if part.type == "image_url" and part.image_url is not None)
 
 
 def _template_call(call: Any, i: int) -> dict:

@@ -1,0 +1,126 @@
+"""Images in requests (runs in the proxy): where each dialect's image comes from (`ImageRef`),
+and `decode_images`, which turns them into decoded RGB pixels with their content hash
+(`ImageInput`) before any engine is chosen, so a bad image is a 400 that never reaches one.
+
+Limits, each a 400 naming the image: at most MAX_IMAGES a request, MAX_IMAGE_BYTES encoded,
+MAX_IMAGE_PIXELS decoded (read from the header before anything is decompressed, so a small
+file that claims a huge size, a decompression bomb, is refused unread), formats in FORMATS;
+bad base64 and undecodable or truncated files are 400s too. http(s) URLs are refused unless
+`--allow-image-urls`; then they are fetched with a timeout and the same byte limit. Decoding
+runs on a worker thread, never on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+
+from mlxd.protocol.messages import ImageInput, image_key
+from mlxd.proxy.errors import bad_request
+
+MAX_IMAGES = 8
+MAX_IMAGE_BYTES = 20 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096
+FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+FETCH_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as a request gave it: base64 data, or a URL; `where` names it in errors."""
+    data: str
+    where: str
+    url: bool = False
+
+
+def from_url(url: str, where: str) -> ImageRef:
+    """OpenAI's `image_url.url`: a data URL (`data:image/png;base64,...`) or an http(s) URL."""
+    if url.startswith("data:"):
+        head, sep, data = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise bad_request(f"{where}: a data URL must be base64 "
+                              "(data:image/png;base64,...)", param=where)
+        return ImageRef(data, where)
+    if url.startswith(("http://", "https://")):
+        return ImageRef(url, where, url=True)
+    raise bad_request(f"{where}: an image URL must be a data URL or an http(s) URL",
+                      param=where)
+
+
+async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInput]:
+    if len(refs) > MAX_IMAGES:
+        raise bad_request(f"{len(refs)} images in one request; at most {MAX_IMAGES} are "
+                          "accepted", code="too_many_images")
+    raws = []
+    for ref in refs:
+        if ref.url:
+            if not allow_urls:
+                raise bad_request(f"{ref.where}: image URLs are not fetched (mlxd serves "
+                                  "local clients and fetches nothing unless started with "
+                                  "--allow-image-urls); send the image as a data URL",
+                                  code="image_url_refused", param=ref.where)
+            raws.append(await _fetch(ref))
+        else:
+            raws.append(_base64(ref))
+    loop = asyncio.get_running_loop()
+    return [await loop.run_in_executor(None, decode, raw, ref.where)
+            for raw, ref in zip(raws, refs, strict=True)]
+
+
+def _base64(ref: ImageRef) -> bytes:
+    if len(ref.data) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
+        raise _too_large(ref.where)
+    try:
+        return base64.b64decode(ref.data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise bad_request(f"{ref.where}: the image is not valid base64 ({e})",
+                          code="invalid_image", param=ref.where) from e
+
+
+def _too_large(where: str) -> Exception:
+    return bad_request(f"{where}: the image is larger than {MAX_IMAGE_BYTES >> 20} MiB",
+                       code="image_too_large", param=where)
+
+
+async def _fetch(ref: ImageRef) -> bytes:
+    import aiohttp
+    try:
+        timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.get(ref.data, allow_redirects=True) as resp:
+            if resp.status != 200:
+                raise bad_request(f"{ref.where}: fetching the image answered HTTP "
+                                  f"{resp.status}", code="invalid_image", param=ref.where)
+            data = await resp.content.read(MAX_IMAGE_BYTES + 1)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise bad_request(f"{ref.where}: the image could not be fetched: "
+                          f"{type(e).__name__}", code="invalid_image", param=ref.where) from e
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _too_large(ref.where)
+    return data
+
+
+def decode(raw: bytes, where: str) -> ImageInput:
+    """Encoded bytes -> RGB pixels and their hash (blocking: call it on a worker thread)."""
+    from PIL import Image
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise _too_large(where)
+    try:
+        with Image.open(io.BytesIO(raw)) as im:  # reads the header only
+            if im.format not in FORMATS:
+                raise bad_request(f"{where}: {im.format} images are not accepted (only "
+                                  f"{', '.join(sorted(FORMATS))})", code="invalid_image",
+                                  param=where)
+            w, h = im.size
+            if w < 1 or h < 1 or w * h > MAX_IMAGE_PIXELS:
+                raise bad_request(f"{where}: the image is {w}x{h} pixels; at most "
+                                  f"{MAX_IMAGE_PIXELS:,} pixels are accepted",
+                                  code="image_too_large", param=where)
+            rgb = im.convert("RGB")  # decodes (the first frame of an animation)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise bad_request(f"{where}: the image cannot be decoded ({type(e).__name__}: "
+                          f"{str(e)[:200]})", code="invalid_image", param=where) from e
+    pixels = rgb.tobytes()
+    return ImageInput(w, h, pixels, image_key(w, h, pixels))

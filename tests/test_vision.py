@@ -1,0 +1,240 @@
+"""Images in, through a real daemon (--isolate): a random-weight LLaVA (written by the test as
+a real model directory) served by a vision engine. Each dialect's image input (OpenAI
+`image_url` data URLs, Anthropic base64 `image` blocks, Ollama `images` in /api/chat and
+/api/generate) gives the text mlx-vlm's own generate gives for the same image and prompt
+(greedy); the same image in the next turn is a cache hit covering it and a changed pixel is a
+miss; bad images are 400s that leave the engine serving; a text model refuses images; a
+kill -9 of the engine mid-stream resumes with identical text."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import struct
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import start_daemon, stop_and_check
+from support.random_vlm import IMAGE_TOKEN, image_tokens, write_random_vlm
+
+MODEL = "tiny-llava"
+QUESTION = "What is in this picture?"
+TOKENS = 12
+IMAGE_SIZE = 56
+# Steps of 30 ms in the first two engine epochs: time to aim a kill mid-stream.
+SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<2"}
+
+
+def picture(seed: int = 0, size: tuple[int, int] = (64, 48)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+
+
+def png(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+IMAGE = picture()
+IMAGE_B64 = b64(png(IMAGE))
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return write_random_vlm(tmp_path_factory.mktemp("models") / MODEL, image_size=IMAGE_SIZE)
+
+
+@pytest.fixture(scope="module")
+def reference(vlm):
+    """mlx-vlm's own load and generate (greedy), in this process, on the prompt the chat
+    template makes of one user turn [image, question]. mlx-vlm's LlavaProcessor call fails
+    on transformers 5 (it passes `padding` to the image processor), so the inputs are made
+    the way that processor makes them: the marker expanded, the image processor's pixels."""
+    import mlx.core as mx
+    from mlx_vlm import load, stream_generate
+    from PIL import Image
+    model, loaded = load(str(vlm))
+    processor: Any = loaded  # mlx-vlm's processor (a ProcessorMixin with a detokenizer)
+    tok = processor.tokenizer
+    n = image_tokens(IMAGE_SIZE)
+
+    def generate(pixels: np.ndarray, max_tokens: int = TOKENS) -> str:
+        prompt = tok.apply_chat_template([{"role": "user", "content": IMAGE_TOKEN + QUESTION}],
+                                         tokenize=False, add_generation_prompt=True)
+        ids = tok(prompt.replace(IMAGE_TOKEN, IMAGE_TOKEN * n))["input_ids"]
+        values = processor.image_processor(images=[Image.fromarray(pixels)],
+                                           return_tensors="np")["pixel_values"]
+        out = [r.token for r in stream_generate(model, processor, prompt,
+                                                input_ids=mx.array([ids]),
+                                                pixel_values=mx.array(values),
+                                                max_tokens=max_tokens, temperature=0.0)]
+        out = out[:max_tokens]
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        if eos in out:
+            out = out[:out.index(eos)]
+        return tok.decode(out)
+    return generate
+
+
+@pytest.fixture(scope="module")
+def daemon(vlm):
+    d = start_daemon(vlm, "--restart-backoff", "0.1", "--model-pool", "2", isolate=True,
+                     env=SLOW)
+    yield d
+    stop_and_check(d)
+
+
+def openai_body(image_b64: str = IMAGE_B64, history: list | None = None, **kw) -> dict:
+    turn = {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image_b64}},
+        {"type": "text", "text": QUESTION}]}
+    return {"model": MODEL, "messages": [turn, *(history or [])], "max_tokens": TOKENS,
+            "temperature": 0, **kw}
+
+
+def chat(d, body: dict) -> tuple[int, dict]:
+    with d.http() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        return r.status_code, r.json()
+
+
+def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference):
+    want = reference(IMAGE)
+    code, got = chat(daemon, openai_body())
+    assert code == 200, got
+    assert got["choices"][0]["message"]["content"] == want
+    assert got["usage"]["prompt_tokens"] > image_tokens(IMAGE_SIZE)
+    with daemon.http() as c:
+        r = c.post("/v1/messages", json={
+            "model": MODEL, "max_tokens": TOKENS, "temperature": 0, "messages": [
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": IMAGE_B64}},
+                    {"type": "text", "text": QUESTION}]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["text"] == want
+        r = c.post("/api/chat", json={
+            "model": MODEL, "stream": False, "options": {"temperature": 0,
+                                                         "num_predict": TOKENS},
+            "messages": [{"role": "user", "content": QUESTION, "images": [IMAGE_B64]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["message"]["content"] == want
+        r = c.post("/api/generate", json={
+            "model": MODEL, "stream": False, "prompt": QUESTION, "images": [IMAGE_B64],
+            "options": {"temperature": 0, "num_predict": TOKENS}})
+        assert r.status_code == 200, r.text
+        assert r.json()["response"] == want
+    assert reference(picture(1)) != want  # the image matters to the answer
+
+
+def test_the_same_image_next_turn_is_a_cache_hit_and_a_changed_pixel_a_miss(daemon, vlm):
+    from tokenizers import Tokenizer
+    before_image = len(Tokenizer.from_file(str(vlm / "tokenizer.json"))
+                       .encode("<|im_start|>user\n").ids)  # the template's turn header
+    code, first = chat(daemon, openai_body())
+    assert code == 200, first
+    answer = first["choices"][0]["message"]["content"]
+    history = [{"role": "assistant", "content": answer},
+               {"role": "user", "content": "And what colour is it?"}]
+    code, second = chat(daemon, openai_body(history=history))
+    assert code == 200, second
+    end_of_image = before_image + image_tokens(IMAGE_SIZE)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, second
+    changed = IMAGE.copy()
+    changed[10, 20, 1] ^= 1  # one pixel, one channel, one bit
+    code, third = chat(daemon, openai_body(b64(png(changed)), history=history))
+    assert code == 200, third
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] <= before_image, third
+
+
+def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A PNG whose header claims width x height pixels (10^10 here), with a few bytes of
+    deflated data: decoding it would ask for 30 GB."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 4096)) + chunk(b"IEND", b""))
+
+
+def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, vlm, tiny_model):
+    pid = engine_pid(daemon)
+    big = np.zeros((4100, 4100, 3), dtype=np.uint8)  # 16.8 M pixels: over the 16.7 M limit
+    cases = {
+        "bad base64": openai_body("not base64 at all!!"),
+        "not an image": openai_body(b64(b"GIF89a but then nothing of the sort")),
+        "png bomb": openai_body(b64(png_bomb())),
+        "oversized": openai_body(b64(png(big))),
+        "too many": {**openai_body(), "messages": [{"role": "user", "content": [
+            *[{"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMAGE_B64}}
+              for _ in range(9)], {"type": "text", "text": QUESTION}]}]},
+        "http url": {**openai_body(), "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}},
+            {"type": "text", "text": QUESTION}]}]},
+    }
+    for name, body in cases.items():
+        code, got = chat(daemon, body)
+        assert code == 400, (name, got)
+        assert got["error"]["message"], name
+    with daemon.http() as c:
+        r = c.post("/v1/messages", json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": b64(png_bomb())}}]}]})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        r = c.post("/api/chat", json={"model": MODEL, "stream": False, "messages": [
+            {"role": "user", "content": "hi", "images": ["%%%"]}]})
+        assert r.status_code == 400, r.text
+    code, got = chat(daemon, {**openai_body(), "model": str(tiny_model)})
+    assert code == 400 and "does not take images" in got["error"]["message"], got
+    code, got = chat(daemon, openai_body())
+    assert code == 200, got
+    assert engine_pid(daemon) == pid  # the same engine process served throughout
+
+
+def engine_pid(d) -> int:
+    return next(e["pid"] for e in d.stats()["engines"] if e["model"] == MODEL)
+
+
+def stream(d, body: dict, kill_after: int | None = None) -> tuple[str, dict]:
+    import json
+    out: list[str] = []
+    chunks = 0
+    usage: dict = {}
+    with d.http() as c, c.stream("POST", "/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices") or []:
+                if ch["delta"].get("content"):
+                    out.append(ch["delta"]["content"])
+                    chunks += 1
+                    if chunks == kill_after:
+                        os.kill(engine_pid(d), signal.SIGKILL)
+    return "".join(out), usage
+
+
+def test_kill_9_mid_stream_resumes_with_identical_text(daemon):
+    body = openai_body(b64(png(picture(2))), max_tokens=24)
+    want, _ = stream(daemon, body)
+    pid = engine_pid(daemon)
+    text, usage = stream(daemon, body, kill_after=6)
+    assert text == want
+    assert usage.get("resumes") == 1 and engine_pid(daemon) != pid, usage
