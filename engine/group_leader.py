@@ -158,6 +158,7 @@ class GroupLeader:
         log.error("rank %d of the sharded engine exited (code %s): the group goes down and "
                   "is restarted", rank, code)
         self._kill_followers()
+        self.hostfile.unlink(missing_ok=True)
         os._exit(exit_codes.CRASH)
 
     def join(self) -> Any:
@@ -165,7 +166,10 @@ class GroupLeader:
         import mlx.core as mx
         os.environ["MLX_RANK"] = "0"
         os.environ["MLX_HOSTFILE"] = str(self.hostfile)
-        group = mx.distributed.init(strict=True, backend="ring")
+        try:
+            group = mx.distributed.init(strict=True, backend="ring")
+        finally:
+            self.hostfile.unlink(missing_ok=True)  # every rank has read it by now
         if group.size() != self.layout.size:
             raise GroupError(f"the group has {group.size()} ranks, not {self.layout.size}")
         self._ctx = zmq.Context()

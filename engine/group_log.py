@@ -253,10 +253,9 @@ class Follower:
                 for r in responses:
                     if r.finish_reason is not None and r.prompt_cache is not None:
                         self.store.add(list(r.all_tokens), r.prompt_cache)
-            case GClose():
+            case GClose():  # as on rank 0, a closed generator is not dropped
                 if self.gen is not None:
                     self.gen.close()
-                    self.gen = None
             case GProbe(tokens=tokens):
                 import mlx.core as mx
                 from mlx_lm.models.cache import make_prompt_cache
