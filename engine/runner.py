@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
 from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
+from mlxd.engine.speculative_step import Speculator
 from mlxd.protocol import faults
 
 log = logging.getLogger("mlxd.engine")
@@ -136,11 +137,13 @@ class Runner:
                  checkpoint_every: int = 0,
                  on_checkpoint: Callable[[Entry], None] | None = None,
                  budget: Budget | None = None, context: int = 0,
-                 preparing: Callable[[], int] | None = None) -> None:
+                 preparing: Callable[[], int] | None = None,
+                 speculator: Speculator | None = None) -> None:
         """`batch_size`: the most rows the generator holds; `budget` (None: no memory rule)
         decides which requests join the running rows; `preparing()` counts requests still
         being prepared for this runner (burst admission waits for them)."""
         self._model = model
+        self.spec = speculator  # speculative steps for a row decoding alone
         self._batch_size = batch_size
         self._budget = budget
         self._context = context
@@ -478,7 +481,8 @@ class Runner:
     def _step_inner(self) -> None:
         faults.hit("engine.step")
         try:
-            prompt_responses, responses = self._gen.next()
+            prompt_responses, responses = (self._gen.next() if self.spec is None else
+                                           self.spec.next(self._gen, self._logprobs))
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
             self._fail_all(f"generation step failed: {e}", held=False)
@@ -537,7 +541,7 @@ class Runner:
             self._checkpoint(due)
             c.checkpoint_s += time.perf_counter() - t0
         c.generated_tokens += len(rows)
-        c.peak_batch = max(c.peak_batch, len(responses))
+        c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         c.active = len(self._uid_to_rid)
         c.busy = bool(self._uid_to_rid)
         self._outbox.put(StepTokens(rows, logprobs))

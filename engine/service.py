@@ -162,6 +162,8 @@ class EngineService:
             if adapters and launch.group:
                 raise AdapterError("LoRA adapters are not supported on a sharded engine")
             self.lora = apply_adapters(model, adapters)
+            draft = self._load_draft(model) if settings.speculative and settings.draft_model \
+                and self.group is None else None
         except (ModelLoadError, AdapterError, faults.FaultInjected) as e:
             log.error("model failed to load: %s", e)
             self._set_state("failed", str(e))
@@ -188,7 +190,7 @@ class EngineService:
                              on_evict=(lambda e: None if e.persisted else persist(e))
                              if persist else None,
                              checkpoint_every=settings.generation_checkpoint,
-                             on_checkpoint=persist)
+                             on_checkpoint=persist, speculator=self._speculator(draft))
         inbox = self.runner.inbox  # embeddings run between generation steps
         self.embedding = Embedding(
             CausalLMEmbedder(model, tokenizer, loaded.context_length,
@@ -212,6 +214,33 @@ class EngineService:
             if self.group is not None:
                 self.group.close()
         return exit_codes.OK
+
+    def _load_draft(self, model: Any) -> Any:
+        """--draft-model, loaded as the served model is; its vocabulary must be the model's."""
+        import mlx.core as mx
+
+        from mlxd.engine.model_loader import ModelLoadError, load_model
+        settings = self.launch.settings
+        assert settings.draft_model is not None
+        draft, _, _ = load_model(settings.draft_model, Path(self.launch.cache_dir),
+                                 settings.dtype, self._load_progress)
+        probe = mx.array([[0]])
+        ours, theirs = model(probe).shape[-1], draft(probe).shape[-1]
+        if ours != theirs:
+            raise ModelLoadError(f"--draft-model {settings.draft_model} has a vocabulary of "
+                                 f"{theirs} tokens, the model {ours}: it cannot draft for it")
+        return draft
+
+    def _speculator(self, draft: Any) -> Any:
+        """Speculative decoding for rows decoding alone (--speculative), where the engine can
+        verify drafts: not a sharded group (its followers repeat plain steps), nor rows with
+        LoRA adapters or images (their forward passes take more than tokens)."""
+        from mlxd.engine.speculative_step import Speculator
+        settings = self.launch.settings
+        if not settings.speculative or self.group is not None or self.lora is not None \
+                or getattr(self, "vision", None) is not None:
+            return None
+        return Speculator(settings.num_draft_tokens, draft, settings.prefill_step)
 
     def _serve_embeddings(self, embedding: Embedding, model_dir: Path, t0: float) -> int:
         """An embedding model's engine: no generation, no KV tiers; the MLX thread embeds."""

@@ -28,6 +28,13 @@ def engine_stats(runner: Any, ssd: Any) -> EngineStats:
         to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
         mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
         bursts=c.bursts)
+    spec = getattr(runner, "spec", None)
+    if spec is not None:
+        sc = spec.counters
+        st.spec_mode, st.spec_steps, st.spec_drafted = spec.mode, sc.steps, sc.drafted
+        st.spec_accepted, st.spec_tokens, st.spec_skipped = sc.accepted, sc.tokens, sc.skipped
+        st.spec_acceptance = round(sc.accepted / sc.drafted, 4) if sc.drafted else 0.0
+        st.spec_tokens_per_step = round(sc.tokens / sc.steps, 3) if sc.steps else 0.0
     if ssd is not None:
         ssd.fill_stats(st)
     return st

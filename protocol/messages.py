@@ -193,6 +193,17 @@ class EngineStats(msgspec.Struct, array_like=True):
     embed_steps: int = 0  # forward passes that embedded them (up to 64 inputs each)
     embed_peak_batch: int = 0  # most inputs embedded in one forward pass
     bursts: int = 0  # requests reaching an idle engine together, prefilled as one batch
+    # Speculative decoding (rows decoding alone): steps that verified drafts in one forward
+    # pass, tokens drafted and accepted, tokens those steps produced, lone-row steps run plain
+    # because drafting did not pay lately; and the ratios (accepted / drafted, tokens / step).
+    spec_mode: str = ""  # "ngram" | "draft" | "" (off)
+    spec_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_tokens: int = 0
+    spec_skipped: int = 0
+    spec_acceptance: float = 0.0
+    spec_tokens_per_step: float = 0.0
 
 
 # A prompt's text is refused before tokenizing when it has more characters than

@@ -157,6 +157,19 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         "hosts file for --shard groups in mlx.launch's JSON format, rank 0 (this machine) "
         "first (default: every rank on this machine)"),
         extra={"kind": "path"})] = None
+    speculative: Annotated[bool, Meta(description=(
+        "speculative decoding: a row decoding alone drafts tokens (by --draft-model, or else "
+        "by looking its last tokens up in its prompt and output) and the model verifies them "
+        "in one forward pass; used while measured faster than plain steps, for greedy and "
+        "seeded rows without penalties, grammars or log-probabilities"),
+        extra={"kind": "onoff"})] = True
+    draft_model: Annotated[str | None, Meta(description=(
+        "a small model with the served model's vocabulary that drafts for speculative "
+        "decoding (as mlx_lm.server's --draft-model; default: prompt lookup, no model)"),
+        extra={"metavar": "MODEL"})] = None
+    num_draft_tokens: Annotated[int, Meta(ge=1, le=32, description=(
+        "the most tokens drafted per speculative step (with --draft-model, fitted to how many "
+        "are accepted)"))] = 4
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):

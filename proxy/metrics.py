@@ -101,6 +101,16 @@ class DaemonCollector(Collector):
                                       "to SSD", labels=["model"])
         queue = GaugeMetricFamily("mlxd_storage_write_queue", "KV blocks waiting to be written",
                                   labels=["model"])
+        spec = CounterMetricFamily("mlxd_speculative_tokens", "Speculative decoding: tokens "
+                                   "drafted, accepted, and produced by speculative steps",
+                                   labels=["model", "kind"])
+        spec_steps = CounterMetricFamily("mlxd_speculative_steps", "Speculative steps (drafts "
+                                         "verified in one forward pass)", labels=["model"])
+        spec_rate = GaugeMetricFamily("mlxd_speculative_acceptance", "Accepted / drafted "
+                                      "tokens in the engine's current life", labels=["model"])
+        spec_per = GaugeMetricFamily("mlxd_speculative_tokens_per_step", "Tokens produced per "
+                                     "speculative step in the engine's current life",
+                                     labels=["model"])
         for rec in client.engines.values():
             m = rec.model_id
             for s in STATES:
@@ -113,6 +123,13 @@ class DaemonCollector(Collector):
             waiting.add_metric([m], st.waiting)
             gen.add_metric([m], st.generated_tokens_total)
             x = st.stats
+            if x.spec_mode:
+                for kind, value in (("drafted", x.spec_drafted), ("accepted", x.spec_accepted),
+                                    ("produced", x.spec_tokens)):
+                    spec.add_metric([m, kind], value)
+                spec_steps.add_metric([m], x.spec_steps)
+                spec_rate.add_metric([m], x.spec_acceptance)
+                spec_per.add_metric([m], x.spec_tokens_per_step)
             for tier, event, value in (
                     ("ram", "hits", x.ram_hits), ("ram", "misses", x.ram_misses),
                     ("ram", "evictions", x.ram_evictions), ("ssd", "hits", x.ssd_hits),
@@ -132,7 +149,7 @@ class DaemonCollector(Collector):
                 written.add_metric([m], x.ssd_bytes_written)
                 queue.add_metric([m], x.ssd_write_queue)
         yield from (state, active, cap, waiting, gen, hits, size, restored, writes, written,
-                    queue)
+                    queue, spec, spec_steps, spec_rate, spec_per)
 
         restarts = CounterMetricFamily("mlxd_child_restarts", "Restarts of each supervised "
                                        "child process", labels=["role", "child_id"])

@@ -1,0 +1,130 @@
+"""Speculative decoding, the pure part: prompt-lookup drafting, the accept rule, and the
+decision whether a step should draft at all. No MLX here; `speculative_step.py` is the glue.
+
+The accept rule keeps the output exactly that of plain decoding: the target samples every
+verified position with the sampler it would have used anyway (greedy, or the seeded key of
+that position), and a drafted token is accepted while it equals what the target sampled. The
+draft only decides how many tokens one target forward pass yields, never which ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NGRAM_MAX = 4  # the longest suffix looked up in the context
+NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a draft)
+
+
+class NgramIndex:
+    """Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the
+    context's last n tokens (n = NGRAM_MAX down to NGRAM_MIN). Built incrementally: each new
+    token costs a few dict updates, a proposal a few dict lookups."""
+
+    def __init__(self, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        # n -> {n-gram: the position right after its latest occurrence}
+        self._after: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, new: list[int]) -> None:
+        toks = self.tokens
+        for t in new:
+            i = len(toks)
+            for n, table in self._after.items():
+                if i >= n:
+                    table[tuple(toks[i - n:i])] = i  # toks[i] (t) continues this n-gram
+            toks.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens to try after the current context (empty: no match)."""
+        toks, size = self.tokens, len(self.tokens)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if size < n:
+                continue
+            at = self._after[n].get(tuple(toks[size - n:]))
+            if at is not None:
+                return toks[at:at + k]
+        return []
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafted tokens the target confirms: `sampled[i]` is what the target sampled
+    after the context and drafts[:i]; a draft stands while it equals that."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class SpecCounters:
+    """Figures for /stats and /metrics (plain integers: read from another thread)."""
+    steps: int = 0  # speculative steps (one target forward over the drafts)
+    drafted: int = 0  # tokens proposed
+    accepted: int = 0  # of those, confirmed by the target
+    tokens: int = 0  # tokens those steps produced (accepted + one the target adds per step)
+    skipped: int = 0  # lone-row steps run plain because drafting did not pay lately
+
+
+EMA = 0.3  # weight of a new timing in the running means
+BACKOFF_MIN = 8  # plain steps before drafting is tried again, after it did not pay
+BACKOFF_MAX = 256
+
+
+@dataclass
+class SpecPolicy:
+    """When a lone row's step drafts, and how many tokens.
+
+    It measures rather than guesses: the mean time per produced token of plain steps and of
+    speculative steps, both only ever for one row alone. While speculative steps cost more per
+    token than plain ones (a slow matmul for several tokens, as on a CPU with reference BLAS;
+    drafts that are rarely accepted), drafting pauses for a number of plain steps that doubles
+    each time it still does not pay, up to BACKOFF_MAX, and is then tried again."""
+    max_draft: int
+    adaptive: bool = False  # drafts cost a forward pass each (a draft model): fit the length
+    judge: bool = True  # pause drafting while it does not pay (False: always draft)
+    plain_s: float | None = None  # s per token, plain lone-row steps
+    spec_s: float | None = None  # s per token, speculative steps
+    accept_len: float | None = None  # mean accepted drafts per speculative step
+    pause: int = 0  # plain steps left before drafting again
+    backoff: int = BACKOFF_MIN
+    counters: SpecCounters = field(default_factory=SpecCounters)
+
+    def draft_len(self, remaining: int) -> int:
+        """Tokens to draft for a lone row that may still produce `remaining` (0: plain)."""
+        if self.max_draft <= 0 or remaining < 2 or self.pause > 0 \
+                or (self.judge and self.plain_s is None):  # plain steps are timed first
+            return 0
+        k = self.max_draft
+        if self.adaptive and self.accept_len is not None:
+            k = min(k, max(1, int(self.accept_len + 1.5)))
+        return min(k, remaining - 1)
+
+    def record_plain(self, seconds: float | None) -> None:
+        """A plain step of one row alone; `seconds` None when its time is not comparable
+        (another step's work blurs it: the first after a speculative or a batched one)."""
+        if self.pause > 0:
+            self.pause -= 1
+            self.counters.skipped += 1
+        if seconds is not None:
+            self.plain_s = _ema(self.plain_s, seconds)
+
+    def record_spec(self, seconds: float, drafted: int, accepted: int, produced: int) -> None:
+        c = self.counters
+        c.steps += 1
+        c.drafted += drafted
+        c.accepted += accepted
+        c.tokens += produced
+        self.accept_len = _ema(self.accept_len, float(accepted))
+        self.spec_s = _ema(self.spec_s, seconds / max(1, produced))
+        if self.judge and self.plain_s is not None and self.spec_s > self.plain_s:
+            self.pause = self.backoff
+            self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+            self.spec_s = None  # judged afresh after the pause
+        elif self.plain_s is not None:
+            self.backoff = BACKOFF_MIN
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
