@@ -50,7 +50,7 @@ def main() -> int:
     import mlx.core as mx
 
     from mlxd.engine.group_leader import load_shard
-    group = mx.distributed.init(strict=True, backend="ring")
+    group = mx.distributed.init(strict=True, backend=launch.backend)
     model, tokenizer, config = load_shard(launch.model_dir, launch.dtype,
                                           parse_layout(launch.layout), group)
     grammar_tokenizer = None

@@ -29,6 +29,7 @@ from mlxd.engine import admission
 from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.group_log import Command, GNew, GStop, LeaderGenerator, Notes, ProbeModel, encode
 from mlxd.engine.group_plan import (
+    Backend,
     FollowerLaunch,
     GroupError,
     GroupPlan,
@@ -59,6 +60,15 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def backend_here() -> Backend:
+    """NCCL where MLX runs on CUDA GPUs (and has NCCL), else the ring backend over TCP."""
+    import mlx.core as mx
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl"):
+        return "nccl"
+    return "ring"
 
 
 def load_shard(model_dir: str, dtype: str, layout: Layout, group: Any) -> tuple[Any, Any, dict]:
@@ -114,7 +124,8 @@ class GroupLeader:
             hosts = parse_hosts(Path(launch.group_hosts).read_text())
         local = hosts is None or all(h.local for h in hosts)
         self.plan: GroupPlan = plan(self.layout, hosts,
-                                    free_ports(2 * self.layout.size) if local else None)
+                                    free_ports(2 * self.layout.size + 1) if local else None,
+                                    backend_here())
         self.model_dir = str(model_dir)
         self.notes = Notes()
         self.eos: list[int] = []  # the model's end tokens: the runner's stop sequences
@@ -132,13 +143,16 @@ class GroupLeader:
         self.hostfile.write_text(self.plan.hostfile)
         launch = self.launch
         name = f"engine:{model_id(launch.model)}#{launch.epoch}"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for rank in self.plan.ranks[1:]:
-            cmd = follower_command(sys.executable, rank, str(self.hostfile), self.plan.hostfile,
-                                   os.getcwd())
+            env = self.plan.env(rank.rank, str(self.hostfile) if rank.host.local else None,
+                                visible)
+            cmd = follower_command(sys.executable, rank, env, self.plan.hostfile, os.getcwd())
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
             data = msgspec.msgpack.encode(FollowerLaunch(
                 rank=rank.rank, size=self.layout.size, layout=str(self.layout),
-                model_dir=self.model_dir, dtype=launch.settings.dtype, bind=rank.bind,
+                model_dir=self.model_dir, dtype=launch.settings.dtype,
+                backend=self.plan.backend, bind=rank.bind,
                 log_level=launch.log_level, log_format=launch.log_format, name=name))
             assert proc.stdin is not None
             proc.stdin.write(struct.pack(">I", len(data)) + data)
@@ -164,10 +178,11 @@ class GroupLeader:
     def join(self) -> Any:
         """Join the group as rank 0 (blocks until every rank is up)."""
         import mlx.core as mx
-        os.environ["MLX_RANK"] = "0"
-        os.environ["MLX_HOSTFILE"] = str(self.hostfile)
+        env = self.plan.env(0, str(self.hostfile))
+        env.pop("CUDA_VISIBLE_DEVICES", None)  # rank 0 keeps the device it was started with
+        os.environ.update(env)
         try:
-            group = mx.distributed.init(strict=True, backend="ring")
+            group = mx.distributed.init(strict=True, backend=self.plan.backend)
         finally:
             self.hostfile.unlink(missing_ok=True)  # every rank has read it by now
         if group.size() != self.layout.size:

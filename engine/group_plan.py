@@ -20,9 +20,11 @@ from typing import Literal
 import msgspec
 
 Kind = Literal["tensor", "pipeline"]
+Backend = Literal["ring", "nccl"]  # ring: TCP (Thunderbolt, Ethernet); nccl: CUDA GPUs
 LOCAL = "127.0.0.1"
 RING_PORT = 32323  # mlx.launch's default starting port; remote rank r listens on RING_PORT + r
 SIDE_PORT = 32423  # remote follower r takes rank 0's commands on SIDE_PORT + r
+NCCL_PORT = 32523  # NCCL's rendezvous at rank 0, for groups across hosts
 _LAYOUT = re.compile(r"^(tensor|pipeline):([1-9][0-9]*)$")
 
 
@@ -87,6 +89,7 @@ class FollowerLaunch(msgspec.Struct, frozen=True, kw_only=True):
     layout: str  # "tensor:2"
     model_dir: str  # resolved on rank 0; the same path must hold the model on every host
     dtype: str
+    backend: str  # mx.distributed's: "ring" or "nccl"
     bind: str  # the side channel: where this rank binds its PULL socket
     log_level: str
     log_format: str
@@ -106,47 +109,73 @@ class RankPlan:
 class GroupPlan:
     layout: Layout
     ranks: list[RankPlan]
+    backend: Backend = "ring"
+    nccl_port: int = NCCL_PORT
 
     @property
     def hostfile(self) -> str:
         """MLX_HOSTFILE's content for the ring backend: each rank's addresses, in rank order."""
         return json.dumps([[r.ring] for r in self.ranks])
 
+    def env(self, rank: int, hostfile_path: str | None, visible: str | None = None
+            ) -> dict[str, str]:
+        """The variables rank `rank` joins the group with, as mlx.launch sets them: MLX_RANK,
+        and MLX_HOSTFILE (ring; None: written on the remote host by the start script) or
+        NCCL's rendezvous at rank 0 and the rank's GPU (the n-th of `visible`, this
+        machine's CUDA_VISIBLE_DEVICES, counting the ranks on the same host)."""
+        env = {"MLX_RANK": str(rank)}
+        if self.backend == "ring":
+            if hostfile_path is not None:
+                env["MLX_HOSTFILE"] = hostfile_path
+            return env
+        host = self.ranks[rank].host
+        index = sum(1 for r in self.ranks[:rank] if r.host == host)
+        devices = (visible or "").split(",") if visible and host.local else []
+        env.update({"NCCL_HOST_IP": self.ranks[0].host.ip, "NCCL_PORT": str(self.nccl_port),
+                    "MLX_WORLD_SIZE": str(len(self.ranks)),
+                    "CUDA_VISIBLE_DEVICES": devices[index] if index < len(devices)
+                    else str(index)})
+        return env
 
-def plan(layout: Layout, hosts: list[Host] | None, free_ports: list[int] | None = None
-         ) -> GroupPlan:
+
+def plan(layout: Layout, hosts: list[Host] | None, free_ports: list[int] | None = None,
+         backend: Backend = "ring") -> GroupPlan:
     """Ranks over `hosts` (None: all on this machine). Local groups use `free_ports` (2 per
-    rank: ring, then side channel), which the caller picks free just before starting; remote
-    ones the fixed RING_PORT/SIDE_PORT ranges, which the hosts' firewalls must open."""
+    rank: ring, then side channel, and one more for NCCL), which the caller picks free just
+    before starting; remote ones the fixed port ranges, which the hosts' firewalls must open."""
     n = layout.size
     if hosts is None:
         hosts = [Host("", LOCAL)] * n
     if len(hosts) != n:
         raise GroupError(f"{layout} needs {n} hosts; the hosts file names {len(hosts)}")
+    local = free_ports is not None and all(x.local for x in hosts)
     ranks = []
     for r, h in enumerate(hosts):
-        if free_ports is not None and all(x.local for x in hosts):
+        if local:
+            assert free_ports is not None
             ring_port, side_port = free_ports[2 * r], free_ports[2 * r + 1]
         else:
             ring_port, side_port = RING_PORT + r, SIDE_PORT + r
         ranks.append(RankPlan(r, h, f"{h.ip}:{ring_port}", f"tcp://*:{side_port}",
                               f"tcp://{h.ip}:{side_port}"))
-    return GroupPlan(layout, ranks)
+    nccl = free_ports[2 * n] if local and free_ports and len(free_ports) > 2 * n else NCCL_PORT
+    return GroupPlan(layout, ranks, backend, nccl)
 
 
-def follower_command(python: str, rank: RankPlan, hostfile_path: str, hostfile: str,
+def follower_command(python: str, rank: RankPlan, env: dict[str, str], hostfile: str,
                      cwd: str) -> list[str]:
-    """The argv that starts follower `rank`: this Python with MLX_RANK and MLX_HOSTFILE set;
-    on another host through ssh, with the host file written there by the script (as
-    mlx.launch does), in the same working directory when it exists there."""
+    """The argv that starts follower `rank` with `env` (GroupPlan.env): this Python, here; on
+    another host through ssh, in the same working directory when it exists there, with the
+    ring's host file written there by the script when `env` names none (as mlx.launch does)."""
     module = [python, "-m", "mlxd.engine.group_follower"]
-    env = f"export MLX_RANK={rank.rank}; "
     if rank.host.local:
-        return ["/usr/bin/env", f"MLX_RANK={rank.rank}", f"MLX_HOSTFILE={hostfile_path}",
-                *module]
-    script = (f"if [[ -d {shlex.quote(cwd)} ]]; then cd {shlex.quote(cwd)}; fi; "
-              f"fname=$(mktemp); echo {shlex.quote(hostfile)} > $fname; "
-              f"export MLX_HOSTFILE=$fname; {env}exec {shlex.join(module)}")
+        return ["/usr/bin/env", *(f"{k}={v}" for k, v in env.items()), *module]
+    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
+    if "MLX_HOSTFILE" not in env and "NCCL_HOST_IP" not in env:
+        exports += (f"fname=$(mktemp); echo {shlex.quote(hostfile)} > $fname; "
+                    "export MLX_HOSTFILE=$fname; ")
+    script = f"if [[ -d {shlex.quote(cwd)} ]]; then cd {shlex.quote(cwd)}; fi; {exports}" \
+             f"exec {shlex.join(module)}"
     # no -tt: rank 0's end of stdin closing must reach the follower as end of input
     return ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET", rank.host.ssh,
             f"bash -c {shlex.quote(script)}"]

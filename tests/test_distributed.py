@@ -72,12 +72,18 @@ def test_the_settings_refuse_a_bad_layout_before_anything_starts():
 
 
 def test_local_plan_ring_hostfile_and_commands():
-    p = plan(Layout("tensor", 2), None, [5001, 5002, 5003, 5004])
+    p = plan(Layout("tensor", 2), None, [5001, 5002, 5003, 5004, 5005])
     assert json.loads(p.hostfile) == [["127.0.0.1:5001"], ["127.0.0.1:5003"]]
     assert [r.connect for r in p.ranks] == ["tcp://127.0.0.1:5002", "tcp://127.0.0.1:5004"]
-    cmd = follower_command("/py", p.ranks[1], "/run/h.json", p.hostfile, "/w")
+    cmd = follower_command("/py", p.ranks[1], p.env(1, "/run/h.json"), p.hostfile, "/w")
     assert cmd == ["/usr/bin/env", "MLX_RANK=1", "MLX_HOSTFILE=/run/h.json", "/py", "-m",
                    "mlxd.engine.group_follower"]
+    # on CUDA GPUs: NCCL's rendezvous at rank 0, one GPU per rank of this machine
+    g = plan(Layout("tensor", 2), None, [5001, 5002, 5003, 5004, 5005], backend="nccl")
+    assert g.env(1, "/run/h.json", visible="4,5") == {
+        "MLX_RANK": "1", "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": "5005",
+        "MLX_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "5"}
+    assert g.env(1, None)["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_hosts_file_in_mlx_launch_format_and_ssh_commands():
@@ -86,7 +92,7 @@ def test_hosts_file_in_mlx_launch_format_and_ssh_commands():
     p = plan(Layout("tensor", 2), hosts, [1, 2, 3, 4])  # remote: the fixed port ranges
     assert json.loads(p.hostfile) == [["127.0.0.1:32323"], ["10.0.0.2:32324"]]
     assert p.ranks[1].connect == "tcp://10.0.0.2:32424"
-    cmd = follower_command("/py", p.ranks[1], "/run/h.json", p.hostfile, "/w")
+    cmd = follower_command("/py", p.ranks[1], p.env(1, None), p.hostfile, "/w")
     assert cmd[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET"]
     assert cmd[5] == "mac-2" and "-tt" not in cmd  # its stdin's end must reach the follower
     assert "export MLX_RANK=1" in cmd[6] and "MLX_HOSTFILE=$fname" in cmd[6]
@@ -107,7 +113,8 @@ def test_commands_round_trip_and_follower_launch_is_typed():
     for c in cmds:
         assert group_log.decode(group_log.encode(c)) == c
     launch = FollowerLaunch(rank=1, size=2, layout="tensor:2", model_dir="/m", dtype="auto",
-                            bind="tcp://*:1", log_level="info", log_format="text", name="e")
+                            backend="ring", bind="tcp://*:1", log_level="info",
+                            log_format="text", name="e")
     import msgspec
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(launch), type=FollowerLaunch) == launch
 
