@@ -1,0 +1,265 @@
+"""Speculative decoding (issue 16): the pure parts (prompt lookup, the accept rule, the
+when-it-pays policy) without processes; the runner's speculative steps against plain decoding
+token for token on tiny random models (prompt lookup; a draft model that is the target, so
+every draft is accepted; a different random draft, so few are); seeded sampling; a request
+joining a speculating row; and a daemon whose engine is killed mid-speculation resuming with
+identical text."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+
+import pytest
+from mlx_lm.sample_utils import greedy_sampler
+
+from conftest import start_daemon
+from conftest import stop_and_check as stop
+from mlxd.engine.model_loader import load_model
+from mlxd.engine.runner import AddRequest, Runner, StepTokens
+from mlxd.engine.sampling import make_request_sampler
+from mlxd.engine.speculative import NgramIndex, SpecPolicy, accepted
+from mlxd.engine.speculative_step import Speculator, sampler_position
+from mlxd.protocol.messages import SamplingParams
+
+CODE = "def main():\n    print('hello world')\n    return 0\n" * 4
+
+# ------------------------------------------------------------------ pure logic
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    idx = NgramIndex(max_n=3, min_n=2)
+    idx.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2])
+    # suffix [1, 2] last occurred at the start, followed by 3 4 5
+    assert idx.propose(3) == [3, 4, 5]
+    idx.extend([3])  # suffix [1 2 3] (3-gram) beats the more recent [2 3] -> 7
+    assert idx.propose(2) == [4, 5]
+    idx.extend([6])  # [3 6] and [2 3 6] never occurred
+    assert idx.propose(4) == []
+    # incremental building equals building at once
+    whole = NgramIndex(max_n=3, min_n=2)
+    whole.extend(idx.tokens)
+    assert whole.propose(4) == idx.propose(4) and whole._after == idx._after
+
+
+def test_accept_rule_keeps_drafts_while_they_equal_the_targets_samples():
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert accepted([], [4]) == 0
+
+
+def test_policy_times_plain_steps_first_then_pauses_drafting_while_it_does_not_pay():
+    p = SpecPolicy(max_draft=4)
+    assert p.draft_len(100) == 0  # no plain timing yet
+    p.record_plain(None)  # blurred by the step before: not a timing
+    assert p.draft_len(100) == 0
+    p.record_plain(0.010)
+    assert p.draft_len(100) == 4 and p.draft_len(3) == 2 and p.draft_len(1) == 0
+    p.record_spec(0.012, drafted=4, accepted=3, produced=4)  # 3 ms a token: pays
+    assert p.pause == 0 and p.draft_len(100) == 4
+    p.record_spec(0.040, drafted=4, accepted=0, produced=1)  # mean now above 10 ms a token
+    assert p.pause == 8 and p.draft_len(100) == 0
+    for _ in range(8):
+        p.record_plain(0.010)
+    assert p.counters.skipped == 8 and p.draft_len(100) == 4  # tried again
+    p.record_spec(0.050, drafted=4, accepted=0, produced=1)
+    assert p.pause == 16  # still not paying: a longer pause
+    assert p.counters.steps == 3 and p.counters.drafted == 12 and p.counters.accepted == 3
+
+
+def test_a_draft_model_fits_its_draft_length_to_what_is_accepted():
+    p = SpecPolicy(max_draft=6, adaptive=True, judge=False)
+    assert p.draft_len(100) == 6
+    for _ in range(10):
+        p.record_spec(0.01, drafted=6, accepted=0, produced=1)
+    assert p.draft_len(100) == 1
+    for _ in range(10):
+        p.record_spec(0.01, drafted=6, accepted=6, produced=7)
+    assert p.draft_len(100) == 6
+
+
+def test_the_seeded_samplers_position_is_found_and_greedy_has_none():
+    s = make_request_sampler(SamplingParams(temperature=0.8, seed=3), start_position=5)
+    assert sampler_position(s) == [5]
+    assert sampler_position(greedy_sampler) is None
+
+
+# ------------------------------------------------------------------ the runner
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, tiny_model_b, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("c")
+    target, tok, _ = load_model(str(tiny_model), cache)
+    other, _, _ = load_model(str(tiny_model_b), cache)
+    return target, other, tok
+
+
+def drive(model, spec, requests, joins=None, max_steps=2000):
+    """Run requests through a Runner; `joins`: {step: AddRequest} added before that step.
+    Returns ({request id: tokens}, {request id: step of its first token})."""
+    q: queue.Queue = queue.Queue()
+    r = Runner(model, [], batch_size=4, prefill_step=64, outbox=q, speculator=spec)
+    for add in requests:
+        r.inbox.put(add)
+    joins = dict(joins or {})
+    out: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    done: set[str] = set()
+    expected = len(requests) + len(joins)
+    for step in range(max_steps):
+        if step in joins:
+            r.inbox.put(joins.pop(step))
+        r._handle_commands(block=False)
+        r._step()
+        while not q.empty():
+            item = q.get()
+            if isinstance(item, StepTokens):
+                for rid, tok, fin in item.rows:
+                    out.setdefault(rid, []).append(tok)
+                    first.setdefault(rid, step)
+                    if fin:
+                        done.add(rid)
+        if len(done) == expected:
+            return out, first
+    raise AssertionError("requests did not finish")
+
+
+def greedy():
+    return greedy_sampler
+
+
+def seeded():
+    return make_request_sampler(SamplingParams(temperature=0.8, seed=7))
+
+
+def forced(num_draft, draft=None):
+    spec = Speculator(num_draft, draft)
+    spec.policy.judge = False  # always draft: the tests are about the tokens, not the pay
+    return spec
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft=target", "draft=other"])
+def test_greedy_speculative_output_equals_plain_token_for_token(models, drafter):
+    target, other, tok = models
+    prompt = tok.encode(CODE)
+    draft = {"ngram": None, "draft=target": target, "draft=other": other}[drafter]
+    plain, _ = drive(target, None, [AddRequest("a", prompt, 80, greedy(), [])])
+    spec = forced(4, draft)
+    got, _ = drive(target, spec, [AddRequest("a", prompt, 80, greedy(), [])])
+    assert got == plain and len(plain["a"]) == 80
+    c = spec.counters
+    assert c.steps > 0 and c.tokens <= 80
+    if drafter == "draft=target":  # every draft accepted: up to 5 tokens a step
+        assert c.accepted == c.drafted and c.tokens == c.steps + c.accepted
+        assert c.tokens / c.steps > 4
+    elif drafter == "draft=other":  # a different random model: few accepted
+        assert c.accepted / c.drafted < 0.3
+    else:
+        assert c.accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft=target"])
+def test_seeded_sampling_equals_plain_and_itself_run_to_run(models, drafter):
+    target, _, tok = models
+    prompt = tok.encode(CODE)
+    draft = target if drafter == "draft=target" else None
+    plain, _ = drive(target, None, [AddRequest("a", prompt, 60, seeded(), [])])
+    spec = forced(4, draft)
+    one, _ = drive(target, spec, [AddRequest("a", prompt, 60, seeded(), [])])
+    two, _ = drive(target, forced(4, draft), [AddRequest("a", prompt, 60, seeded(), [])])
+    assert one == two == plain
+    if draft is not None:  # the draft samples with the target's keys: all accepted
+        assert spec.counters.steps > 0 and spec.counters.accepted == spec.counters.drafted
+
+
+def test_a_request_joining_a_speculating_row_waits_no_longer_than_with_plain_steps(models):
+    """Both rows' tokens equal plain decoding's with the same arrivals; the newcomer's first
+    token comes at the same step as without speculation; the first row speculates alone,
+    before and after the newcomer."""
+    target, _, tok = models
+    a = tok.encode(CODE)
+    b = tok.encode("Hello, how are you today? I am fine, thank you for asking.")
+
+    def requests():
+        return ([AddRequest("a", a, 90, greedy(), [])],
+                {6: AddRequest("b", b, 12, greedy(), [])})
+
+    plain, plain_first = drive(target, None, *requests())
+    spec = forced(4, target)
+    got, got_first = drive(target, spec, *requests())
+    assert got == plain
+    assert got_first["b"] == plain_first["b"]
+    c = spec.counters
+    assert c.steps > 0 and c.tokens > c.steps  # drafts were accepted while "a" ran alone
+    assert len(got["a"]) == 90 and len(got["b"]) == 12
+
+
+def test_rows_asking_for_logprobs_or_with_penalties_are_decoded_plain(models):
+    target, _, tok = models
+    prompt = tok.encode(CODE)
+    spec = forced(4, target)
+    drive(target, spec, [AddRequest("a", prompt, 20, greedy(), [], logprobs=2)])
+    from mlxd.engine.sampling import make_request_processors
+    procs = make_request_processors(SamplingParams(repetition_penalty=1.3))
+    drive(target, spec, [AddRequest("b", prompt, 20, greedy(), procs)])
+    assert spec.counters.steps == 0
+
+
+# ------------------------------------------------------------------ a daemon
+
+CHAT = [{"role": "user", "content": "Tell me a long story about the sea and the lighthouse."}]
+
+
+def stream(d, body, kill_after=None):
+    """Stream a chat; SIGKILL the engine after `kill_after` content chunks, once it is seen
+    speculating (its /stats). Returns (text, usage)."""
+    out, chunks, usage = [], 0, None
+    with d.http() as c, c.stream("POST", "/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices") or []:
+                if ch["delta"].get("content"):
+                    out.append(ch["delta"]["content"])
+                    chunks += 1
+                    if chunks == kill_after:
+                        engine = d.stats()["engines"][0]
+                        assert engine["cache"]["spec_steps"] > 0  # killed mid-speculation
+                        os.kill(engine["pid"], signal.SIGKILL)
+    return "".join(out), usage
+
+
+def test_resume_after_a_kill_mid_speculation_gives_identical_text(tiny_model):
+    # --draft-model: the target itself, so greedy and seeded rows both speculate every step;
+    # 50 ms steps (a fault delay) in the first two epochs leave time to aim the kill
+    d = start_daemon(tiny_model, "--restart-backoff", "0.1", "--block-tokens", "16",
+                     "--no-warm-up", "--draft-model", str(tiny_model), "--num-draft-tokens", "3",
+                     isolate=True, env={"MLXD_FAULTS": "engine.step=delay@1#<2"})
+    try:
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+            body = {"messages": CHAT, "max_tokens": 32, **sampling}
+            # a row asking for log-probabilities is decoded plain: the reference
+            plain, _ = stream(d, {**body, "logprobs": True, "top_logprobs": 1})
+            spec, _ = stream(d, body)
+            assert spec == plain
+        # seeded: the resumed row's draws continue at the positions the killed one reached
+        text, usage = stream(d, body, kill_after=10)
+        assert text == plain
+        assert usage["completion_tokens"] == 32 and usage["resumes"] == 1
+        st = d.stats()["engines"][0]["cache"]
+        assert st["spec_mode"] == "draft" and st["spec_acceptance"] == 1.0
+        assert st["spec_tokens_per_step"] > 2
+        with d.http() as c:
+            metrics = c.get("/metrics").text
+        assert 'mlxd_speculative_tokens_total{kind="accepted"' in metrics
+    finally:
+        stop(d)
