@@ -62,6 +62,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:
+    """Linux: a local follower gets SIGKILL when rank 0 dies, even stopped or stuck in a
+    collective (elsewhere the end of its stdin tells it)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
 def backend_here() -> Backend:
     """NCCL where MLX runs on CUDA GPUs (and has NCCL), else the ring backend over TCP."""
     import mlx.core as mx
@@ -148,7 +156,8 @@ class GroupLeader:
             env = self.plan.env(rank.rank, str(self.hostfile) if rank.host.local else None,
                                 visible)
             cmd = follower_command(sys.executable, rank, env, self.plan.hostfile, os.getcwd())
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
+                                    preexec_fn=_die_with_parent if rank.host.local else None)
             data = msgspec.msgpack.encode(FollowerLaunch(
                 rank=rank.rank, size=self.layout.size, layout=str(self.layout),
                 model_dir=self.model_dir, dtype=launch.settings.dtype,
