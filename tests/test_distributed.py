@@ -246,6 +246,29 @@ def test_a_follower_without_the_cached_prefix_is_out_of_step(tiny_model):
         follower.apply(GInsert([Row([9], [1, 2, 3], 4, None)], [0]))
 
 
+def test_a_groups_kv_blocks_are_keyed_apart_from_the_whole_engines(tiny_model, tmp_path,
+                                                                   monkeypatch):
+    """The SSD namespace (the root of every block key) of a sharded engine names its layout:
+    rank 0's blocks hold its shard of the heads, and a whole engine never reads them."""
+    import mlx_lm
+
+    from mlxd.engine import ssd_tier
+    from mlxd.protocol.block_format import namespace_key
+    from mlxd.protocol.settings import EngineLaunch, EngineSettings
+    seen: list[str] = []
+    monkeypatch.setattr(ssd_tier, "SsdTier", lambda **kw: seen.append(kw["description"]))
+    model = mlx_lm.load(str(tiny_model))[0]
+    for group in ("", "tensor:2", "pipeline:2"):
+        launch = EngineLaunch(engine_id="e", epoch=0, model=str(tiny_model),
+                              run_dir=str(tmp_path), cache_dir=str(tmp_path),
+                              ssd_root=str(tmp_path), log_level="info",
+                              settings=EngineSettings(), group=group)
+        ssd_tier.open_ssd_tier(launch, model, None, "ipc://unused")  # type: ignore[arg-type]
+    whole, tensor, pipeline = seen
+    assert "group" not in whole and tensor.endswith("|group tensor:2 rank 0")
+    assert len({namespace_key(d) for d in seen}) == 3
+
+
 # ---------------------------------------------------------------------------- a real group
 
 SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<2"}  # 50 ms steps in epochs 0 and 1
