@@ -48,7 +48,7 @@ async def serve(args: argparse.Namespace) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     targets = [("whole", []), (f"tensor:{args.ranks}",
                                ["--shard", f"{model_dir}=tensor:{args.ranks}"])]
-    rows = []
+    rows: list[dict] = []
     for name, extra in targets:
         server, base, model = start_target("mlxd-isolate", model_dir, max(levels), args.dtype,
                                            extra + ["--hang-timeout", "600"])
@@ -68,16 +68,17 @@ async def serve(args: argparse.Namespace) -> None:
                       flush=True)
         finally:
             server.stop()
-    whole = {r["streams"]: r["tok_s"] for r in rows if r["target"] == "whole"}
+    whole = {row["streams"]: row["tok_s"] for row in rows if row["target"] == "whole"}
     lines = [f"# tensor:{args.ranks} group vs whole engine ({Path(model_dir).name}, "
              f"{args.max_tokens} tokens per stream, greedy)", "",
              "| target | streams | tok/s | ratio to whole | first text p50 s | "
              "inter-token p50 ms |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = r["tok_s"] / whole[r["streams"]] if whole.get(r["streams"]) else float("nan")
-        r["ratio"] = ratio
-        lines.append(f"| {r['target']} | {r['streams']} | {r['tok_s']:.1f} | {ratio:.2f} | "
-                     f"{r['ttft_p50']:.3f} | {r['itl_p50'] * 1e3:.1f} |")
+    for row in rows:
+        ref = whole.get(row["streams"])
+        ratio = row["tok_s"] / ref if ref else float("nan")
+        row["ratio"] = ratio
+        lines.append(f"| {row['target']} | {row['streams']} | {row['tok_s']:.1f} | "
+                     f"{ratio:.2f} | {row['ttft_p50']:.3f} | {row['itl_p50'] * 1e3:.1f} |")
     save(args.out.with_suffix(".md") if args.out else None, "\n".join(lines) + "\n",
          {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}})
 
@@ -136,8 +137,8 @@ def allsum(args: argparse.Namespace) -> None:
              f"load average {data['load_avg_1m']:.1f} on {data['cpus']} CPUs", "",
              "| rows | bytes | one all_sum (us) | per decode step: 2 x layers (ms) |",
              "|---|---|---|---|"]
-    for r in data["results"]:
-        lines.append(f"| {r['rows']} | {r['bytes']} | {r['us']:.1f} | {r['per_step_ms']:.2f} |")
+    for x in data["results"]:
+        lines.append(f"| {x['rows']} | {x['bytes']} | {x['us']:.1f} | {x['per_step_ms']:.2f} |")
     save(args.out.with_suffix(".md") if args.out else None, "\n".join(lines) + "\n", data)
 
 
