@@ -53,6 +53,7 @@ class RequestMetrics:
         self.cached_tokens = Counter("mlxd_cached_prompt_tokens",
                                      "Prompt tokens served from the KV cache (any tier)",
                                      ["model"], registry=registry)
+        self._itl_by_model: dict[str, Histogram] = {}
 
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft.labels(model).observe(seconds)
@@ -61,7 +62,9 @@ class RequestMetrics:
         """`n` tokens arrived `gap` seconds after the previous ones."""
         if n > 0:
             per = gap / n
-            hist = self.itl.labels(model)
+            hist = self._itl_by_model.get(model)
+            if hist is None:  # `labels()` costs a lock and a tuple per call: once per model
+                hist = self._itl_by_model[model] = self.itl.labels(model)
             for _ in range(n):
                 hist.observe(per)
 
