@@ -78,9 +78,11 @@ class SpecPolicy:
 
     It measures rather than guesses: the mean time per produced token of plain steps and of
     speculative steps, both only ever for one row alone. While speculative steps cost more per
-    token than plain ones (a slow matmul for several tokens, as on a CPU with reference BLAS;
-    drafts that are rarely accepted), drafting pauses for a number of plain steps that doubles
-    each time it still does not pay, up to BACKOFF_MAX, and is then tried again."""
+    token than plain ones (drafts rarely accepted), drafting pauses for a number of plain steps
+    that doubles each time it still does not pay, up to BACKOFF_MAX, and is then tried again.
+    A step that would not have paid even with every draft accepted (its forward pass costs
+    about as much per token as one-token steps, as matmuls do on a CPU with reference BLAS)
+    pauses drafting for BACKOFF_MAX steps at once."""
     max_draft: int
     adaptive: bool = False  # drafts cost a forward pass each (a draft model): fit the length
     judge: bool = True  # pause drafting while it does not pay (False: always draft)
@@ -118,7 +120,15 @@ class SpecPolicy:
         c.tokens += produced
         self.accept_len = _ema(self.accept_len, float(accepted))
         self.spec_s = _ema(self.spec_s, seconds / max(1, produced))
-        if self.judge and self.plain_s is not None and self.spec_s > self.plain_s:
+        if not self.judge or self.plain_s is None:
+            return
+        if (drafted + 1) * self.plain_s < seconds:
+            # even had every draft been accepted, this step cost more than plain steps for
+            # as many tokens: the forward pass costs as much per token however many it takes
+            # (a CPU's matmul), and no acceptance rate can make drafting pay
+            self.pause = self.backoff = BACKOFF_MAX
+            self.spec_s = None
+        elif self.spec_s > self.plain_s:
             self.pause = self.backoff
             self.backoff = min(self.backoff * 2, BACKOFF_MAX)
             self.spec_s = None  # judged afresh after the pause

@@ -20,7 +20,7 @@ from conftest import stop_and_check as stop
 from mlxd.engine.model_loader import load_model
 from mlxd.engine.runner import AddRequest, Runner, StepTokens
 from mlxd.engine.sampling import make_request_sampler
-from mlxd.engine.speculative import NgramIndex, SpecPolicy, accepted
+from mlxd.engine.speculative import BACKOFF_MAX, NgramIndex, SpecPolicy, accepted
 from mlxd.engine.speculative_step import Speculator, sampler_position
 from mlxd.protocol.messages import SamplingParams
 
@@ -68,6 +68,10 @@ def test_policy_times_plain_steps_first_then_pauses_drafting_while_it_does_not_p
     p.record_spec(0.050, drafted=4, accepted=0, produced=1)
     assert p.pause == 16  # still not paying: a longer pause
     assert p.counters.steps == 3 and p.counters.drafted == 12 and p.counters.accepted == 3
+    for _ in range(16):
+        p.record_plain(0.010)
+    p.record_spec(0.060, drafted=4, accepted=4, produced=5)  # 5 tokens for 6 plain steps' time
+    assert p.pause == BACKOFF_MAX  # no acceptance rate could make it pay: a long pause
 
 
 def test_a_draft_model_fits_its_draft_length_to_what_is_accepted():
