@@ -3,10 +3,10 @@ row running with its own adapter (or none) in the same forward pass.
 
 - Loading (`apply_adapters`): each adapter directory is an mlx-lm one (`adapters.safetensors`,
   `adapter_config.json`, as `mlx_lm.lora` trains it). For every linear layer that any adapter
-  touches, the adapters' `lora_a` / `lora_b` are stacked (index 0: zeros, the base; ranks padded
-  with zeros) and the layer's class is swapped in place for a subclass that adds, per row,
-  `scale[i] * (x @ A[i]) @ B[i]`, as mlx-lm's `LoRALinear` does for one adapter. Parameter
-  paths of the base are unchanged.
+  touches, the adapters' `lora_a` / `lora_b` are stacked (ranks padded with zeros; the base
+  has no slot, its scale is 0) and the layer's class is swapped in place for a subclass that
+  adds, per row, `scale[i] * (x @ A[i]) @ B[i]`, as mlx-lm's `LoRALinear` does for one
+  adapter. Parameter paths of the base are unchanged.
 - Which adapter a row uses is carried by the row's own tokens: an adapter request's FIRST
   prompt token is shifted by `index * vocab` (`mark_prompt`), an id no real token has. So
   - every cache key (the RAM tier's token trie, the SSD tier's chained block hashes, the
@@ -62,8 +62,10 @@ class AdapterInfo:
 @dataclass
 class Rows:
     """The current forward pass's adapter per row: None (every row the base), an int (every
-    row that adapter) or an int32 array of shape (rows,)."""
-    current: int | mx.array | None = None
+    row that adapter, index >= 1) or, rows of several, (slots, indices): per row the slot of
+    its adapter in the stacks (adapter index - 1; a base row any slot) and its index (the
+    scale of index 0 is 0: a base row adds nothing)."""
+    current: int | tuple[mx.array, mx.array] | None = None
 
 
 @dataclass
@@ -89,7 +91,8 @@ class LoraSet:
         elif all(i == idx[0] for i in idx):
             self.rows.current = idx[0]
         else:
-            self.rows.current = mx.array(idx, dtype=mx.int32)
+            self.rows.current = (mx.array([max(i - 1, 0) for i in idx], dtype=mx.int32),
+                                 mx.array(idx, dtype=mx.int32))
 
 
 # ---------------------------------------------------------------------- requests
@@ -120,12 +123,13 @@ def _lora_delta(self: Any, x: mx.array) -> mx.array | None:
     if current is None:
         return None
     if isinstance(current, int):
-        a, b, s = self.lora_a[current], self.lora_b[current], self.lora_scale[current]
+        a, b = self.lora_a[current - 1], self.lora_b[current - 1]
         z = (x @ a) @ b
-        return (s * z).astype(x.dtype)
-    a, b = self.lora_a[current], self.lora_b[current]  # (rows, in, r), (rows, r, out)
+        return (self.lora_scale[current] * z).astype(x.dtype)
+    slots, indices = current
+    a, b = self.lora_a[slots], self.lora_b[slots]  # (rows, in, r), (rows, r, out)
     z = (x @ a) @ b
-    s = self.lora_scale[current].reshape(-1, *([1] * (z.ndim - 1)))
+    s = self.lora_scale[indices].reshape(-1, *([1] * (z.ndim - 1)))
     return (s * z).astype(x.dtype)
 
 
@@ -250,19 +254,23 @@ def apply_adapters(model: nn.Module, adapters: dict[str, str]) -> LoraSet | None
         lset.adapters[name] = AdapterInfo(
             name, path, i, rank, scale, len(pairs),
             sum(a.nbytes + b.nbytes for a, b in pairs.values()), _digest(path))
-    n = len(adapters) + 1
+    n = len(adapters)
     for module_path, by_index in per_module.items():
         m = modules[module_path]
         in_dims, out_dims = _dims(m)
         r = max(a.shape[1] for a, _, _ in by_index.values())
         dtype = next(iter(by_index.values()))[0].dtype
+        # slot i - 1 holds adapter i (zeros where it leaves this layer alone); no slot for
+        # the base: its scale (index 0) is 0
         a_rows = [mx.zeros((in_dims, r), dtype=dtype)] * n
         b_rows = [mx.zeros((r, out_dims), dtype=dtype)] * n
-        scales = [0.0] * n
+        scales = [0.0] * (n + 1)
         for i, (a, b, s) in by_index.items():
             pad = r - a.shape[1]
-            a_rows[i] = mx.pad(a.astype(dtype), [(0, 0), (0, pad)]) if pad else a.astype(dtype)
-            b_rows[i] = mx.pad(b.astype(dtype), [(0, pad), (0, 0)]) if pad else b.astype(dtype)
+            a_rows[i - 1] = mx.pad(a.astype(dtype), [(0, 0), (0, pad)]) if pad \
+                else a.astype(dtype)
+            b_rows[i - 1] = mx.pad(b.astype(dtype), [(0, pad), (0, 0)]) if pad \
+                else b.astype(dtype)
             scales[i] = s
         m.lora_a = mx.stack(a_rows)
         m.lora_b = mx.stack(b_rows)

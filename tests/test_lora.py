@@ -14,13 +14,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from mlxd.daemon.settings import ConfigError
-from mlxd.engine.lora import AdapterError, apply_adapters, mark_prompt
+from mlxd.engine.lora import AdapterError, apply_adapters, mark_prompt, unmarked_processors
 from mlxd.engine.model_loader import load_model
 from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
 from mlxd.protocol.block_format import chain_keys
+from mlxd.protocol.models import adapter_bytes
 from support.lora_adapters import write_random_adapter
 from support.random_model import write_random_model
 
@@ -83,10 +84,10 @@ def _run(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
     return tokens, started
 
 
-def _add(lset, tok, rid: str, name: str, prompt: str) -> AddRequest:
+def _add(lset, tok, rid: str, name: str, prompt: str, processors=()) -> AddRequest:
     index = lset.index(name) if name else 0
     return AddRequest(rid, mark_prompt(tok.encode(prompt), index, lset.vocab), N,
-                      greedy_sampler, [])
+                      greedy_sampler, unmarked_processors(list(processors), lset.vocab))
 
 
 def test_rows_of_two_adapters_and_the_base_in_one_batch_equal_mlx_lm(served, references):
@@ -104,6 +105,22 @@ def test_rows_of_two_adapters_and_the_base_in_one_batch_equal_mlx_lm(served, ref
             assert tokens[f"{i}-{name}"] == references[name][i], (i, name)
     # the adapters do change the output (else this test would prove nothing)
     assert references["coder"][0] != references[""][0] != references["writer"][0]
+
+
+def test_penalties_see_real_token_ids_in_an_adapter_row(served, tiny_model, adapters):
+    """A repetition penalty indexes the logits by the row's context, whose first token is
+    marked with the adapter: it sees the real ids, as in mlx-lm's own generation."""
+    model, tok, lset = served
+    ref_model, _ = load(str(tiny_model), adapter_path=str(adapters["writer"]))[:2]
+    penalty = make_logits_processors(repetition_penalty=1.5, repetition_context_size=64)
+    want = [int(t) for (t, _), _ in zip(generate_step(
+        mx.array(tok.encode(PROMPTS[1])), ref_model, sampler=greedy_sampler,
+        logits_processors=penalty), range(N), strict=False)]
+    outq: queue.Queue = queue.Queue()
+    runner = Runner(model, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=0)
+    tokens, _ = _run(runner, outq, [_add(lset, tok, "p", "writer", PROMPTS[1], penalty)])
+    assert tokens["p"] == want
+    assert len(set(want)) > 5  # the penalty bites: the writer alone repeats one token
 
 
 def test_a_cached_prefix_is_never_used_under_another_adapter(served, references):
@@ -146,6 +163,10 @@ def _resolve(*argv: str):
 def test_adapter_settings_are_checked_at_startup(tiny_model, adapters, tmp_path):
     cfg = _resolve(str(tiny_model), "--adapter", f"coder={tiny_model}:{adapters['coder']}")
     assert cfg.config.engine.adapter == {"coder": f"{tiny_model}:{adapters['coder']}"}
+    # the pool counts an engine's adapters with its weights
+    assert adapter_bytes(cfg.config.engine.adapter, str(tiny_model)) == \
+        (adapters["coder"] / "adapters.safetensors").stat().st_size > 0
+    assert adapter_bytes(cfg.config.engine.adapter, "another-model") == 0
     empty = tmp_path / "empty"
     empty.mkdir()
     for value, message in [
