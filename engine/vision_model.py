@@ -202,10 +202,15 @@ class VisionParts:
 def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, VisionParts]:
     """(the model the runner drives, mlx-lm's tokenizer wrapper, config, VisionParts)."""
     from mlx_lm.utils import load_tokenizer
-    from mlx_vlm.utils import load_image_processor, load_model, load_processor
-    from PIL import Image
 
     from mlxd.engine.model_loader import ModelLoadError, _cast_for_device
+    try:
+        from mlx_vlm.utils import load_image_processor, load_model, load_processor
+        from PIL import Image
+    except ImportError as e:
+        raise ModelLoadError(f"{model_dir.name} is a vision model: serving it needs mlx-vlm "
+                             "and Pillow (pip install --no-deps mlx-vlm; pip install pillow): "
+                             f"{e}") from e
     config = json.loads((model_dir / "config.json").read_text())
     model_type = str(config.get("model_type", ""))
     if model_type not in SUPPORTED:

@@ -18,7 +18,7 @@ import io
 from dataclasses import dataclass
 
 from mlxd.protocol.messages import ImageInput, image_key
-from mlxd.proxy.errors import bad_request
+from mlxd.proxy.errors import APIError, bad_request
 
 MAX_IMAGES = 8
 MAX_IMAGE_BYTES = 20 << 20
@@ -64,6 +64,11 @@ async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInp
             raws.append(await _fetch(ref))
         else:
             raws.append(_base64(ref))
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise APIError(501, "images need Pillow in mlxd's environment: pip install pillow",
+                       type="server_error", code="images_unavailable") from None
     loop = asyncio.get_running_loop()
     return [await loop.run_in_executor(None, decode, raw, ref.where)
             for raw, ref in zip(raws, refs, strict=True)]
@@ -119,7 +124,10 @@ def decode(raw: bytes, where: str) -> ImageInput:
                                   f"{MAX_IMAGE_PIXELS:,} pixels are accepted",
                                   code="image_too_large", param=where)
             rgb = im.convert("RGB")  # decodes (the first frame of an animation)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:  # Pillow's own check, at open, of the header
+        raise bad_request(f"{where}: the image claims more pixels than any accepted: {e}",
+                          code="image_too_large", param=where) from e
+    except (OSError, SyntaxError, ValueError) as e:
         raise bad_request(f"{where}: the image cannot be decoded ({type(e).__name__}: "
                           f"{str(e)[:200]})", code="invalid_image", param=where) from e
     pixels = rgb.tobytes()

@@ -135,6 +135,8 @@ def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference):
             "options": {"temperature": 0, "num_predict": TOKENS}})
         assert r.status_code == 200, r.text
         assert r.json()["response"] == want
+        r = c.post("/api/show", json={"model": MODEL})  # Ollama clients look for "vision"
+        assert "vision" in r.json()["capabilities"], r.text
     assert reference(picture(1)) != want  # the image matters to the answer
 
 
@@ -171,23 +173,25 @@ def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
 
 def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, vlm, tiny_model):
     pid = engine_pid(daemon)
-    big = np.zeros((4100, 4100, 3), dtype=np.uint8)  # 16.8 M pixels: over the 16.7 M limit
+    from PIL import Image
+    buf = io.BytesIO()  # a real image of 16.8 M pixels (over the 16.7 M limit), 1 bit deep
+    Image.new("1", (4100, 4100)).save(buf, format="PNG")
     cases = {
-        "bad base64": openai_body("not base64 at all!!"),
-        "not an image": openai_body(b64(b"GIF89a but then nothing of the sort")),
-        "png bomb": openai_body(b64(png_bomb())),
-        "oversized": openai_body(b64(png(big))),
-        "too many": {**openai_body(), "messages": [{"role": "user", "content": [
+        "invalid_image/bad base64": openai_body("not base64 at all!!"),
+        "invalid_image/not an image": openai_body(b64(b"GIF89a but then nothing of the sort")),
+        "image_too_large/png bomb": openai_body(b64(png_bomb())),
+        "image_too_large/oversized": openai_body(b64(buf.getvalue())),
+        "too_many_images": {**openai_body(), "messages": [{"role": "user", "content": [
             *[{"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMAGE_B64}}
               for _ in range(9)], {"type": "text", "text": QUESTION}]}]},
-        "http url": {**openai_body(), "messages": [{"role": "user", "content": [
+        "image_url_refused": {**openai_body(), "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}},
             {"type": "text", "text": QUESTION}]}]},
     }
     for name, body in cases.items():
         code, got = chat(daemon, body)
         assert code == 400, (name, got)
-        assert got["error"]["message"], name
+        assert got["error"]["code"] == name.split("/")[0] and got["error"]["message"], got
     with daemon.http() as c:
         r = c.post("/v1/messages", json={
             "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [

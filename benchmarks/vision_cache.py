@@ -1,0 +1,180 @@
+"""Images and the prefix cache: time to first token of a conversation's second turn that
+re-sends the same image, against its first turn (goal: <= 0.2x), through `mlxd serve
+--isolate` on a random-weight LLaVA written for the run (576 image tokens: a 336-pixel image
+in 14-pixel patches). Each round uses a new image: turn 1 (a miss: vision tower and prefill),
+turn 2 (the same image and turn 1's answer, plus a question: the image is cached), and turn 2
+with one pixel changed (a miss again). Then batching: N requests with different images sent
+at once against the same N one after the other (vision rows share the text batch).
+
+    python benchmarks/vision_cache.py [--rounds 5] [--concurrency 4] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.random_vlm import image_tokens, write_random_vlm  # shared with the tests
+from throughput import Server, free_port, save
+
+MODEL = "bench-llava"
+IMAGE_SIZE = 336
+QUESTION = "Describe this picture in detail."
+
+
+def image_b64(seed: int, change: bool = False) -> str:
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    if change:
+        pixels[7, 11, 0] ^= 1
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def turn(image: str) -> dict:
+    return {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}},
+        {"type": "text", "text": QUESTION}]}
+
+
+async def ask(base: str, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, dict]:
+    """(seconds to the first text, the answer, usage) of one streamed chat."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first: float | None = None
+    text: list[str] = []
+    usage: dict = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s, \
+            s.post(base + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            obj = json.loads(line[6:])
+            for c in obj.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    first = first if first is not None else time.perf_counter() - t0
+                    text.append(piece)
+            usage = obj.get("usage") or usage
+    return (first if first is not None else time.perf_counter() - t0), "".join(text), usage
+
+
+def cached(usage: dict) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, hidden=args.hidden,
+                             layers=args.layers, heads=8, kv_heads=4,
+                             intermediate=args.hidden * 2, vision_hidden=256, vision_layers=2,
+                             context=4096)
+    port = free_port()
+    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(model), "--isolate",
+            "--port", str(port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-bv-", dir="/tmp"),
+            "--cache-dir", str(work / "cache"), "--log-level", "warning"]
+    srv = Server(argv, f"http://127.0.0.1:{port}/health")
+    base = f"http://127.0.0.1:{port}"
+    rows: list[dict[str, Any]] = []
+    try:
+        await srv.wait()
+        await ask(base, [turn(image_b64(999))])  # warm-up: kernels for these shapes
+        for i in range(args.rounds):
+            img = image_b64(i)
+            first_s, answer, u1 = await ask(base, [turn(img)])
+            follow = [turn(img), {"role": "assistant", "content": answer},
+                      {"role": "user", "content": "What else is in it?"}]
+            second_s, _, u2 = await ask(base, follow)
+            follow[0] = turn(image_b64(i, change=True))
+            changed_s, _, u3 = await ask(base, follow)
+            rows.append({"first_s": first_s, "second_s": second_s, "changed_s": changed_s,
+                         "prompt_tokens": [u1.get("prompt_tokens"), u2.get("prompt_tokens")],
+                         "cached": [cached(u1), cached(u2), cached(u3)]})
+            print(f"round {i}: first turn {first_s:.3f} s, second turn (same image) "
+                  f"{second_s:.3f} s ({cached(u2)}/{u2.get('prompt_tokens')} cached), "
+                  f"one pixel changed {changed_s:.3f} s ({cached(u3)} cached)", flush=True)
+        n = args.concurrency
+        images = [image_b64(1000 + k) for k in range(2 * n)]
+        t0 = time.perf_counter()
+        for k in range(n):
+            await ask(base, [turn(images[k])], max_tokens=args.batch_tokens)
+        sequential = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(ask(base, [turn(images[n + k])], max_tokens=args.batch_tokens)
+                               for k in range(n)))
+        together = time.perf_counter() - t0
+        # The same, with each image already cached (a follow-up question): decode dominates.
+        def again(k: int) -> list[dict]:
+            return [turn(images[k]), {"role": "user", "content": "And the colours?"}]
+        t0 = time.perf_counter()
+        for k in range(n):
+            await ask(base, again(k), max_tokens=args.batch_tokens)
+        sequential_hit = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(ask(base, again(n + k), max_tokens=args.batch_tokens)
+                               for k in range(n)))
+        together_hit = time.perf_counter() - t0
+    finally:
+        srv.stop()
+    med = {k: statistics.median(r[k] for r in rows) for k in ("first_s", "second_s",
+                                                              "changed_s")}
+    return {"rows": rows, "median": med, "ratio": med["second_s"] / med["first_s"],
+            "changed_ratio": med["changed_s"] / med["first_s"],
+            "image_tokens": image_tokens(IMAGE_SIZE), "concurrency": n,
+            "sequential_s": sequential, "together_s": together,
+            "sequential_hit_s": sequential_hit, "together_hit_s": together_hit,
+            "batch_tokens": args.batch_tokens}
+
+
+def report(r: dict[str, Any]) -> str:
+    m = r["median"]
+    return "\n".join([
+        f"# Vision prefix cache ({r['image_tokens']} image tokens, {len(r['rows'])} rounds, "
+        "medians)", "",
+        "| turn | time to first text | vs first turn |", "|---|---|---|",
+        f"| first turn (miss) | {m['first_s']:.3f} s | 1.00x |",
+        f"| second turn, same image | {m['second_s']:.3f} s | {r['ratio']:.2f}x |",
+        f"| second turn, one pixel changed | {m['changed_s']:.3f} s | "
+        f"{r['changed_ratio']:.2f}x |", "",
+        f"{r['concurrency']} image requests of {r['batch_tokens']} tokens: one after the "
+        f"other {r['sequential_s']:.2f} s, all at once {r['together_s']:.2f} s "
+        f"({r['sequential_s'] / r['together_s']:.2f}x); the same with each image cached "
+        f"(a follow-up question): {r['sequential_hit_s']:.2f} s against "
+        f"{r['together_hit_s']:.2f} s ({r['sequential_hit_s'] / r['together_hit_s']:.2f}x)",
+        ""])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--batch-tokens", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mlxd-bv-") as work:
+        r = asyncio.run(run(args, Path(work)))
+    save(args.out, report(r), r)
+
+
+if __name__ == "__main__":
+    main()
