@@ -4,7 +4,8 @@ a real model directory) served by a vision engine. Each dialect's image input (O
 /api/generate) gives the text mlx-vlm's own generate gives for the same image and prompt
 (greedy); the same image in the next turn is a cache hit covering it and a changed pixel is a
 miss; bad images are 400s that leave the engine serving; a text model refuses images; a
-kill -9 of the engine mid-stream resumes with identical text."""
+kill -9 of the engine mid-stream resumes with identical text, and the restarted engine finds
+an earlier image's KV on the SSD tier."""
 
 from __future__ import annotations
 
@@ -235,10 +236,21 @@ def stream(d, body: dict, kill_after: int | None = None) -> tuple[str, dict]:
     return "".join(out), usage
 
 
-def test_kill_9_mid_stream_resumes_with_identical_text(daemon):
+def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_images(
+        daemon, vlm):
     body = openai_body(b64(png(picture(2))), max_tokens=24)
     want, _ = stream(daemon, body)
+    with daemon.unix_http() as u:  # what earlier tests cached is durable on SSD
+        assert u.post("/admin/cache/flush").status_code == 200
     pid = engine_pid(daemon)
     text, usage = stream(daemon, body, kill_after=6)
     assert text == want
     assert usage.get("resumes") == 1 and engine_pid(daemon) != pid, usage
+    # The new engine's RAM tier is empty: the first test's image comes back from SSD blocks.
+    from tokenizers import Tokenizer
+    before_image = len(Tokenizer.from_file(str(vlm / "tokenizer.json"))
+                       .encode("<|im_start|>user\n").ids)
+    code, got = chat(daemon, openai_body())
+    assert code == 200, got
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+        before_image + image_tokens(IMAGE_SIZE), got
