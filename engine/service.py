@@ -159,8 +159,9 @@ class EngineService:
                 model, tokenizer, config = load_model(str(model_dir), Path(launch.cache_dir),
                                                       settings.dtype, self._load_progress)
             adapters = adapters_of(settings.adapter, launch.model)
-            if adapters and launch.group:
-                raise AdapterError("LoRA adapters are not supported on a sharded engine")
+            if adapters and (launch.group or getattr(self, "vision", None) is not None):
+                raise AdapterError("LoRA adapters apply to text models served by one engine "
+                                   "(not to a sharded or a vision model)")
             self.lora = apply_adapters(model, adapters)
             draft = self._load_draft(model) if settings.speculative and settings.draft_model \
                 and self.group is None else None

@@ -152,17 +152,30 @@ def test_an_adapter_for_another_model_is_refused_with_the_reason(tiny_model, tmp
 
 
 def _resolve(*argv: str):
+    return _resolve_env(*argv, env={})
+
+
+def _resolve_env(*argv: str, env: dict[str, str]):
     import argparse
 
     from mlxd.daemon.config import add_serve_arguments, resolve
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    return resolve(p.parse_args(list(argv)), {})
+    return resolve(p.parse_args(list(argv)), {"MLXD_CONFIG": "/dev/null", **env})
 
 
 def test_adapter_settings_are_checked_at_startup(tiny_model, adapters, tmp_path):
     cfg = _resolve(str(tiny_model), "--adapter", f"coder={tiny_model}:{adapters['coder']}")
     assert cfg.config.engine.adapter == {"coder": f"{tiny_model}:{adapters['coder']}"}
+    # the environment's and the config file's forms
+    env = _resolve_env(str(tiny_model), env={
+        "MLXD_ADAPTER": f"coder={tiny_model}:{adapters['coder']},"
+                        f"writer={tiny_model}:{adapters['writer']}"})
+    assert set(env.config.engine.adapter) == {"coder", "writer"}
+    toml = tmp_path / "mlxd.toml"
+    toml.write_text(f'[adapter]\ncoder = "{tiny_model}:{adapters["coder"]}"\n')
+    assert _resolve(str(tiny_model), "--config", str(toml)).config.engine.adapter == \
+        cfg.config.engine.adapter
     # the pool counts an engine's adapters with its weights
     assert adapter_bytes(cfg.config.engine.adapter, str(tiny_model)) == \
         (adapters["coder"] / "adapters.safetensors").stat().st_size > 0
