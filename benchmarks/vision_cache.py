@@ -82,10 +82,12 @@ def cached(usage: dict) -> int:
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    heads = max(4, args.hidden // 128)
     model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, hidden=args.hidden,
-                             layers=args.layers, heads=8, kv_heads=4,
-                             intermediate=args.hidden * 2, vision_hidden=256, vision_layers=2,
-                             context=4096)
+                             layers=args.layers, heads=heads, kv_heads=heads // 2,
+                             intermediate=args.hidden * 2, vision_hidden=args.vision_hidden,
+                             vision_layers=args.vision_layers, vision_heads=args.vision_heads,
+                             context=4096, dtype=args.model_dtype)
     port = free_port()
     argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(model), "--isolate",
             "--port", str(port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-bv-", dir="/tmp"),
@@ -169,6 +171,10 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vision-hidden", type=int, default=256)
+    ap.add_argument("--vision-layers", type=int, default=2)
+    ap.add_argument("--vision-heads", type=int, default=2)
+    ap.add_argument("--model-dtype", default="float32", help="the weights' dtype as written")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mlxd-bv-") as work:

@@ -150,7 +150,8 @@ class EngineService:
                 return self._serve_embeddings(embedding, model_dir, t0)
             if is_vision_dir(model_dir):  # through mlx-vlm: the text engine, with images
                 model, tokenizer, config, parts = load_vision(model_dir, settings.dtype)
-                self.vision = VisionAdmission(parts)
+                self.vision = VisionAdmission(parts, lambda p: self.runner.cache.peek(p)
+                                              if self.runner is not None else 0)
             elif launch.group:  # rank 0 of a sharded engine: it starts and joins the group
                 from mlxd.engine.group_leader import start_group
                 self.group = start_group(launch, model_dir, self.supervised)

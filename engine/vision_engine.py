@@ -14,21 +14,21 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
-import numpy as np
 
 from mlxd.engine import admission
 from mlxd.engine.admission import Admitted, Answered, ClientError
 from mlxd.engine.prefix_cache import RestoredPrefix
 from mlxd.engine.state import LoadedModel
-from mlxd.engine.vision_model import VIRTUAL_BASE, VisionParts, pixels_key
+from mlxd.engine.vision_model import VIRTUAL_BASE, VisionParts, image_token_ids, pixels_key
 from mlxd.protocol.messages import Delta, Generate, ImageInput
 
 log = logging.getLogger("mlxd.engine")
 
 
 class VisionAdmission:
-    def __init__(self, parts: VisionParts) -> None:
+    def __init__(self, parts: VisionParts, peek: Callable[[list[int]], int]) -> None:
         self.parts = parts
+        self.peek = peek  # prompt -> tokens the RAM prefix cache would serve now
 
     def prepare(self, msg: Generate, model: LoadedModel | None,
                 restore: Callable[[list[int]], RestoredPrefix | None],
@@ -62,11 +62,15 @@ class VisionAdmission:
         if marks != len(msg.images):
             raise ClientError(f"the prompt holds {marks} image markers ({parts.image_token!r}) "
                               f"for {len(msg.images)} images", "invalid_request")
-        ids = iter([self._register(i, img) for i, img in enumerate(msg.images)])
+        for i, img in enumerate(msg.images):
+            _check(i, img)
+        ids = iter([image_token_ids(img.key, parts.tokens_per_image) for img in msg.images])
         prompt: list[int] = []
+        ends: list[int] = []  # where each image's tokens end
         for t in marked:
             if t == parts.image_token_id:
                 prompt.extend(next(ids))
+                ends.append(len(prompt))
             else:
                 prompt.append(t)
         if prompt[-1] >= VIRTUAL_BASE:
@@ -90,11 +94,17 @@ class VisionAdmission:
                                  Delta(rid, finish_reason="length",
                                        prompt_tokens=out.prompt_tokens,
                                        completion_tokens=out.completion_tokens)])
+        # An image a cache covers needs no pixel values: the processor runs only for the rest.
+        restored = restore(prompt)
+        cached = max(self.peek(prompt), restored.tokens if restored is not None else 0)
+        for img, end in zip(msg.images, ends, strict=True):
+            values = None if end <= cached else parts.images.preprocess(img)
+            parts.images.register(img, parts.tokens_per_image, values)
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
                              _real_ids(admission.processors(msg, model.grammar_tokenizer,
                                                             resumed), parts.image_token_id),
-                             restored=restore(prompt), received_at=received_at,
+                             restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
                              group_size=msg.group_size)
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
@@ -122,18 +132,15 @@ class VisionAdmission:
             messages.append(m)
         return msgspec.structs.replace(msg, messages=messages)
 
-    def _register(self, i: int, img: ImageInput) -> list[int]:
-        """The image's pixel values (the model's image processor) into the table; its ids."""
-        from PIL import Image
-        if img.width < 1 or img.height < 1 or len(img.pixels) != img.width * img.height * 3:
-            raise ClientError(f"image {i}: its pixels do not match its size", "invalid_request")
-        if pixels_key(img.width, img.height, img.pixels) != img.key:
-            raise ClientError(f"image {i}: its content hash does not match its pixels",
-                              "invalid_request")
-        pil = Image.frombytes("RGB", (img.width, img.height), img.pixels)
-        values = self.parts.image_processor(images=[pil], return_tensors="np")["pixel_values"]
-        values = np.asarray(values, dtype=np.float32)
-        return self.parts.images.register(img.key, self.parts.tokens_per_image, values)
+
+
+def _check(i: int, img: ImageInput) -> None:
+    """The pixels fit the size, and the content hash is theirs."""
+    if img.width < 1 or img.height < 1 or len(img.pixels) != img.width * img.height * 3:
+        raise ClientError(f"image {i}: its pixels do not match its size", "invalid_request")
+    if pixels_key(img.width, img.height, img.pixels) != img.key:
+        raise ClientError(f"image {i}: its content hash does not match its pixels",
+                          "invalid_request")
 
 
 def _real_ids(processors: list, image_token_id: int) -> list:

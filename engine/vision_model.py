@@ -36,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from blake3 import blake3
 
-from mlxd.protocol.messages import image_key
+from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
@@ -71,6 +71,7 @@ def pixels_key(width: int, height: int, pixels: bytes) -> bytes:
 
 @dataclass
 class _Image:
+    image: ImageInput | None  # the decoded pixels, until encoded
     pixel_values: np.ndarray | None  # the processor's output, until encoded
     features: mx.array | None  # (tokens, hidden), once the vision tower ran
     ids: list[int]
@@ -80,10 +81,14 @@ class _Image:
 
 class ImageTable:
     """Image token id -> (image, position), and each image's pixels or features. Registered
-    on an admission lane, read on the MLX thread (one lock)."""
+    on an admission lane, read on the MLX thread (one lock). An image registered without
+    pixel values (a cache covered it at admission) gets them on the MLX thread if a cache
+    eviction in between makes its features needed after all."""
 
-    def __init__(self, encode: Any, max_bytes: int = IMAGE_TABLE_BYTES) -> None:
+    def __init__(self, encode: Any, preprocess: Any,
+                 max_bytes: int = IMAGE_TABLE_BYTES) -> None:
         self._encode = encode  # pixel_values (numpy) -> features (tokens, hidden); MLX thread
+        self.preprocess = preprocess  # ImageInput -> pixel_values (numpy); the processor
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._images: OrderedDict[bytes, _Image] = OrderedDict()
@@ -91,15 +96,20 @@ class ImageTable:
         self._bytes = 0
         self.encoded = 0  # images the vision tower ran for (a figure for tests and stats)
 
-    def register(self, key: bytes, n: int, pixel_values: np.ndarray) -> list[int]:
+    def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None) -> list[int]:
+        """The image's token ids; `pixel_values` None: not computed (a cache covers it)."""
+        key = image.key
         ids = image_token_ids(key, n)
         with self._lock:
             img = self._images.get(key)
             if img is not None:
                 img.used = time.monotonic()
                 self._images.move_to_end(key)
-                if img.features is None and img.pixel_values is None:
+                if img.features is None and img.pixel_values is None \
+                        and pixel_values is not None:
                     img.pixel_values = pixel_values
+                    img.nbytes += pixel_values.nbytes
+                    self._bytes += pixel_values.nbytes
                 return img.ids
             for i, vid in enumerate(ids):
                 if self._where.get(vid, (key, i)) != (key, i):
@@ -107,9 +117,10 @@ class ImageTable:
                                      "with the image re-encoded")
             for i, vid in enumerate(ids):
                 self._where[vid] = (key, i)
-            self._images[key] = _Image(pixel_values, None, ids, time.monotonic(),
-                                       pixel_values.nbytes)
-            self._bytes += pixel_values.nbytes
+            nbytes = len(image.pixels) + (pixel_values.nbytes if pixel_values is not None
+                                          else 0)
+            self._images[key] = _Image(image, pixel_values, None, ids, time.monotonic(), nbytes)
+            self._bytes += nbytes
             self._evict()
         return ids
 
@@ -159,12 +170,15 @@ class ImageTable:
         img = self._images[key]
         img.used = time.monotonic()
         if img.features is None:
-            assert img.pixel_values is not None
+            if img.pixel_values is None:  # a cache covered it at admission, not any more
+                assert img.image is not None
+                img.pixel_values = self.preprocess(img.image)
             feats = self._encode(img.pixel_values)
             mx.eval(feats)
             self.encoded += 1
             self._bytes += feats.nbytes - img.nbytes
-            img.features, img.pixel_values, img.nbytes = feats, None, feats.nbytes
+            img.features, img.pixel_values, img.image = feats, None, None
+            img.nbytes = feats.nbytes
         return img.features
 
 
@@ -223,7 +237,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         mx.eval(vlm.parameters())
         processor = load_processor(model_dir, add_detokenizer=False)
         custom = load_image_processor(model_dir)
-        image_processor = custom if custom is not None else processor.image_processor
+        image_processor: Any = custom if custom is not None else processor.image_processor
         eos = config.get("eos_token_id") or config.get("text_config", {}).get("eos_token_id")
         tokenizer = load_tokenizer(model_dir, eos_token_ids=eos)
         image_token = str(getattr(processor, "image_token", "<image>"))
@@ -247,7 +261,12 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values))
         return got.inputs_embeds[0]
 
-    table = ImageTable(encode)
+    def preprocess(image: ImageInput) -> np.ndarray:
+        pil = Image.frombytes("RGB", (image.width, image.height), image.pixels)
+        values = image_processor(images=[pil], return_tensors="np")["pixel_values"]
+        return np.asarray(values, dtype=np.float32)
+
+    table = ImageTable(encode, preprocess)
     parts = VisionParts(image_processor, image_token, image_token_id, n, table, model_type)
     config = {**config.get("text_config", {}), **{k: v for k, v in config.items()
                                                   if not isinstance(v, dict)}}

@@ -254,3 +254,35 @@ def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_im
     assert code == 200, got
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
         before_image + image_tokens(IMAGE_SIZE), got
+
+
+def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_needed():
+    """Admission skips the image processor for an image a cache covers; should that cache
+    entry be evicted before the prefill, the MLX thread computes them after all."""
+    import mlx.core as mx
+
+    from mlxd.engine.vision_model import VIRTUAL_BASE, ImageTable
+    from mlxd.protocol.messages import ImageInput, image_key
+    calls: list[str] = []
+
+    def preprocess(img: ImageInput) -> np.ndarray:
+        calls.append("preprocess")
+        return np.full((1, 2), img.pixels[0], dtype=np.float32)
+
+    def encode(values: np.ndarray) -> mx.array:
+        calls.append("encode")
+        return mx.array(values[0])[:, None] * mx.ones((2, 3))  # 2 tokens of hidden size 3
+
+    pixels = bytes([7, 8, 9])
+    img = ImageInput(1, 1, pixels, image_key(1, 1, pixels))
+    table = ImageTable(encode, preprocess)
+    ids = table.register(img, 2, None)
+    assert all(i >= VIRTUAL_BASE for i in ids) and len(set(ids)) == 2 and not calls
+    assert table.register(img, 2, None) == ids  # the same image: the same ids
+    embed = mx.array([[5.0, 5.0, 5.0]] * 4)  # "token embeddings": every id gives 5s
+    out = table.embed(mx.array([[1, ids[0], ids[1], 2]]),
+                      lambda t: embed[mx.zeros(t.shape, dtype=mx.int32)])
+    assert out is not None and calls == ["preprocess", "encode"]
+    assert out.tolist() == [[[5.0] * 3, [7.0] * 3, [7.0] * 3, [5.0] * 3]]
+    assert table.embed(mx.array([[1, 2]]), None) is None  # no image tokens: nothing to do
+    assert table.embed(mx.array([[1]], dtype=mx.uint32), None) is None  # a sampled token

@@ -31,8 +31,9 @@ def image_tokens(image_size: int) -> int:
 
 def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-                     vision_hidden: int = 32, vision_layers: int = 2, vocab: int = 512,
-                     context: int = 512, seed: int = 0) -> Path:
+                     vision_hidden: int = 32, vision_layers: int = 2, vision_heads: int = 2,
+                     vocab: int = 512, context: int = 512, seed: int = 0,
+                     dtype: str = "float32") -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models import llava
@@ -50,7 +51,7 @@ def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layer
             "tie_word_embeddings": False}
     vision = {"model_type": "clip_vision_model", "hidden_size": vision_hidden,
               "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
-              "num_attention_heads": 2, "image_size": image_size, "patch_size": PATCH,
+              "num_attention_heads": vision_heads, "image_size": image_size, "patch_size": PATCH,
               "projection_dim": vision_hidden, "num_channels": 3, "layer_norm_eps": 1e-5}
     config = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
               "text_config": text, "vision_config": vision, "image_token_index": image_id,
@@ -67,7 +68,7 @@ def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layer
     key = "language_model.lm_head.weight"
     head = weights[key]
     weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
-    weights = {k: v.astype(mx.float32) for k, v in weights.items()}
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps({
