@@ -24,8 +24,6 @@ from mlxd.protocol.logs import child_process_setup
 
 log = logging.getLogger("mlxd.engine")
 
-STORE_BYTES = 8 << 30  # the follower's KV store: at least rank 0's RAM prefix cache
-
 
 def _read_launch() -> FollowerLaunch:
     head = sys.stdin.buffer.read(4)
@@ -61,7 +59,7 @@ def main() -> int:
             sorted(tokenizer.eos_token_ids))
     except Exception as e:  # noqa: BLE001  only constrained requests need it
         log.warning("no grammar tokenizer on this rank: %s", e)
-    follower = Follower(model, STORE_BYTES, grammar_tokenizer,
+    follower = Follower(model, launch.store_bytes, grammar_tokenizer,
                         stream=mx.new_stream(mx.default_device()))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -38,7 +39,7 @@ from mlxd.engine.group_plan import (
     parse_layout,
     plan,
 )
-from mlxd.engine.runner import Runner
+from mlxd.engine.runner import AddRequest, Runner
 from mlxd.protocol import exit_codes
 from mlxd.protocol.messages import Delta, Generate
 from mlxd.protocol.models import model_id
@@ -131,12 +132,17 @@ class GroupLeader:
         if launch.group_hosts:
             hosts = parse_hosts(Path(launch.group_hosts).read_text())
         local = hosts is None or all(h.local for h in hosts)
+        if not local and shutil.which("ssh") is None:
+            raise GroupError("the hosts file names other machines, and there is no ssh here")
         self.plan: GroupPlan = plan(self.layout, hosts,
                                     free_ports(2 * self.layout.size + 1) if local else None,
                                     backend_here())
         self.model_dir = str(model_dir)
         self.notes = Notes()
         self.eos: list[int] = []  # the model's end tokens: the runner's stop sequences
+        # a follower's KV store: rank 0's RAM prefix cache, and room for what else rank 0
+        # takes out of its generator (prefill groups' prompts, checkpoints)
+        self.store_bytes = int(1.5 * launch.settings.prompt_cache * 2**30) + (256 << 20)
         self.hostfile = Path(launch.run_dir) / f"group-{launch.engine_id}-{launch.epoch}.json"
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stopping = threading.Event()
@@ -161,7 +167,7 @@ class GroupLeader:
             data = msgspec.msgpack.encode(FollowerLaunch(
                 rank=rank.rank, size=self.layout.size, layout=str(self.layout),
                 model_dir=self.model_dir, dtype=launch.settings.dtype,
-                backend=self.plan.backend, bind=rank.bind,
+                backend=self.plan.backend, bind=rank.bind, store_bytes=self.store_bytes,
                 log_level=launch.log_level, log_format=launch.log_format, name=name))
             assert proc.stdin is not None
             proc.stdin.write(struct.pack(">I", len(data)) + data)
@@ -234,8 +240,8 @@ class GroupLeader:
                                          "without adapters or images")])
         result = admission.prepare(msg, model, lambda _: None, received_at)
         if isinstance(result, Admitted):
-            self.notes.note(result.request.processors, msg.sampling,
-                            len(msg.resume_token_ids), msg.grammar)
+            self.notes.note(msg.request_id, msg.sampling, len(msg.resume_token_ids),
+                            msg.grammar)
         return result
 
     def runner_class(self) -> type[Runner]:
@@ -248,7 +254,25 @@ class GroupLeader:
                 gen = super()._new_generator()
                 leader.send(GNew(gen.completion_batch_size, gen.prefill_batch_size,
                                  gen.prefill_step_size, leader.eos))
-                return LeaderGenerator(gen, leader.send, leader.notes)
+                return LeaderGenerator(gen, leader.send)
+
+            def _insert(self, add: AddRequest, shared: Any = None) -> int:
+                gen: Any = self._gen  # a LeaderGenerator (see _new_generator)
+                gen.next_rows = [leader.notes.take(add.request_id)]
+                return super()._insert(add, shared)
+
+            def _abort(self, rids: list[str]) -> None:
+                super()._abort(rids)
+                for rid in rids:  # those never inserted: their notes go too
+                    leader.notes.take(rid)
+
+            def _fail_all(self, message: str, held: bool = True) -> None:
+                waiting = [a.request_id for w in self._followers.values() for a in w]
+                waiting += [a.request_id for g in self._groups.values() for a in g.waiting]
+                waiting += [a.request_id for a in self._held] if held else []
+                super()._fail_all(message, held)
+                for rid in waiting:
+                    leader.notes.take(rid)
 
         return GroupRunner
 

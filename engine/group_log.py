@@ -91,33 +91,33 @@ class Desync(RuntimeError):
 
 
 class Notes:
-    """Rank 0: what a row's sampler and processors were built from, found at insert time by
-    the processors list object `admission.prepare` made for it (a new list per request)."""
+    """Rank 0: what each admitted request's sampler and processors were built from, by request
+    id, from admission until its row is inserted (or it is aborted first)."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[list, SamplingParams, int, str | None]] = {}
+        self._by_rid: dict[str, tuple[SamplingParams, int, str | None]] = {}
 
-    def note(self, processors: list, sampling: SamplingParams, resumed: int,
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def note(self, rid: str, sampling: SamplingParams, resumed: int,
              grammar: str | None) -> None:
-        self._by_id[id(processors)] = (processors, sampling, resumed, grammar)
+        self._by_rid[rid] = (sampling, resumed, grammar)
 
-    def take(self, processors: Any) -> tuple[SamplingParams | None, int, str | None]:
-        got = self._by_id.pop(id(processors), None)
-        if got is None or got[0] is not processors:
-            return None, 0, None
-        return got[1], got[2], got[3]
+    def take(self, rid: str) -> tuple[SamplingParams | None, int, str | None]:
+        return self._by_rid.pop(rid, None) or (None, 0, None)
 
-    def drop(self, processors: Any) -> None:
-        self._by_id.pop(id(processors), None)
 
 
 class LeaderGenerator:
     """Rank 0's BatchGenerator, with every call the followers must repeat sent first."""
 
-    def __init__(self, gen: Any, send: Callable[[Command], None], notes: Notes) -> None:
+    def __init__(self, gen: Any, send: Callable[[Command], None]) -> None:
         self._gen = gen
         self._send = send
-        self._notes = notes
+        # what the rows of the next insert were built from (rank 0's runner sets it, one
+        # entry per row, just before it inserts)
+        self.next_rows: list[tuple[SamplingParams | None, int, str | None]] = []
 
     def insert(self, prompts: list[list[int]], max_tokens: list[int] | None = None,
                caches: list[Any] | None = None, all_tokens: list[list[int]] | None = None,
@@ -129,10 +129,11 @@ class LeaderGenerator:
             if caches and caches[i] is not None and caches[i] and prefix \
                     and getattr(caches[i][0], "offset", len(prefix)) != len(prefix):
                 raise Desync("a cached prefix whose KV length is not its token count")
-            procs = logits_processors[i] if logits_processors else None
-            sampling, resumed, grammar = self._notes.take(procs)
+            sampling, resumed, grammar = self.next_rows[i] if i < len(self.next_rows) \
+                else (None, 0, None)
             rows.append(Row(list(prompt), prefix if caches and caches[i] is not None else [],
                             max_tokens[i] if max_tokens else 0, sampling, resumed, grammar))
+        self.next_rows = []
         uids = self._gen.insert(prompts, max_tokens=max_tokens, caches=caches,
                                 all_tokens=all_tokens, samplers=samplers,
                                 logits_processors=logits_processors,

@@ -91,6 +91,7 @@ class FollowerLaunch(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str
     backend: str  # mx.distributed's: "ring" or "nccl"
     bind: str  # the side channel: where this rank binds its PULL socket
+    store_bytes: int  # its KV store's cap (group_log.KvStore)
     log_level: str
     log_format: str
     name: str  # the engine's log name, "engine:MODEL#EPOCH"
