@@ -80,6 +80,39 @@ def backend_here() -> Backend:
     return "ring"
 
 
+def check_model(model_dir: Path, layout: Layout) -> dict:
+    """The model's config, if mlx-lm can split this model this way (GroupError if not), before
+    any rank is started."""
+    import sys as _sys
+
+    from mlx_lm.utils import _get_classes
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        model_class = _get_classes(config)[0]
+    except (OSError, ValueError) as e:
+        raise GroupError(f"cannot read the model's config: {e}") from e
+    kind, n = layout.kind, layout.size
+    if kind == "tensor":
+        if not hasattr(model_class, "shard"):
+            raise GroupError(f"{config.get('model_type')} models have no tensor-parallel "
+                             "split in mlx-lm")
+        heads = config.get("num_attention_heads", 0)
+        kv = config.get("num_key_value_heads", heads)
+        if not heads or heads % n or kv % n:
+            raise GroupError(f"the model's {heads} attention heads and {kv} KV "
+                             f"heads must both divide by {n}")
+    else:
+        module = _sys.modules[model_class.__module__]
+        if not any(hasattr(getattr(module, name), "pipeline") for name in dir(module)
+                   if isinstance(getattr(module, name), type)):
+            raise GroupError(f"{config.get('model_type')} models have no pipeline split in "
+                             "mlx-lm")
+        layers = config.get("num_hidden_layers", 0)
+        if layers and layers < n:
+            raise GroupError(f"the model has only {layers} layers for {n} ranks")
+    return config
+
+
 def load_shard(model_dir: str, dtype: str, layout: Layout, group: Any) -> tuple[Any, Any, dict]:
     """This rank's shard of the model (mlx-lm's `shard` / `pipeline`), weights read after the
     split so that a rank only reads what it keeps."""
@@ -87,25 +120,12 @@ def load_shard(model_dir: str, dtype: str, layout: Layout, group: Any) -> tuple[
     import mlx_lm
 
     from mlxd.engine.model_loader import _cast_for_device
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = check_model(Path(model_dir), layout)
     model, tokenizer = mlx_lm.load(model_dir, lazy=True)[:2]
-    n = layout.size
     if layout.kind == "tensor":
-        if not hasattr(model, "shard"):
-            raise GroupError(f"{config.get('model_type')} models have no tensor-parallel "
-                             "split in mlx-lm")
-        heads = config.get("num_attention_heads", 0)
-        kv = config.get("num_key_value_heads", heads)
-        if heads % n or kv % n:
-            raise GroupError(f"tensor:{n}: the model's {heads} attention heads and {kv} KV "
-                             f"heads must both divide by {n}")
         model.shard(group)
     else:
-        inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, "pipeline"):
-            raise GroupError(f"{config.get('model_type')} models have no pipeline split in "
-                             "mlx-lm")
-        inner.pipeline(group)
+        model.model.pipeline(group)
     _cast_for_device(model, dtype)
     mx.eval(model.parameters())
     return model, tokenizer, config
@@ -117,6 +137,7 @@ def start_group(launch: EngineLaunch, model_dir: Path, supervised: bool) -> Grou
     if not supervised:
         raise ModelLoadError("a sharded engine (--shard) runs only with --isolate")
     try:
+        check_model(model_dir, parse_layout(launch.group))
         leader = GroupLeader(launch, model_dir)
         leader.start()
     except (GroupError, OSError) as e:

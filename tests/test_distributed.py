@@ -104,6 +104,15 @@ def test_hosts_file_in_mlx_launch_format_and_ssh_commands():
         plan(Layout("tensor", 4), hosts)
 
 
+def test_a_model_that_cannot_be_split_so_is_refused_before_any_rank_starts(tiny_model):
+    from mlxd.engine.group_leader import check_model
+    assert check_model(tiny_model, Layout("tensor", 2))["num_key_value_heads"] == 2
+    with pytest.raises(GroupError, match="4 attention heads and 2 KV heads must both divide"):
+        check_model(tiny_model, Layout("tensor", 4))
+    with pytest.raises(GroupError, match="no pipeline split"):  # mlx-lm's llama has none
+        check_model(tiny_model, Layout("pipeline", 2))
+
+
 def test_commands_round_trip_and_follower_launch_is_typed():
     cmds: list[group_log.Command] = [
             GNew(8, 8, 64, [2]), GNext(),
