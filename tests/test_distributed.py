@@ -10,6 +10,7 @@ rank behind."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 
@@ -102,6 +103,27 @@ def test_hosts_file_in_mlx_launch_format_and_ssh_commands():
             parse_hosts(bad)
     with pytest.raises(GroupError, match="needs 4 hosts"):
         plan(Layout("tensor", 4), hosts)
+
+
+def test_the_ssh_start_script_sets_a_remote_rank_up_as_mlx_launch_does(tmp_path):
+    """What ssh runs on the other host (here run by the local shell, as the remote login
+    shell would): the working directory, MLX_RANK, the ring's host file written there."""
+    import subprocess
+    fake = tmp_path / "python"  # stands in for the remote Python: says what it was given
+    fake.write_text('#!/bin/sh\necho "rank=$MLX_RANK"; echo "file=$MLX_HOSTFILE"; '
+                    'cat "$MLX_HOSTFILE"; echo "cwd=$(pwd)"; echo "args=$*"\n')
+    fake.chmod(0o755)
+    hosts = parse_hosts(json.dumps([{"ssh": "localhost", "ips": []},
+                                    {"ssh": "mac-2", "ips": ["10.0.0.2"]}]))
+    p = plan(Layout("tensor", 2), hosts)
+    cmd = follower_command(str(fake), p.ranks[1], p.env(1, None), p.hostfile, str(tmp_path))
+    out = subprocess.run(cmd[-1], shell=True, capture_output=True, text=True, cwd="/",
+                         timeout=30).stdout.splitlines()
+    hostfile = next(line[5:] for line in out if line.startswith("file="))
+    os.unlink(hostfile)
+    assert "rank=1" in out and f"cwd={tmp_path}" in out
+    assert json.loads(out[2]) == [["127.0.0.1:32323"], ["10.0.0.2:32324"]]
+    assert "args=-m mlxd.engine.group_follower" in out
 
 
 def test_a_model_that_cannot_be_split_so_is_refused_before_any_rank_starts(tiny_model):
