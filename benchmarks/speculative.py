@@ -176,6 +176,22 @@ def run(model: Any, prompts: list[list[int]], max_tokens: int, spec: Any,
     return out
 
 
+def forward_cost(model: Any, prompt: list[int], n: int, reps: int = 5) -> float:
+    """Seconds of the fastest of `reps` forward passes of `n` tokens after the prompt."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    cache = make_prompt_cache(model)
+    model(mx.array([prompt[:-n]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(model(mx.array([prompt[-n:]]), cache=cache))
+        best = min(best, time.perf_counter() - t0)
+        trim_prompt_cache(cache, n)
+    return best
+
+
 def speculator(args: argparse.Namespace, draft: Any, forced: bool) -> Any:
     from mlxd.engine.speculative_step import Speculator
     spec = Speculator(args.num_draft_tokens, draft, args.prefill_step)
@@ -224,6 +240,12 @@ def main() -> None:
     # warm-up: kernels compiled, buffers allocated, for both paths
     run(model, [prompt[:64]], 8, None, args.prefill_step)
     run(model, [prompt[:64]], 8, speculator(args, draft, True), args.prefill_step)
+
+    k = args.num_draft_tokens
+    one, many_tokens = forward_cost(model, prompt, 1), forward_cost(model, prompt, k + 1)
+    cost = (f"a forward pass of {k + 1} tokens (what verifies {k} drafts) takes "
+            f"{many_tokens * 1e3:.1f} ms, {many_tokens / one:.2f}x one token's {one * 1e3:.1f} ms")
+    print(" ", cost, flush=True)
 
     modes = [m for m in args.modes.split(",") if m]
     single: dict[str, list[dict[str, Any]]] = {"plain": [], **{m: [] for m in modes}}
@@ -278,7 +300,7 @@ def main() -> None:
     lines = [f"Speculative decoding, {args.shape or args.model}, drafts by {drafter}, "
              f"--num-draft-tokens {args.num_draft_tokens}, prompt {len(prompt)} tokens, "
              f"{platform.machine()} {mx.default_device()}, mlx {version('mlx')}, "
-             f"mlx-lm {version('mlx-lm')}, {args.rounds} round(s), median kept",
+             f"mlx-lm {version('mlx-lm')}, {args.rounds} round(s), median kept; {cost}",
              "", "| case | mode | tok/s | ratio to plain | ratio per CPU-second | "
              "speculative steps | acceptance | tokens per step | same text as plain |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -292,7 +314,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
         args.out.with_suffix(".json").write_text(json.dumps(
-            {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+            {"args": {a: str(v) for a, v in vars(args).items()}, "rows": rows,
+             "forward_s": {"1": one, str(k + 1): many_tokens},
              "median_single_plain_tok_s": statistics.median(
                  r["decode_tok_s"] for r in single["plain"])}, indent=1))
 
