@@ -169,7 +169,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         extra={"metavar": "MODEL"})] = None
     num_draft_tokens: Annotated[int, Meta(ge=1, le=32, description=(
         "the most tokens drafted per speculative step (with --draft-model, fitted to how many "
-        "are accepted)"))] = 4
+        "are accepted)"), extra={"metavar": "N"})] = 4
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
