@@ -20,7 +20,3 @@ def layout_for(spec: str, shard: dict[str, str], aliases: dict[str, str]) -> str
         raise ShardError(f"model {spec!r} has two shard layouts: {', '.join(sorted(found))}")
     return next(iter(found), "")
 
-
-def unknown_names(shard: dict[str, str], aliases: dict[str, str], models: set[str]) -> list[str]:
-    """--shard names that are neither an alias nor a model the daemon serves."""
-    return sorted(n for n in shard if n not in aliases and n not in models)

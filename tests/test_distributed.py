@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import threading
+from typing import Any
 
 import psutil
 import pytest
@@ -207,7 +208,8 @@ def _leader_and_follower(model_dir):
             return LeaderGenerator(gen, send)
 
         def _insert(self, add, shared=None):
-            self._gen.next_rows = [notes.take(add.request_id)]
+            gen: Any = self._gen  # the LeaderGenerator made above
+            gen.next_rows = [notes.take(add.request_id)]
             return super()._insert(add, shared)
 
     out: queue.Queue = queue.Queue()
