@@ -200,11 +200,12 @@ def test_adapter_settings_are_checked_at_startup(tiny_model, adapters, tmp_path)
             "adapter_config.json") in done.stderr
 
 
-def test_the_daemon_serves_adapters_from_the_base_engine(tiny_model, adapters, references):
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolate"])
+def test_the_daemon_serves_adapters_from_the_base_engine(tiny_model, adapters, references,
+                                                         isolate):
     from conftest import start_daemon
-    d = start_daemon(tiny_model, "--batch", "8",
-                     *(a for n, p in adapters.items() for a in ("--adapter",
-                                                                f"{n}={tiny_model}:{p}")))
+    flags = [a for n, p in adapters.items() for a in ("--adapter", f"{n}={tiny_model}:{p}")]
+    d = start_daemon(tiny_model, "--batch", "8", *flags, isolate=isolate)
     try:
         tok = load(str(tiny_model))[1]
         with d.http() as c:
