@@ -118,6 +118,9 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
         adapter = router.adapter_of(req.model)
         if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
             msg = msgspec.structs.replace(msg, adapter=adapter)
+        adapter = router.adapter_of(req.model)
+        if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
+            msg = msgspec.structs.replace(msg, adapter=adapter)
         if images:
             if "vision" not in (engine.status.capabilities if engine.status else []):
                 raise bad_request(f"{engine.model_id} does not take images (it is not a "
@@ -364,6 +367,12 @@ class Generation:
 
     def usage(self) -> dict:
         return usage([self])
+
+    @property
+    def model_name(self) -> str:
+        """The model the answer names: the adapter's name for an adapter's request, else
+        the engine's model id."""
+        return self.msg.adapter or self.engine.model_id
 
 
 def usage(gens: list[Generation]) -> dict:

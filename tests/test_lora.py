@@ -231,6 +231,7 @@ def test_the_daemon_serves_adapters_from_the_base_engine(tiny_model, adapters, r
         for name, answer in zip(("coder", "", "writer"), asyncio.run(interleaved()),
                                 strict=True):
             assert answer["choices"][0]["text"] == tok.decode(references[name][0]), name
+            assert answer["model"] == (name or "tiny-llama")
         # the same prompt again, now cached under each of the three, and under no other
         again = asyncio.run(interleaved())
         assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in again)

@@ -54,7 +54,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 content.append({"type": "text", "text": got.text})
             content += [_tool_use_block(c) for c in got.tool_calls]
         return web.json_response({
-            "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
+            "id": msg_id, "type": "message", "role": "assistant", "model": gen.model_name,
             "content": content,
             "stop_reason": _stop_reason(got.finish_reason, got.stop_sequence,
                                         bool(forced or got.tool_calls)),
@@ -81,7 +81,7 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str,
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await resp.write(_event("message_start", {"type": "message_start", "message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": gen.engine.model_id,
+        "id": msg_id, "type": "message", "role": "assistant", "model": gen.model_name,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": _usage(gen, output_tokens=0)}}) + _event("ping", {"type": "ping"}))
     out: list[bytes] = []

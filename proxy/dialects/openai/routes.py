@@ -13,6 +13,7 @@ from aiohttp import web
 
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.models import model_id
+from mlxd.protocol.models import model_id
 from mlxd.proxy import constraints
 from mlxd.proxy.bounds import clip, decode_body
 from mlxd.proxy.dialects.openai.schema import (
@@ -126,7 +127,7 @@ async def _whole(gens: list[Generation], shape: _Shape) -> web.Response:
             t.cancel()
     return web.json_response({
         "id": _rid(gens), "object": shape.obj, "created": int(time.time()),
-        "model": gens[0].engine.model_id, "system_fingerprint": None,
+        "model": gens[0].model_name, "system_fingerprint": None,
         "choices": [shape.choice(i, g, want_logprobs) for i, g in enumerate(got)],
         "usage": usage(gens)})
 
@@ -187,7 +188,7 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     base = {"id": _rid(gens), "object": shape.obj + ".chunk" if shape.chat else shape.obj,
-            "created": int(time.time()), "model": gens[0].engine.model_id,
+            "created": int(time.time()), "model": gens[0].model_name,
             "system_fingerprint": None}
 
     def chunk(i: int, text: str | None = None, finish: str | None = None,
@@ -320,6 +321,14 @@ def _models(request: web.Request) -> list[dict[str, Any]]:
         data.append({"id": rec.model_id, "object": "model", "created": proxy.started,
                      "owned_by": "mlxd", "state": state, "aliases": rec.names})
     listed = {n for d in data for n in d["aliases"]}
+    for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
+        base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
+                    None)
+        data.append({"id": name, "object": "model", "created": proxy.started,
+                     "owned_by": "mlxd", "state": base["state"] if base else "unloaded",
+                     "aliases": [name], "parent": model_id(spec),
+                     "root": router.adapter_dirs[name].partition(":")[2]})
+    listed |= set(router.adapters)
     for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
         base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
                     None)
