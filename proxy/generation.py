@@ -118,9 +118,6 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
         adapter = router.adapter_of(req.model)
         if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
             msg = msgspec.structs.replace(msg, adapter=adapter)
-        adapter = router.adapter_of(req.model)
-        if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
-            msg = msgspec.structs.replace(msg, adapter=adapter)
         if images:
             if "vision" not in (engine.status.capabilities if engine.status else []):
                 raise bad_request(f"{engine.model_id} does not take images (it is not a "

@@ -13,7 +13,6 @@ from aiohttp import web
 
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.models import model_id
-from mlxd.protocol.models import model_id
 from mlxd.proxy import constraints
 from mlxd.proxy.bounds import clip, decode_body
 from mlxd.proxy.dialects.openai.schema import (
@@ -321,14 +320,6 @@ def _models(request: web.Request) -> list[dict[str, Any]]:
         data.append({"id": rec.model_id, "object": "model", "created": proxy.started,
                      "owned_by": "mlxd", "state": state, "aliases": rec.names})
     listed = {n for d in data for n in d["aliases"]}
-    for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
-        base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
-                    None)
-        data.append({"id": name, "object": "model", "created": proxy.started,
-                     "owned_by": "mlxd", "state": base["state"] if base else "unloaded",
-                     "aliases": [name], "parent": model_id(spec),
-                     "root": router.adapter_dirs[name].partition(":")[2]})
-    listed |= set(router.adapters)
     for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
         base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
                     None)
