@@ -38,14 +38,24 @@ class NgramDrafter:
         self._key: object = None
         self._index = NgramIndex()
 
-    def propose(self, key: object, history: list[int], last: int, k: int,
-                draw: Draw) -> list[int]:
+    def _sync(self, key: object, history: list[int]) -> NgramIndex:
         idx = self._index
-        if key != self._key or len(idx.tokens) > len(history) + 1:
+        if key != self._key or len(idx.tokens) > len(history):
             idx = self._index = NgramIndex()
             self._key = key
-        # the index holds history[:len - 1] and the then-unfed token, which history now has
+        # the index may hold the then-unfed token, which history now has at that place
         idx.extend(history[len(idx.tokens):])
+        return idx
+
+    def likely(self, key: object, history: list[int]) -> bool:
+        """Before waiting for the row's unfed token: the context up to it ends with tokens
+        that occurred before (a stretch that repeats). If not, the step stays plain and
+        asynchronous, as mlx-lm's pipelined steps are, at no cost."""
+        return bool(self._sync(key, history).propose(1))
+
+    def propose(self, key: object, history: list[int], last: int, k: int,
+                draw: Draw) -> list[int]:
+        idx = self._sync(key, history)
         idx.extend([last])
         return idx.propose(k)
 
@@ -164,6 +174,9 @@ class Speculator:
             return None
         sampler = (gb.samplers[0] if gb.samplers else None) or gb.fallback_sampler
         position = None if sampler is greedy_sampler else sampler_position(sampler)
+        if isinstance(self.drafter, NgramDrafter) and not self.drafter.likely(
+                (id(gen), gb.uids[0]), gb.tokens[0]):
+            return None
         with mx.stream(gen.stream):
             mx.eval(gb._next_tokens)  # the previous step's work ends here, not in our timing
             t0 = time.perf_counter()
