@@ -147,7 +147,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> str:
     m = r["median"]
-    return "\n".join([
+    return "\n".join([f"`python benchmarks/vision_cache.py {' '.join(sys.argv[1:])}`", "",
         f"# Vision prefix cache ({r['image_tokens']} image tokens, {len(r['rows'])} rounds, "
         "medians)", "",
         "| turn | time to first text | vs first turn |", "|---|---|---|",

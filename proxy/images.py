@@ -53,7 +53,7 @@ async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInp
     if len(refs) > MAX_IMAGES:
         raise bad_request(f"{len(refs)} images in one request; at most {MAX_IMAGES} are "
                           "accepted", code="too_many_images")
-    raws = []
+    raws: list[bytes | None] = []  # fetched images' bytes; None: base64, decoded below
     for ref in refs:
         if ref.url:
             if not allow_urls:
@@ -63,15 +63,20 @@ async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInp
                                   code="image_url_refused", param=ref.where)
             raws.append(await _fetch(ref))
         else:
-            raws.append(_base64(ref))
+            raws.append(None)
     try:
         import PIL  # noqa: F401
     except ImportError:
         raise APIError(501, "images need Pillow in mlxd's environment: pip install pillow",
                        type="server_error", code="images_unavailable") from None
     loop = asyncio.get_running_loop()
-    return [await loop.run_in_executor(None, decode, raw, ref.where)
+    return [await loop.run_in_executor(None, _decode_ref, ref, raw)
             for raw, ref in zip(raws, refs, strict=True)]
+
+
+def _decode_ref(ref: ImageRef, raw: bytes | None) -> ImageInput:
+    """On a worker thread: base64 (unless fetched), then the image."""
+    return decode(_base64(ref) if raw is None else raw, ref.where)
 
 
 def _base64(ref: ImageRef) -> bytes:
