@@ -9,10 +9,11 @@ kernels built), then samples every process in the server's tree:
 
 Per process it reports RSS (and USS where the platform gives it: memory no other process
 shares), and the tree's total. On Apple Silicon the model's weights and KV live in unified
-memory and show in the engine's footprint; on a CUDA machine they live on the GPU and RSS is the
-host side only: the report also prints MLX's own peak device memory for the in-process reference.
+memory and show in the engine's footprint; on a CUDA machine they live on the GPU and RSS is
+the host side only.
 
-    python benchmarks/memory.py --shape 1b --model-dtype bfloat16 --streams 32 --out benchmarks/results/gpu-memory.md
+    python benchmarks/memory.py --shape 1b --model-dtype bfloat16 --streams 32 \
+        --out benchmarks/results/gpu-memory.md
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import psutil
+
 from throughput import PROMPTS, model_for, run_http, save, start_target
 
 
