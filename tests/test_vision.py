@@ -286,3 +286,39 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
     assert out.tolist() == [[[5.0] * 3, [7.0] * 3, [7.0] * 3, [5.0] * 3]]
     assert table.embed(mx.array([[1, 2]]), None) is None  # no image tokens: nothing to do
     assert table.embed(mx.array([[1]], dtype=mx.uint32), None) is None  # a sampled token
+
+
+async def test_image_urls_are_fetched_only_when_allowed():
+    """--allow-image-urls: the proxy fetches http(s) images (the same limits apply); without
+    it a URL is refused unread. A local server stands in for the web."""
+    from aiohttp import web
+
+    from mlxd.proxy.errors import APIError
+    from mlxd.proxy.images import ImageRef, decode, decode_images
+    data = png(IMAGE)
+    hits: list[str] = []
+
+    async def serve(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        if request.path != "/cat.png":
+            raise web.HTTPNotFound()
+        return web.Response(body=data, content_type="image/png")
+    app = web.Application()
+    app.router.add_get("/{name}", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        url = f"http://127.0.0.1:{port}/cat.png"
+        got = await decode_images([ImageRef(url, "x", url=True)], allow_urls=True)
+        assert got == [decode(data, "x")] and hits == ["/cat.png"]
+        with pytest.raises(APIError) as e:
+            await decode_images([ImageRef(url.replace("cat", "dog"), "x", url=True)], True)
+        assert e.value.status == 400 and "404" in e.value.message
+        with pytest.raises(APIError) as e:
+            await decode_images([ImageRef(url, "x", url=True)], allow_urls=False)
+        assert e.value.code == "image_url_refused" and len(hits) == 2  # never fetched
+    finally:
+        await runner.cleanup()
