@@ -162,7 +162,7 @@ def _sse_events(d: Daemon, body: dict) -> list[tuple[str, dict]]:
 
 def test_anthropic_streamed_usage_has_its_current_shape(daemon):
     msgs = [{"role": "user", "content": "Tell me a long story about harbours and ships. " * 3}]
-    total = claude(daemon).messages.count_tokens(model=MODEL, messages=msgs).input_tokens  # type: ignore[arg-type]
+    total = claude(daemon).messages.count_tokens(model=MODEL, messages=msgs).input_tokens
     body = {"model": MODEL, "max_tokens": 5, "messages": msgs, "stream": True}
     _sse_events(daemon, body)  # the prompt is in the KV cache now
     events = _sse_events(daemon, body)
@@ -172,7 +172,7 @@ def test_anthropic_streamed_usage_has_its_current_shape(daemon):
     assert start["output_tokens"] == 0 and start["cache_creation_input_tokens"] == 0
     final = next(e for n, e in events if n == "message_delta")["usage"]
     assert final == {**start, "output_tokens": 5}
-    with claude(daemon).messages.stream(model=MODEL, max_tokens=5, messages=msgs) as s:  # type: ignore[arg-type]
+    with claude(daemon).messages.stream(model=MODEL, max_tokens=5, messages=msgs) as s:
         usage = s.get_final_message().usage
     assert usage.input_tokens == start["input_tokens"] and usage.output_tokens == 5
     assert usage.cache_read_input_tokens == start["cache_read_input_tokens"]
@@ -304,7 +304,7 @@ def test_n_answers_share_one_prefill(daemon):
     c = oai(daemon)
     question = [{"role": "user", "content": "Name seven rivers of Europe, and say why " * 4}]
     before = daemon.stats()["engines"][0]["cache"]["prefilled_tokens"]
-    r = c.chat.completions.create(model=MODEL, messages=question, max_tokens=6, n=3,  # type: ignore[arg-type]
+    r = c.chat.completions.create(model=MODEL, messages=question, max_tokens=6, n=3,
                                   temperature=1.0, seed=5)
     prefilled = daemon.stats()["engines"][0]["cache"]["prefilled_tokens"] - before
     assert [ch.index for ch in r.choices] == [0, 1, 2]
@@ -313,12 +313,12 @@ def test_n_answers_share_one_prefill(daemon):
     prompt = r.usage.prompt_tokens
     assert prefilled <= prompt + 2  # one prefill; the others feed only its last token
     assert len({ch.message.content for ch in r.choices}) > 1  # seeds of their own
-    again = c.chat.completions.create(model=MODEL, messages=question, max_tokens=6, n=3,  # type: ignore[arg-type]
+    again = c.chat.completions.create(model=MODEL, messages=question, max_tokens=6, n=3,
                                       temperature=1.0, seed=5)
     assert [ch.message.content for ch in again.choices] == \
         [ch.message.content for ch in r.choices]
     texts = ["", "", ""]
-    for chunk in c.chat.completions.create(model=MODEL, messages=question, max_tokens=6, n=3,  # type: ignore[call-overload]
+    for chunk in c.chat.completions.create(model=MODEL, messages=question, max_tokens=6, n=3,
                                            temperature=1.0, seed=5, stream=True,
                                            stream_options={"include_usage": True}):
         for ch in chunk.choices:

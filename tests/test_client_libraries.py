@@ -32,7 +32,7 @@ def daemon(tiny_model):
 
 
 def chat(d: Daemon, **kw) -> ChatOpenAI:
-    return ChatOpenAI(model=MODEL, base_url=d.url + "/v1", api_key="unused",  # type: ignore[arg-type]
+    return ChatOpenAI(model=MODEL, base_url=d.url + "/v1", api_key="unused",
                       max_retries=0, **{"temperature": 0, **kw})
 
 

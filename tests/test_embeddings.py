@@ -113,7 +113,7 @@ def test_ollama_client_embed_and_embeddings(daemon, reference):
 
 def test_langchain_openai_embeddings(daemon, reference):
     want, _ = reference(TEXTS[:3])
-    lc = OpenAIEmbeddings(model=MODEL, base_url=daemon.url + "/v1", api_key="unused",  # type: ignore[arg-type]
+    lc = OpenAIEmbeddings(model=MODEL, base_url=daemon.url + "/v1", api_key="unused",
                           check_embedding_ctx_length=False, max_retries=0)
     np.testing.assert_allclose(np.array(lc.embed_documents(TEXTS[:3])), want, atol=1e-5)
     np.testing.assert_allclose(lc.embed_query(TEXTS[0]), want[0], atol=1e-5)
