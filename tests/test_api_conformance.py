@@ -460,31 +460,4 @@ def test_n_answers_each_resume_after_an_engine_death(coder):
     assert d.stats()["proxy"]["resume"]["resumes"] - before == 2
 
 
-# ---------------------------------------------------------------- 8: the default model
-
-@pytest.mark.default_model
-def test_ollama_metadata_of_the_default_model(tmp_path):
-    """The spec `default` is resolved to its converted directory: family, template, size and
-    quantization are those of the files the engine loaded."""
-    d = start_daemon(None, cache_dir=tmp_path)
-    try:
-        c = ollama.Client(host=d.url)
-        assert c.generate(model="SmolLM2-135M-Instruct", prompt="Hi",
-                          options={"num_predict": 1}).done  # the engine has said it is ready
-        (listed,) = c.list().models
-        assert listed.model == "SmolLM2-135M-Instruct" and listed.size and listed.size > 10**7
-        assert listed.details is not None and listed.details.family == "llama"
-        assert listed.details.quantization_level == "Q4"
-        shown = c.show("SmolLM2-135M-Instruct")
-        assert shown.template and "<|im_start|>" in shown.template
-        assert shown.details is not None and shown.details.family == "llama"
-        assert shown.modelinfo and shown.modelinfo["general.context_length"] > 2000
-        (model_dir,) = (tmp_path / "models").iterdir()
-        vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
-        assert shown.capabilities == ["completion", "insert"] if "<fim_prefix>" in vocab \
-            else ["completion"]
-        (running,) = c.ps().models
-        assert running.size == listed.size
-        assert running.expires_at is not None and running.expires_at.year == 9999
-    finally:
-        stop_and_check(d)
+# 8, the default model's Ollama metadata: tests/test_default_model.py (one daemon for all).

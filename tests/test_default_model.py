@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import ollama
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
+from tokenizers import Tokenizer
 
 from conftest import start_daemon
 
@@ -20,9 +22,11 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("isolate", [True, False], ids=["isolate", "inprocess"])
-def test_default_model_answers_paris(cache_dir, isolate):
-    d = start_daemon(None, isolate=isolate, cache_dir=cache_dir)
+def test_default_model_answers_paris(cache_dir):
+    """The README's `mlxd serve` as it is (one process): a plain answer, a forced tool call and
+    Ollama's metadata of the converted model. `--isolate` with the default model is in the kill
+    test below."""
+    d = start_daemon(None, cache_dir=cache_dir)
     try:
         c = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["SmolLM2-135M-Instruct"]
@@ -31,29 +35,49 @@ def test_default_model_answers_paris(cache_dir, isolate):
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in (r.choices[0].message.content or "")
         assert r.choices[0].finish_reason == "stop"  # the GGUF's EOS ends it
-        if not isolate:  # a real model's tool call, forced to the function's schema, parses
-            schema = {"type": "object", "additionalProperties": False,
-                      "required": ["city", "unit"],
-                      "properties": {"city": {"type": "string", "maxLength": 24},
-                                     "unit": {"enum": ["celsius", "fahrenheit"]}}}
-            t = c.chat.completions.create(
-                model="SmolLM2-135M-Instruct", max_tokens=40, temperature=0,
-                messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-                tools=[{"type": "function", "function": {"name": "get_weather",
-                                                         "parameters": schema}}],
-                tool_choice="required")
-            (call,) = t.choices[0].message.tool_calls or []
-            assert isinstance(call, ChatCompletionMessageFunctionToolCall)
-            assert call.function.name == "get_weather"
-            args = json.loads(call.function.arguments)
-            jsonschema.validate(args, schema)
-            assert t.choices[0].finish_reason == "tool_calls"
-        converted = [line for line in d.lines if "converting" in line]
-        assert len(converted) == (1 if isolate else 0)  # the second start reuses the cache
+        # a real model's tool call, forced to the function's schema, parses
+        schema = {"type": "object", "additionalProperties": False,
+                  "required": ["city", "unit"],
+                  "properties": {"city": {"type": "string", "maxLength": 24},
+                                 "unit": {"enum": ["celsius", "fahrenheit"]}}}
+        t = c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=40, temperature=0,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[{"type": "function", "function": {"name": "get_weather",
+                                                     "parameters": schema}}],
+            tool_choice="required")
+        (call,) = t.choices[0].message.tool_calls or []
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+        assert call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, schema)
+        assert t.choices[0].finish_reason == "tool_calls"
+        _ollama_metadata_of_the_default_model(d, cache_dir)
         assert d.stop() == 0
         d.assert_clean()
     finally:
         d.cleanup()
+
+
+def _ollama_metadata_of_the_default_model(d, cache_dir) -> None:
+    """The spec `default` is resolved to its converted directory: family, template, size and
+    quantization are those of the files the engine loaded."""
+    c = ollama.Client(host=d.url)
+    (listed,) = c.list().models
+    assert listed.model == "SmolLM2-135M-Instruct" and listed.size and listed.size > 10**7
+    assert listed.details is not None and listed.details.family == "llama"
+    assert listed.details.quantization_level == "Q4"
+    shown = c.show("SmolLM2-135M-Instruct")
+    assert shown.template and "<|im_start|>" in shown.template
+    assert shown.details is not None and shown.details.family == "llama"
+    assert shown.modelinfo and shown.modelinfo["general.context_length"] > 2000
+    (model_dir,) = (cache_dir / "models").iterdir()
+    vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
+    assert shown.capabilities == ["completion", "insert"] if "<fim_prefix>" in vocab \
+        else ["completion"]
+    (running,) = c.ps().models
+    assert running.size == listed.size
+    assert running.expires_at is not None and running.expires_at.year == 9999
 
 
 def test_interrupted_conversion_is_never_used(tmp_path):
@@ -82,6 +106,7 @@ def test_default_model_streams_survive_an_engine_kill(cache_dir):
     import json
     import os
     import signal
+    converted_before = (cache_dir / "models").is_dir()
     d = start_daemon(None, "--restart-backoff", "0.1", isolate=True, cache_dir=cache_dir)
     base = {"messages": [{"role": "user", "content": "Write a short poem about the sea."}],
             "max_tokens": 16, "stream": True}
@@ -104,6 +129,11 @@ def test_default_model_streams_survive_an_engine_kill(cache_dir):
         return "".join(parts)
 
     try:
+        converted = [line for line in d.lines if "converting" in line]
+        assert len(converted) == (0 if converted_before else 1)  # a later start reuses it
+        with d.http() as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == \
+                ["SmolLM2-135M-Instruct"]
         for resumes, sampling in enumerate(({"temperature": 0},
                                             {"temperature": 0.8, "seed": 11}), start=1):
             reference = run(sampling)
