@@ -46,6 +46,13 @@ from mlxd.protocol.messages import SamplingParams
 # ---------------------------------------------------------------------------- the plan
 
 
+def test_the_id_v1_models_lists_names_a_model_for_shard(tmp_path):
+    model = tmp_path / "llama-1b"
+    model.mkdir()
+    assert layout_for(str(model), {"llama-1b": "tensor:2"}, {}) == "tensor:2"
+    assert layout_for(str(model), {"other": "tensor:2"}, {}) == ""
+
+
 def test_layouts_and_which_engine_is_sharded():
     assert parse_layout("tensor:2") == Layout("tensor", 2)
     assert str(parse_layout(" pipeline:4 ")) == "pipeline:4"
