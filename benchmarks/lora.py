@@ -130,12 +130,12 @@ def main() -> None:
 
     prompt = tok.encode(PROMPT)
     s, v = args.streams, lset.vocab
-    one = [mark_prompt(prompt, 1, v)] * s
-    two = [mark_prompt(prompt, 1 + i % 2, v) for i in range(s)]
+    one_rows = [mark_prompt(prompt, 1, v)] * s
+    two_rows = [mark_prompt(prompt, 1 + i % 2, v) for i in range(s)]
     configs = {"base (no adapters loaded)": (plain, [prompt] * s),
                "base rows, adapters loaded": (lora_model, [prompt] * s),
-               "one adapter on every row": (lora_model, one),
-               "two adapters interleaved": (lora_model, two)}
+               "one adapter on every row": (lora_model, one_rows),
+               "two adapters interleaved": (lora_model, two_rows)}
     streams = {}
     for name, (m, ps) in configs.items():  # prefill; the first steps build the kernels
         streams[name] = Streams(m, ps, 4 + args.rounds * args.steps + 8)
