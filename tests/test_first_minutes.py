@@ -426,7 +426,7 @@ def test_ci_runs_the_readmes_test_command_and_set_up_shows_progress():
     blocks = [b.split("\n", 1)[1].strip() for b in setup.split("```sh")[1:]]
     commands = [b.split("```", 1)[0].strip() for b in blocks[:2]]
     assert commands[0].endswith(".venv/bin/mlxd serve")
-    assert commands[1].endswith(".venv/bin/python -m pytest")
+    assert commands[1].endswith(".venv/bin/python -m pytest -n 2 --dist loadfile")
     assert ROOT.joinpath(".ci", "run").read_text().strip().splitlines()[-1] == commands[1]
     for command in commands:  # pip talks; the silent venv creation is announced first
         assert " -q " not in command and command.startswith("echo ")
