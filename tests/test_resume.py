@@ -13,6 +13,7 @@ import pytest
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
+from support.harness import engine_pid, stream_chat
 
 CHAT = [{"role": "user", "content": "Tell me a long story about the sea and the lighthouse."}]
 SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<2"}  # 50 ms steps in epochs 0 and 1: time to aim
@@ -25,39 +26,8 @@ def serve(model, *extra, env=SLOW):
 
 
 
-def engine_pid(d):
-    return d.stats()["engines"][0]["pid"]
 
 
-def stream_text(d, body, kill_after=None, kills=1):
-    """Stream a chat; SIGKILL the engine after `kill_after` content chunks (each time)."""
-    out, chunks, errors = [], 0, []
-    usage = None
-    killed = 0
-    with d.http() as c:
-        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
-                      "stream_options": {"include_usage": True}}) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                import json
-                obj = json.loads(line[6:])
-                if "error" in obj:
-                    errors.append(obj)
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for ch in obj.get("choices") or []:
-                    text = ch["delta"].get("content")
-                    if text:
-                        out.append(text)
-                        chunks += 1
-                        if kill_after and chunks in [kill_after * (i + 1) for i in range(kills)] \
-                                and killed < kills:
-                            os.kill(engine_pid(d), signal.SIGKILL)
-                            killed += 1
-    assert not errors, errors
-    return "".join(out), usage
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 7}],
@@ -66,8 +36,8 @@ def test_streaming_resume_gives_identical_text(tiny_model, sampling):
     body = {"messages": CHAT, "max_tokens": 40, **sampling}
     d = serve(tiny_model)
     try:
-        reference, ref_usage = stream_text(d, body)
-        text, usage = stream_text(d, body, kill_after=10)
+        reference, ref_usage = stream_chat(d, body)
+        text, usage = stream_chat(d, body, kill_after=10)
         assert text == reference
         assert usage["completion_tokens"] == ref_usage["completion_tokens"] == 40
         assert usage["resumes"] == 1 and usage["recovered_tokens"] >= 9
@@ -80,10 +50,10 @@ def test_kills_at_several_points_including_twice_for_different_requests(tiny_mod
     body = {"messages": CHAT, "max_tokens": 40}
     d = serve(tiny_model, env={"MLXD_FAULTS": "engine.step=delay@1#<4"})
     try:
-        reference, _ = stream_text(d, body)
-        near_end, _ = stream_text(d, body, kill_after=38)
+        reference, _ = stream_chat(d, body)
+        near_end, _ = stream_chat(d, body, kill_after=38)
         assert near_end == reference
-        early, _ = stream_text(d, body, kill_after=1)
+        early, _ = stream_chat(d, body, kill_after=1)
         assert early == reference
     finally:
         stop(d)
@@ -123,7 +93,7 @@ def test_generation_checkpoints_save_the_recompute(tiny_model):
     for label, extra in (("off", []), ("every16", ["--generation-checkpoint", "16"])):
         d = serve(tiny_model, *extra)
         try:
-            _, usage = stream_text(d, body, kill_after=30)
+            _, usage = stream_chat(d, body, kill_after=30)
             assert usage["resumes"] == 1
             results[label] = d.stats()["proxy"]["resume"]["recomputed_tokens"]
         finally:
@@ -156,12 +126,12 @@ def test_after_a_full_restart_a_checkpointed_request_skips_prefill(tiny_model, t
     ssd = tmp_path / "kv"
     d = serve(tiny_model, "--ssd-cache", str(ssd), "--generation-checkpoint", "16", env={})
     try:
-        first, _ = stream_text(d, body)
+        first, _ = stream_chat(d, body)
     finally:
         stop(d)
     d = serve(tiny_model, "--ssd-cache", str(ssd), env={})
     try:
-        again, usage = stream_text(d, body)
+        again, usage = stream_chat(d, body)
         assert again == first
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 16
     finally:

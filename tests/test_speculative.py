@@ -7,10 +7,7 @@ identical text."""
 
 from __future__ import annotations
 
-import json
-import os
 import queue
-import signal
 
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
@@ -23,6 +20,7 @@ from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.speculative import BACKOFF_MAX, NgramIndex, SpecPolicy, accepted
 from mlxd.engine.speculative_step import Speculator, sampler_position
 from mlxd.protocol.messages import SamplingParams
+from support.harness import stream_chat
 
 CODE = "def main():\n    print('hello world')\n    return 0\n" * 4
 
@@ -218,28 +216,6 @@ def test_rows_asking_for_logprobs_or_with_penalties_are_decoded_plain(models):
 CHAT = [{"role": "user", "content": "Tell me a long story about the sea and the lighthouse."}]
 
 
-def stream(d, body, kill_after=None):
-    """Stream a chat; SIGKILL the engine after `kill_after` content chunks, once it is seen
-    speculating (its /stats). Returns (text, usage)."""
-    out, chunks, usage = [], 0, None
-    with d.http() as c, c.stream("POST", "/v1/chat/completions", json={
-            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            obj = json.loads(line[6:])
-            assert "error" not in obj, obj
-            usage = obj.get("usage") or usage
-            for ch in obj.get("choices") or []:
-                if ch["delta"].get("content"):
-                    out.append(ch["delta"]["content"])
-                    chunks += 1
-                    if chunks == kill_after:
-                        engine = d.stats()["engines"][0]
-                        assert engine["cache"]["spec_steps"] > 0  # killed mid-speculation
-                        os.kill(engine["pid"], signal.SIGKILL)
-    return "".join(out), usage
 
 
 def test_resume_after_a_kill_mid_speculation_gives_identical_text(tiny_model):
@@ -252,11 +228,14 @@ def test_resume_after_a_kill_mid_speculation_gives_identical_text(tiny_model):
         for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
             body = {"messages": CHAT, "max_tokens": 32, **sampling}
             # a row asking for log-probabilities is decoded plain: the reference
-            plain, _ = stream(d, {**body, "logprobs": True, "top_logprobs": 1})
-            spec, _ = stream(d, body)
+            plain, _ = stream_chat(d, {**body, "logprobs": True, "top_logprobs": 1})
+            spec, _ = stream_chat(d, body)
             assert spec == plain
         # seeded: the resumed row's draws continue at the positions the killed one reached
-        text, usage = stream(d, body, kill_after=10)
+        def speculating(engine: dict) -> None:
+            assert engine["cache"]["spec_steps"] > 0  # killed mid-speculation
+
+        text, usage = stream_chat(d, body, kill_after=10, before_kill=speculating)
         assert text == plain
         assert usage["completion_tokens"] == 32 and usage["resumes"] == 1
         st = d.stats()["engines"][0]["cache"]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import signal
 import struct
 import zlib
 from typing import Any
@@ -21,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import start_daemon, stop_and_check
+from support.harness import engine_pid, stream_chat
 from support.random_vlm import IMAGE_TOKEN, image_tokens, write_random_vlm
 
 MODEL = "tiny-llava"
@@ -209,41 +208,18 @@ def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, vlm, tiny_mode
     assert engine_pid(daemon) == pid  # the same engine process served throughout
 
 
-def engine_pid(d) -> int:
-    return next(e["pid"] for e in d.stats()["engines"] if e["model"] == MODEL)
 
 
-def stream(d, body: dict, kill_after: int | None = None) -> tuple[str, dict]:
-    import json
-    out: list[str] = []
-    chunks = 0
-    usage: dict = {}
-    with d.http() as c, c.stream("POST", "/v1/chat/completions", json={
-            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            obj = json.loads(line[6:])
-            assert "error" not in obj, obj
-            usage = obj.get("usage") or usage
-            for ch in obj.get("choices") or []:
-                if ch["delta"].get("content"):
-                    out.append(ch["delta"]["content"])
-                    chunks += 1
-                    if chunks == kill_after:
-                        os.kill(engine_pid(d), signal.SIGKILL)
-    return "".join(out), usage
 
 
 def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_images(
         daemon, vlm):
     body = openai_body(b64(png(picture(2))), max_tokens=24)
-    want, _ = stream(daemon, body)
+    want, _ = stream_chat(daemon, body)
     with daemon.unix_http() as u:  # what earlier tests cached is durable on SSD
         assert u.post("/admin/cache/flush").status_code == 200
     pid = engine_pid(daemon)
-    text, usage = stream(daemon, body, kill_after=6)
+    text, usage = stream_chat(daemon, body, kill_after=6)
     assert text == want
     assert usage.get("resumes") == 1 and engine_pid(daemon) != pid, usage
     # The new engine's RAM tier is empty: the first test's image comes back from SSD blocks.

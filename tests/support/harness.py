@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx2 as httpx
@@ -196,3 +197,39 @@ class Daemon:
                 return
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}: {self.stats()}")
+
+
+def engine_pid(d: Daemon) -> int:
+    return d.stats()["engines"][0]["pid"]
+
+
+def stream_chat(d: Daemon, body: dict, kill_after: int | None = None, kills: int = 1,
+                before_kill: Callable[[dict], None] | None = None) -> tuple[str, dict]:
+    """Stream a chat completion (usage included) and return (text, usage); with `kill_after`,
+    SIGKILL the engine after every `kill_after` content chunks, `kills` times, first calling
+    `before_kill(engine's /stats entry)` (to check what the engine was doing). An error event
+    in the stream fails the test."""
+    out: list[str] = []
+    usage: dict | None = None
+    chunks = killed = 0
+    with d.http() as c, c.stream("POST", "/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices") or []:
+                if ch["delta"].get("content"):
+                    out.append(ch["delta"]["content"])
+                    chunks += 1
+                    if kill_after and killed < kills and chunks % kill_after == 0:
+                        engine = d.stats()["engines"][0]
+                        if before_kill is not None:
+                            before_kill(engine)
+                        os.kill(engine["pid"], signal.SIGKILL)
+                        killed += 1
+    assert usage is not None, "the stream ended without its usage"
+    return "".join(out), usage
