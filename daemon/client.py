@@ -157,6 +157,14 @@ def engine_state(engine: dict) -> str:
     return f"loading ({task}: {pct}{done}/{total} {unit})"
 
 
+def _rows(engine: dict) -> str:
+    """Rows decoding / the batch cap in force (`--batch auto` or N), and requests held back."""
+    cap = engine.get("batch_cap") or 0
+    shown = f"{engine['active_requests']}/{cap}" if cap else str(engine["active_requests"])
+    waiting = engine.get("waiting_requests") or 0
+    return shown + (f" +{waiting} waiting" if waiting else "")
+
+
 def format_status(stats: dict, sock: Path | None = None) -> str:
     p = stats["proxy"]
     out = [f"mlxd: up {_duration(p['uptime_s'])}, proxy pid {p['pid']}, "
@@ -172,13 +180,13 @@ def format_status(stats: dict, sock: Path | None = None) -> str:
     rows = []
     for e in stats["engines"]:
         c = e.get("cache") or {}
-        rows.append([e["model"], engine_state(e), str(e["active_requests"]),
+        rows.append([e["model"], engine_state(e), _rows(e),
                      str(e["generated_tokens_total"]),
                      f"{_size(c.get('ram_bytes'))} ({c.get('ram_hits', 0)} hits)",
                      f"{_size(c.get('ssd_bytes'))} ({c.get('ssd_hits', 0)} hits)"
                      if c.get("ssd_state", "off") != "off" else "off",
                      (e.get("error") or "")[:60]])
-    out += ["", table(rows, ["MODEL", "STATE", "ACTIVE", "GENERATED", "RAM CACHE",
+    out += ["", table(rows, ["MODEL", "STATE", "ROWS/CAP", "GENERATED", "RAM CACHE",
                              "SSD CACHE", "ERROR"])]
     r = p.get("resume") or {}
     if r.get("resumes"):

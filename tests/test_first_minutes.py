@@ -154,6 +154,11 @@ def test_status_shows_a_loading_engines_progress():
     shown = format_status(stats, Path("/run/x/mlxd.sock")).splitlines()
     assert shown[1] == "socket: /run/x/mlxd.sock"
     assert any("loading (loading weights: 43%" in line for line in shown)
+    busy = {"model": "m", "state": "ready", "active_requests": 3, "generated_tokens_total": 9,
+            "batch_cap": 4, "waiting_requests": 2}
+    (row,) = [ln for ln in format_status({**stats, "engines": [busy]}).splitlines()
+              if ln.startswith("m ")]
+    assert "3/4 +2 waiting" in row  # the cap `--batch auto` chose, and who waits for it
     status = EngineStatus("e", 0, 1, "m", ["m"], "loading",
                           load_progress=("GGUF to MLX", 3, 273, "steps"))
     wire = codec.from_engine()
