@@ -103,13 +103,15 @@ async def _fetch(ref: ImageRef) -> bytes:
             if resp.status != 200:
                 raise bad_request(f"{ref.where}: fetching the image answered HTTP "
                                   f"{resp.status}", code="invalid_image", param=ref.where)
-            data = await resp.content.read(MAX_IMAGE_BYTES + 1)
+            data = bytearray()  # `read(n)` may stop short of n before the end: read to EOF
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                data += chunk
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise _too_large(ref.where)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise bad_request(f"{ref.where}: the image could not be fetched: "
                           f"{type(e).__name__}", code="invalid_image", param=ref.where) from e
-    if len(data) > MAX_IMAGE_BYTES:
-        raise _too_large(ref.where)
-    return data
+    return bytes(data)
 
 
 def decode(raw: bytes, where: str) -> ImageInput:

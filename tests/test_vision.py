@@ -267,15 +267,23 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
 async def test_image_urls_are_fetched_only_when_allowed():
     """--allow-image-urls: the proxy fetches http(s) images (the same limits apply); without
     it a URL is refused unread. A local server stands in for the web."""
+    import numpy as np
     from aiohttp import web
+    from PIL import Image
 
     from mlxd.proxy.errors import APIError
     from mlxd.proxy.images import ImageRef, decode, decode_images
     data = png(IMAGE)
+    noise = np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, "PNG")
+    big = buf.getvalue()  # about 780 kB: many reads of the response body
     hits: list[str] = []
 
     async def serve(request: web.Request) -> web.Response:
         hits.append(request.path)
+        if request.path == "/big.png":
+            return web.Response(body=big, content_type="image/png")
         if request.path != "/cat.png":
             raise web.HTTPNotFound()
         return web.Response(body=data, content_type="image/png")
@@ -290,6 +298,9 @@ async def test_image_urls_are_fetched_only_when_allowed():
         url = f"http://127.0.0.1:{port}/cat.png"
         got = await decode_images([ImageRef(url, "x", url=True)], allow_urls=True)
         assert got == [decode(data, "x")] and hits == ["/cat.png"]
+        got = await decode_images([ImageRef(url.replace("cat", "big"), "x", url=True)], True)
+        assert got == [decode(big, "x")]
+        hits.remove("/big.png")
         with pytest.raises(APIError) as e:
             await decode_images([ImageRef(url.replace("cat", "dog"), "x", url=True)], True)
         assert e.value.status == 400 and "404" in e.value.message
