@@ -42,6 +42,7 @@ from mlxd.engine.group_plan import (
     plan,
 )
 from mlxd.protocol.messages import SamplingParams
+from support.harness import stream_chat
 
 # ---------------------------------------------------------------------------- the plan
 
@@ -346,25 +347,12 @@ def _followers(pid):
 def _complete(d, model, messages, stream, max_tokens=24, on_chunk=None, **sampling):
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": stream, **sampling}
+    if stream:
+        return stream_chat(d, body, on_chunk=on_chunk)[0]
     with d.http() as c:
-        if not stream:
-            r = c.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-        parts = []
-        with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                obj = json.loads(line[6:])
-                assert "error" not in obj, obj
-                for ch in obj.get("choices") or []:
-                    if ch["delta"].get("content"):
-                        parts.append(ch["delta"]["content"])
-                        if on_chunk is not None:
-                            on_chunk(len(parts))
-        return "".join(parts)
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
 
 
 def _concurrently(fn, args_list):

@@ -204,11 +204,12 @@ def engine_pid(d: Daemon) -> int:
 
 
 def stream_chat(d: Daemon, body: dict, kill_after: int | None = None, kills: int = 1,
-                before_kill: Callable[[dict], None] | None = None) -> tuple[str, dict]:
+                before_kill: Callable[[dict], None] | None = None,
+                on_chunk: Callable[[int], None] | None = None) -> tuple[str, dict]:
     """Stream a chat completion (usage included) and return (text, usage); with `kill_after`,
     SIGKILL the engine after every `kill_after` content chunks, `kills` times, first calling
-    `before_kill(engine's /stats entry)` (to check what the engine was doing). An error event
-    in the stream fails the test."""
+    `before_kill(engine's /stats entry)` (to check what the engine was doing); `on_chunk(n)`
+    after the n-th content chunk. An error event in the stream fails the test."""
     out: list[str] = []
     usage: dict | None = None
     chunks = killed = 0
@@ -225,6 +226,8 @@ def stream_chat(d: Daemon, body: dict, kill_after: int | None = None, kills: int
                 if ch["delta"].get("content"):
                     out.append(ch["delta"]["content"])
                     chunks += 1
+                    if on_chunk is not None:
+                        on_chunk(chunks)
                     if kill_after and killed < kills and chunks % kill_after == 0:
                         engine = d.stats()["engines"][0]
                         if before_kill is not None:
