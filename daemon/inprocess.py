@@ -20,6 +20,7 @@ from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.lifeline import Lifeline
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
 from mlxd.proxy.listen_address import ListenError
@@ -138,11 +139,13 @@ class StorageWorkerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.policy = RestartPolicy(base_delay=cfg.daemon.restart_backoff)
         self.stopping = False
+        self.lifeline = Lifeline()
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(*command("storage"),
-                                                         stdin=asyncio.subprocess.PIPE)
+        self.proc = await asyncio.create_subprocess_exec(
+            *command("storage"), stdin=asyncio.subprocess.PIPE,
+            **self.lifeline.spawn_kwargs(dict(os.environ)))
         await write_launch(self.proc, self.launch)
         self._watch = asyncio.create_task(self._watch_exit(self.proc))
 

@@ -32,6 +32,7 @@ from mlxd.daemon.stderr_pump import drain
 from mlxd.daemon.watchdog import HangWatchdog, probe_timing
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.lifeline import Lifeline
 from mlxd.protocol.logs import ChildLines, Console, process_name, render, setup_logging, shorten
 from mlxd.protocol.messages import (
     ChildFailed,
@@ -61,6 +62,7 @@ class Supervisor:
         self.console = console  # our stderr: our own records and every child's lines
         self.eps = Endpoints.ipc(cfg.run_dir)
         self.children: dict[str, Child] = {}
+        self.lifeline = Lifeline()
         self.stopping = False
         self.stop_event = asyncio.Event()
         self.exit_code = exit_codes.OK
@@ -161,7 +163,7 @@ class Supervisor:
         try:
             child.proc = await asyncio.create_subprocess_exec(
                 *child.argv, stdin=asyncio.subprocess.PIPE, stderr=write_fd,
-                env=self._child_env(child))
+                **self.lifeline.spawn_kwargs(self._child_env(child)))
         except BaseException as e:
             os.close(read_fd)
             if not isinstance(e, OSError):

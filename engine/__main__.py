@@ -12,6 +12,7 @@ import zmq
 from mlxd.engine.service import EngineService
 from mlxd.protocol import codec, faults
 from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
 from mlxd.protocol.models import model_id
 from mlxd.protocol.settings import EngineLaunch
@@ -19,6 +20,7 @@ from mlxd.protocol.settings import EngineLaunch
 
 def main() -> int:
     launch = codec.read_launch(EngineLaunch)
+    follow_parent()
     child_process_setup(launch.log_level, f"engine:{model_id(launch.model)}#{launch.epoch}",
                         launch.log_format)
     faults.configure(launch.epoch)

@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from mlxd.protocol import codec, faults
 from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
 from mlxd.protocol.settings import ProxyLaunch
 from mlxd.proxy.server import run_proxy
@@ -21,6 +22,7 @@ from mlxd.proxy.server import run_proxy
 
 def main() -> int:
     launch = codec.read_launch(ProxyLaunch)
+    follow_parent()
     child_process_setup(launch.log_level, f"proxy#{launch.epoch}")
     faults.configure(launch.epoch)
 

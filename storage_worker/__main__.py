@@ -11,6 +11,7 @@ import zmq
 
 from mlxd.protocol import codec, faults
 from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
 from mlxd.protocol.settings import StorageLaunch
 from mlxd.storage_worker.worker import StorageWorker
@@ -18,6 +19,7 @@ from mlxd.storage_worker.worker import StorageWorker
 
 def main() -> int:
     launch = codec.read_launch(StorageLaunch)
+    follow_parent()
     child_process_setup(launch.log_level, f"storage#{launch.epoch}", launch.log_format)
     faults.configure(launch.epoch)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
