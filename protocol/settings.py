@@ -170,6 +170,14 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     num_draft_tokens: Annotated[int, Meta(ge=1, le=32, description=(
         "the most tokens drafted per speculative step (with --draft-model, fitted to how many "
         "are accepted)"), extra={"metavar": "N"})] = 4
+    kv_bits: Annotated[Annotated[int, Meta(ge=4, le=8, multiple_of=4)] | None, Meta(
+        description=(
+        "quantize the KV cache to 4 or 8 bits (mlx-lm's quantized KV cache, in the batch, the "
+        "RAM prefix cache and the SSD tier; default: the model's dtype, unquantized)"),
+        extra={"metavar": "4|8"})] = None
+    kv_group_size: Annotated[int, Meta(ge=32, le=128, multiple_of=32, description=(
+        "with --kv-bits: elements per quantization group, one scale and bias each: 32, 64 or "
+        "128"))] = 64
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
