@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.protocol.addresses import identity
 from mlxd.protocol.messages import ChildInfo, ChildState, Role
+from mlxd.protocol.settings import PoolShare
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Child:
     last_heartbeat: float | None = None
     restarts: int = 0
     removed: bool = False  # unloaded on purpose: not restarted when it exits
+    share: PoolShare | None = None  # an engine's part of the memory, granted at its first start
 
     @property
     def identity(self) -> bytes:

@@ -165,6 +165,16 @@ def _rows(engine: dict) -> str:
     return shown + (f" +{waiting} waiting" if waiting else "")
 
 
+def _kv_budget(engine: dict) -> str:
+    """The KV memory `--batch auto` sizes the batch from, and the engine's share of the
+    machine's memory when it is one of a pool's."""
+    c = engine.get("cache") or {}
+    if not c.get("kv_budget_bytes"):
+        return "-"
+    share = c.get("memory_share", 1.0)
+    return _size(c["kv_budget_bytes"]) + (f" ({share:.0%} share)" if share < 1 else "")
+
+
 def format_status(stats: dict, sock: Path | None = None) -> str:
     p = stats["proxy"]
     out = [f"mlxd: up {_duration(p['uptime_s'])}, proxy pid {p['pid']}, "
@@ -180,14 +190,17 @@ def format_status(stats: dict, sock: Path | None = None) -> str:
     rows = []
     for e in stats["engines"]:
         c = e.get("cache") or {}
-        rows.append([e["model"], engine_state(e), _rows(e),
+        rows.append([e["model"], engine_state(e), _rows(e), _kv_budget(e),
                      str(e["generated_tokens_total"]),
                      f"{_size(c.get('ram_bytes'))} ({c.get('ram_hits', 0)} hits)",
                      f"{_size(c.get('ssd_bytes'))} ({c.get('ssd_hits', 0)} hits)"
                      if c.get("ssd_state", "off") != "off" else "off",
                      (e.get("error") or "")[:60]])
-    out += ["", table(rows, ["MODEL", "STATE", "ROWS/CAP", "GENERATED", "RAM CACHE",
-                             "SSD CACHE", "ERROR"])]
+    out += ["", table(rows, ["MODEL", "STATE", "ROWS/CAP", "KV BUDGET", "GENERATED",
+                             "RAM CACHE", "SSD CACHE", "ERROR"])]
+    whys = [f"  {e['model']}: {e['batch_why']}" for e in stats["engines"] if e.get("batch_why")]
+    if whys:
+        out += ["", "batch cap, why:", *whys]
     r = p.get("resume") or {}
     if r.get("resumes"):
         out += ["", f"resumed after crashes: {r['resumes']} request(s), "

@@ -14,7 +14,7 @@ from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.group import layout_for
 from mlxd.protocol import codec
 from mlxd.protocol.messages import Role
-from mlxd.protocol.settings import EngineLaunch, Launch, ProxyLaunch, StorageLaunch
+from mlxd.protocol.settings import EngineLaunch, Launch, PoolShare, ProxyLaunch, StorageLaunch
 
 MODULES: dict[Role, str] = {"proxy": "mlxd.proxy", "engine": "mlxd.engine",
                             "storage": "mlxd.storage_worker"}
@@ -26,8 +26,10 @@ def command(role: Role) -> list[str]:
     return [sys.executable, "-m", MODULES[role]]
 
 
-def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int) -> EngineLaunch:
-    return EngineLaunch(
+def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int,
+                  share: PoolShare | None = None) -> EngineLaunch:
+    """`share`: its part of the machine's memory (daemon/memory_share.py); None: all of it."""
+    return EngineLaunch(pool_share=share or PoolShare(),
         engine_id=engine_id, epoch=epoch, model=spec, run_dir=str(cfg.run_dir),
         cache_dir=str(cfg.cache_dir),
         ssd_root=None if cfg.ssd_cache is None else str(cfg.ssd_cache),

@@ -3,8 +3,9 @@ for KV cache. Pure logic: the engine passes the figures in (engine/runner.py app
 
 A request is admitted into the running batch only if the KV it may come to hold (its prompt
 plus its `max_tokens`, at most the context) fits beside what the running rows may come to
-hold, within the budget: memory the machine can give minus the model's weights, the RAM prefix
-cache's capacity (its entries are KV in the same memory) and a reserve.
+hold, within the budget: memory the machine can give (with a model pool, this engine's share
+of it, granted by the supervisor: daemon/memory_share.py) minus the model's weights, the RAM
+prefix cache's capacity (its entries are KV in the same memory) and a reserve.
 So the batch grows while requests are short and shrinks as contexts get long, and no
 admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
 `engine/batch_sizing.py` measures the figures at load; the runner's admission applies the rules.
@@ -13,6 +14,8 @@ admission can push the machine into swap. `--batch N` is an explicit cap on top 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from mlxd.protocol.settings import PoolShare
 
 CEILING = 128  # never more rows than this: past it a step's latency grows for little gain
 RESERVE_FRACTION = 0.10  # of the memory the engine may use, kept free for activations etc.
@@ -38,6 +41,7 @@ class Budget:
     per_token: int
     explicit_cap: int | None  # --batch N, or None for auto
     why: str  # how the budget was derived, for /stats
+    share: float = 1.0  # the fraction of the machine's memory this engine may use (a pool)
 
     @property
     def kv_tokens(self) -> int:
@@ -45,17 +49,40 @@ class Budget:
 
 
 def budget(available_bytes: int, model_bytes: int, shape: KvShape,
-           explicit_cap: int | None, source: str, cache_bytes: int = 0) -> Budget:
+           explicit_cap: int | None, source: str, cache_bytes: int = 0,
+           share: PoolShare | None = None, counted_back: int = 0) -> Budget:
     """`available_bytes`: what the engine may use in all (free memory plus what the model
-    already holds, on unified memory; the device's memory on a GPU). `cache_bytes`: the RAM
-    prefix cache's capacity."""
-    usable = int(available_bytes * (1 - RESERVE_FRACTION)) - model_bytes - cache_bytes
+    already holds, on unified memory; the device's memory on a GPU), or with `share` what
+    the machine can give all of the pool's engines (see `machine_memory`). `cache_bytes`: the
+    RAM prefix cache's capacity. The engine's part is `share.fraction` of it; weights, cache,
+    reserve and KV come out of that part. `counted_back`: the other engines' weights in
+    `available_bytes` (for the reason shown)."""
+    fraction = share.fraction if share is not None else 1.0
+    mine = int(available_bytes * fraction)
+    usable = int(mine * (1 - RESERVE_FRACTION)) - model_bytes - cache_bytes
     kv = max(0, usable)
-    cache = f", prefix cache {cache_bytes / 2**30:.1f} GiB" if cache_bytes else ""
-    why = (f"{source}: {available_bytes / 2**30:.1f} GiB, weights {model_bytes / 2**30:.1f} "
-           f"GiB{cache}, {RESERVE_FRACTION:.0%} reserve -> {kv / 2**30:.1f} GiB for KV at "
+    gib = 2**30
+    cache = f", prefix cache {cache_bytes / gib:.1f} GiB" if cache_bytes else ""
+    whole = f"{source}: {available_bytes / gib:.1f} GiB"
+    if share is not None and fraction < 1:
+        back = (f" (the other engines' weights {counted_back / gib:.1f} GiB counted back)"
+                if counted_back else "")
+        whole = (f"share {fraction:.0%} (--model-pool {share.pool}, {share.others} other "
+                 f"engine(s)) of {whole}{back} = {mine / gib:.2f} GiB")
+    why = (f"{whole}, weights {model_bytes / gib:.1f} "
+           f"GiB{cache}, {RESERVE_FRACTION:.0%} reserve -> {kv / gib:.1f} GiB for KV at "
            f"{shape.bytes_per_token / 1024:.1f} KiB/token")
-    return Budget(kv, shape.bytes_per_token, explicit_cap, why)
+    return Budget(kv, shape.bytes_per_token, explicit_cap, why, fraction)
+
+
+def machine_memory(found_bytes: int, share: PoolShare | None, forced: bool) -> int:
+    """What the machine can give all the engines of the pool, from what this engine found at
+    load (free memory plus its own weights): the other engines' loaded weights are counted
+    back, since free memory lacks them. A figure the user forced (`MLXD_ENGINE_MEMORY`) is
+    already the pool's whole."""
+    if share is None or forced:
+        return found_bytes
+    return found_bytes + share.others_weight_bytes
 
 
 def reserved_tokens(prompt_tokens: int, max_tokens: int, context: int) -> int:

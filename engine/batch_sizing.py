@@ -10,21 +10,26 @@ import logging
 import os
 from typing import Any, cast
 
-from mlxd.engine.batch_budget import Budget, KvShape, budget, explicit_cap
+from mlxd.engine.batch_budget import Budget, KvShape, budget, explicit_cap, machine_memory
+from mlxd.protocol.settings import PoolShare
 
 log = logging.getLogger("mlxd.engine")
 
 # Tests (and users who want to leave memory to other programs) may name the bytes the engine
-# may use in all, weights included; the budget is then derived from it by the same rules.
+# may use in all, weights included (with a model pool: all its engines together); the budget
+# is then derived from it by the same rules.
 MEMORY_ENV = "MLXD_ENGINE_MEMORY"
 
 
-def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int = 0) -> Budget:
-    """`cache_bytes`: the RAM prefix cache's capacity, KV in the same memory as the rows'."""
+def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int = 0,
+                   share: PoolShare | None = None) -> Budget:
+    """`cache_bytes`: the RAM prefix cache's capacity, KV in the same memory as the rows'.
+    `share`: the engine's part of the memory when it is one of a pool's."""
     weights = weight_bytes(model)
     available, source = available_memory(weights)
-    return budget(available, weights, kv_shape(model, stream), explicit_cap(batch), source,
-                  cache_bytes)
+    whole = machine_memory(available, share, forced=source == MEMORY_ENV)
+    return budget(whole, weights, kv_shape(model, stream), explicit_cap(batch), source,
+                  cache_bytes, share, whole - available)
 
 
 def weight_bytes(model: Any) -> int:

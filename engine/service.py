@@ -181,7 +181,7 @@ class EngineService:
         self.ssd = open_ssd_tier(launch, probe, self.ctx, self.eps.storage)
         persist = self.ssd.persist if self.ssd is not None else None
         cache_bytes = int(settings.prompt_cache * 2**30)
-        budget = measure_budget(probe, settings.batch, stream, cache_bytes)
+        budget = measure_budget(probe, settings.batch, stream, cache_bytes, launch.pool_share)
         log.info("batch: %s", budget.why)
         runner = Runner if self.group is None else self.group.runner_class()
         self.runner = runner(model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),

@@ -28,6 +28,9 @@ def engine_stats(runner: Any, ssd: Any) -> EngineStats:
         to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
         mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
         bursts=c.bursts)
+    budget = getattr(runner, "_budget", None)  # None: no memory rule (a sharded group's rank)
+    if budget is not None:
+        st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share
     spec = getattr(runner, "spec", None)
     if spec is not None:
         sc = spec.counters

@@ -204,6 +204,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_skipped: int = 0
     spec_acceptance: float = 0.0
     spec_tokens_per_step: float = 0.0
+    # `--batch auto`: the KV bytes this engine's budget allows, and its share of the machine's
+    # memory (1.0 alone; with --model-pool N, the part the supervisor granted it)
+    kv_budget_bytes: int = 0
+    memory_share: float = 1.0
 
 
 # A prompt's text is refused before tokenizing when it has more characters than

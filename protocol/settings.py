@@ -191,6 +191,19 @@ class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 # What each child process receives, whole, on its stdin.
 
+
+class PoolShare(msgspec.Struct, frozen=True, kw_only=True):
+    """The part of the machine's memory an engine may use in all (weights, RAM prefix cache,
+    KV), granted by the supervisor from `--model-pool` (daemon/memory_share.py); the engine
+    sizes `--batch auto` within it (engine/batch_budget.py)."""
+    fraction: float = 1.0  # 1.0: the engine is alone (one process, or --model-pool 1)
+    pool: int = 1  # --model-pool
+    others: int = 0  # other engines holding a share when this one was granted its own
+    # the weights of the other engines that were ready, estimated from their model files: the
+    # memory the engine finds free at load lacks them, so they are counted back into what the
+    # machine can give (0: unknown, which only makes the budget smaller)
+    others_weight_bytes: int = 0
+
 class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     epoch: int
@@ -203,6 +216,7 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     log_format: LogFormat = "text"
     group: str = ""  # a sharded engine's layout ("tensor:2"); "": one process
     group_hosts: str | None = None  # its hosts file (None: every rank on this machine)
+    pool_share: PoolShare = PoolShare()  # its part of the machine's memory (--model-pool)
 
 
 class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from mlxd.daemon.memory_share import (
+    Holder,
+    fraction_for,
+    grant,
+    relaunch,
+    weight_bytes_on_disk,
+)
 from mlxd.engine.batch_budget import (
     CEILING,
     KvShape,
     budget,
+    cap_of,
     ceiling,
     current_cap,
     explain,
     explicit_cap,
+    machine_memory,
     may_admit,
     reserved_tokens,
 )
+from mlxd.protocol.settings import PoolShare
 
 GiB = 2**30
 LLAMA_1B = KvShape(layers=16, kv_heads=8, k_head_dim=64, v_head_dim=64, bytes_per_element=2)
@@ -80,3 +92,127 @@ def test_explain_names_the_bound_that_holds():
     cap, why = explain(small, 2, 16_000, 1000)
     assert cap == 2 + (small.kv_tokens - 16_000) // 1000 and why.startswith("memory: ")
     assert f"{small.kv_tokens - 16_000} of {small.kv_tokens} KV tokens free" in why
+
+
+# ---------------------------------------------------------------- engines of one model pool
+# The supervisor grants each engine a fraction of the machine's memory (daemon/memory_share.py);
+# the engine sizes its KV within it (budget(share=...)). Simulated here on a machine of M bytes:
+# each engine, as it loads, finds the free memory (M less the weights already loaded: KV is
+# allocated only as rows run) plus its own weights, and the supervisor counts back the weights
+# of the engines already loaded.
+
+SMOL = KvShape(layers=30, kv_heads=3, k_head_dim=64, v_head_dim=64, bytes_per_element=2)
+LLAMA_8B = KvShape(layers=32, kv_heads=8, k_head_dim=128, v_head_dim=128, bytes_per_element=2)
+
+
+def load_pool(machine: int, pool: int, models: Sequence[tuple[int, KvShape, int | None]],
+              cache: int = 0, forced: bool = False) -> list:
+    """Engines loaded one after the other: (weights, KV shape, --batch N or None) each."""
+    holders: list[Holder] = []
+    out = []
+    for weights, shape, cap in models:
+        share = grant(pool, holders)
+        # free memory once its weights are in, plus them: the machine less the others' weights
+        found = machine if forced else machine - sum(h.loaded_weight_bytes for h in holders)
+        whole = machine_memory(found, share, forced)
+        b = budget(whole, weights, shape, cap, "MLXD_ENGINE_MEMORY" if forced else "RAM",
+                   cache, share, whole - found)
+        out.append((weights, b))
+        holders.append(Holder(share.fraction, weights))
+    return out
+
+
+def in_use(engines: list, cache: int = 0) -> int:
+    """What the engines may come to hold together: weights, prefix caches, every KV budget."""
+    return sum(w + cache + b.kv_bytes for w, b in engines)
+
+
+def test_one_engine_alone_gets_everything():
+    (alone,) = load_pool(16 * GiB, 1, [(2 * GiB, LLAMA_1B, None)])
+    assert alone[1] == budget(16 * GiB, 2 * GiB, LLAMA_1B, None, "RAM")  # as before pools
+    assert grant(1, []) == PoolShare() and "share" not in alone[1].why
+
+
+def test_two_engines_share_the_memory_instead_of_each_taking_all_of_it():
+    m = 16 * GiB
+    a, b = load_pool(m, 2, [(2 * GiB, LLAMA_1B, None), (1 * GiB, LLAMA_1B, None)])
+    assert a[1].share == b[1].share == 0.5
+    assert in_use([a, b]) <= m * 0.9  # fits, whatever the load order
+    assert in_use([a, b]) >= m * 0.9 - 16  # and leaves nothing unused (rounding aside)
+    # each engine alone, as before: together they would have claimed almost twice the memory
+    alone = [budget(m, 2 * GiB, LLAMA_1B, None, "RAM"),
+             budget(m - 2 * GiB, 1 * GiB, LLAMA_1B, None, "RAM")]
+    assert sum(x.kv_bytes for x in alone) + 3 * GiB > 1.6 * m
+    assert "share 50% (--model-pool 2, 1 other engine(s))" in b[1].why
+    assert "other engines' weights 2.0 GiB counted back" in b[1].why
+    assert "share 50% (--model-pool 2, 0 other engine(s))" in a[1].why
+
+
+def test_three_engines_and_the_order_they_load_in():
+    m = 64 * GiB
+    models = [(16 * GiB, LLAMA_8B, None), (1 * GiB, LLAMA_1B, None), (GiB // 4, SMOL, None)]
+    for order in (models, models[::-1]):
+        engines = load_pool(m, 3, order, cache=2 * GiB)
+        assert [round(b.share, 6) for _, b in engines] == [round(1 / 3, 6)] * 3
+        assert m * 0.9 - 16 <= in_use(engines, cache=2 * GiB) <= m * 0.9
+
+
+def test_models_of_different_kv_cost_get_equal_memory_and_different_rows():
+    m = 32 * GiB
+    big, small = load_pool(m, 2, [(2 * GiB, LLAMA_8B, None), (2 * GiB, SMOL, None)])
+    assert big[1].kv_bytes == small[1].kv_bytes  # same weights: same bytes for KV
+    assert big[1].per_token == 131072 and small[1].per_token == 23040
+    assert small[1].kv_tokens > 5 * big[1].kv_tokens  # the cheaper KV holds more tokens
+    long_row = reserved_tokens(4000, 1000, 8192)
+    assert current_cap(small[1], 0, 0, long_row) > 5 * current_cap(big[1], 0, 0, long_row)
+    heavy, light = load_pool(m, 2, [(12 * GiB, LLAMA_1B, None), (1 * GiB, LLAMA_1B, None)])
+    # weights are inside the share: the heavy model's half holds mostly weights
+    assert heavy[1].kv_bytes == int(m / 2 * 0.9) - 12 * GiB
+    assert light[1].kv_bytes - heavy[1].kv_bytes == 11 * GiB
+    assert in_use([heavy, light]) <= m * 0.9
+
+
+def test_an_explicit_batch_stays_a_cap_within_the_share():
+    m = 16 * GiB
+    a, b = load_pool(m, 2, [(1 * GiB, LLAMA_1B, 4), (1 * GiB, LLAMA_1B, None)])
+    assert a[1].kv_bytes == b[1].kv_bytes and a[1].share == 0.5
+    assert cap_of(a[1]) == 4 and current_cap(a[1], 0, 0, 100) == 4  # memory allows more
+    cap, why = explain(a[1], 0, 0, 100)
+    assert cap == 4 and why.startswith("--batch 4;") and "share 50%" in why
+    tight = load_pool(3 * GiB, 2, [(1 * GiB, LLAMA_1B, 64), (1 * GiB, LLAMA_1B, 64)])
+    # the share binds before --batch 64 does: ~0.35 GiB, ~11k tokens, 11 rows of 1000
+    assert current_cap(tight[0][1], 0, 0, 1000) == tight[0][1].kv_tokens // 1000 < 64
+
+
+def test_a_forced_memory_figure_is_the_whole_pool():
+    m = 8 * GiB
+    engines = load_pool(m, 2, [(1 * GiB, LLAMA_1B, None), (3 * GiB, LLAMA_1B, None)],
+                        forced=True)
+    assert [b.kv_bytes for _, b in engines] == [int(m / 2 * 0.9) - w for w in (GiB, 3 * GiB)]
+    assert "counted back" not in engines[1][1].why
+    assert machine_memory(m, PoolShare(fraction=0.5, others_weight_bytes=GiB), True) == m
+
+
+def test_an_unloaded_engines_share_goes_to_the_next_one_started():
+    holders = [Holder(0.5, GiB)]  # b was unloaded: only a holds a share
+    assert grant(2, holders).fraction == 0.5
+    thirds = [Holder(1 / 3), Holder(1 / 3)]
+    assert abs(grant(3, thirds).fraction - 1 / 3) < 1e-9
+    assert abs(grant(3, thirds[:1]).fraction - 1 / 3) < 1e-9  # one of three left: 2/3 over 2
+    assert grant(1, []).fraction == 1.0  # --model-pool 1: the evicted engine held it all
+    # a restarted engine keeps its fraction, with the others' weights as they are now
+    again = relaunch(PoolShare(fraction=0.5, pool=2, others=0), [Holder(0.5, 3 * GiB)])
+    assert (again.fraction, again.others, again.others_weight_bytes) == (0.5, 1, 3 * GiB)
+
+
+def test_more_engines_than_the_pool_never_leaves_one_with_nothing():
+    assert fraction_for(2, [0.5, 0.5]) == 1 / 3
+    assert fraction_for(1, [1.0]) == 0.5
+
+
+def test_weights_on_disk_are_a_model_directorys_safetensors(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 24)
+    (tmp_path / "config.json").write_text("{}")
+    assert weight_bytes_on_disk(str(tmp_path)) == 1024
+    assert weight_bytes_on_disk("org/some-repo") == 0
