@@ -16,10 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def kv_slice(x: Any, n: int) -> Any:
+    """The first `n` tokens of one layer's keys or values: an array (1, kv_heads, T, dim) or,
+    with --kv-bits, a triplet of them (packed, scales, biases; engine/kv_quant.py)."""
+    if isinstance(x, tuple):
+        return tuple(a[..., :n, :] for a in x)
+    return x[..., :n, :]
+
+
 @dataclass(eq=False)
 class Entry:
     tokens: tuple[int, ...]
     layers: list[tuple[Any, Any]]  # per layer (keys, values), each (1, kv_heads, T, head_dim)
+    #                                  or, quantized, a triplet (see kv_slice)
     nbytes: int
     persisted: bool = False  # every block of it is on SSD (or queued there)
 
@@ -96,7 +105,7 @@ class PrefixCache:
             self.stats.hits += 1
             if n == len(entry.tokens):
                 return list(entry.layers), n
-            return [(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], n
+            return [(kv_slice(k, n), kv_slice(v, n)) for k, v in entry.layers], n
 
     # ------------------------------------------------------------------ insert / evict
 

@@ -22,8 +22,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxd.engine import kv_quant
 from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
 from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
 from mlxd.engine.speculative_step import Speculator
@@ -163,7 +163,8 @@ class Runner:
         self._followers: dict[int, list[AddRequest]] = {}  # leader uid -> waiting requests
         self._prefilling: dict[int, list[int]] = {}  # uid -> prompt, until its prompt is done
         self.counters = RunnerCounters()
-        cacheable = all(type(c) is KVCache for c in make_prompt_cache(model))
+        cacheable = kv_quant.cacheable(model)  # plain or quantized KV (--kv-bits)
+        self._kv_quant = kv_quant.config_of(model)
         self.cache = PrefixCache(cache_bytes if cacheable else 0, on_evict=on_evict)
         self._on_entry = on_entry  # a new RAM entry: queue its blocks for the SSD tier
         self._checkpoint_every = checkpoint_every if on_checkpoint else 0
@@ -346,10 +347,9 @@ class Runner:
         waiting, group.waiting = group.waiting, []
         if got is not None:
             cache, tokens = got
-            if all(type(c) is KVCache and c.keys is not None for c in cache):
-                n = min(len(tokens), cache[0].offset)
-                group.prefix = ([(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache],
-                                list(tokens[:n]))
+            held = kv_quant.cache_layers(cache, len(tokens))
+            if held is not None:
+                group.prefix = (held[0], list(tokens[:held[1]]))
         if group.expected <= 0:
             del self._groups[name]
         for add in waiting:
@@ -396,16 +396,16 @@ class Runner:
         restored = add.restored
         if restored is not None and (hit is None or restored.tokens > hit[1]):
             n, dtype = restored.tokens, restored.dtype
-            layers = [(_to_mx(k, dtype), _to_mx(v, dtype)) for k, v in restored.layers]
-            cache, cached, source = self._lend(layers, n), n, "ssd"
+            layers = [(kv_quant.to_mx(k, dtype), kv_quant.to_mx(v, dtype))
+                      for k, v in restored.layers]
+            cache, cached, source = self._lend(layers, n, self._kv_quant), n, "ssd"
             self.counters.ssd_restored_tokens += n
-            entry = self.cache.insert(prompt[:n], layers, sum(k.nbytes + v.nbytes
-                                                              for k, v in layers))
+            entry = self.cache.insert(prompt[:n], layers, kv_quant.kv_nbytes(layers))
             if entry is not None:
                 entry.persisted = True  # it came from the SSD tier
         elif hit is not None:
             layers, n = hit
-            cache, cached, source = self._lend(layers, n), n, "ram"
+            cache, cached, source = self._lend(layers, n, self._kv_quant), n, "ram"
         uid = self._gen.insert(
             [prompt[cached:]],
             max_tokens=[add.max_tokens],
@@ -429,14 +429,10 @@ class Runner:
         return uid
 
     @staticmethod
-    def _lend(layers: list[tuple[Any, Any]], n: int) -> list[KVCache]:
+    def _lend(layers: list[tuple[Any, Any]], n: int,
+              quant: tuple[int, int] | None = None) -> list[Any]:
         """New cache objects over the stored buffers: the donor entry is never written."""
-        out = []
-        for k, v in layers:
-            c = KVCache()
-            c.keys, c.values, c.offset = k, v, n
-            out.append(c)
-        return out
+        return kv_quant.lend(layers, n, quant)
 
     def _abort(self, rids: list[str]) -> None:
         gone = set(rids)
@@ -577,10 +573,10 @@ class Runner:
         publish = self._on_checkpoint
         assert publish is not None  # without it, checkpoint_every is 0 and this is never called
         for cache, tokens in self._gen.extract_cache(uids).values():
-            if any(type(c) is not KVCache or c.keys is None for c in cache):
+            held = kv_quant.cache_layers(cache, len(tokens))
+            if held is None:
                 continue
-            n = min(len(tokens), cache[0].offset)
-            layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+            layers, n = held
             publish(Entry(tuple(tokens[:n]), layers, 0))
             self.counters.checkpoints += 1
 
@@ -596,12 +592,11 @@ class Runner:
         """A request's history into the RAM tier; to the SSD tier both the history and the
         prompt boundary (a tail block ending with the prompt), so that repeating the same prompt
         after a restart is served whole, not just its full blocks."""
-        if not tokens or any(type(c) is not KVCache or c.keys is None for c in cache):
+        held = kv_quant.cache_layers(cache, len(tokens)) if tokens else None
+        if held is None:
             return
-        n = min(len(tokens), cache[0].offset)
-        layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
-        entry = self.cache.insert(list(tokens[:n]), layers,
-                                  sum(k.nbytes + v.nbytes for k, v in layers))
+        layers, n = held
+        entry = self.cache.insert(list(tokens[:n]), layers, kv_quant.kv_nbytes(layers))
         if self._on_entry is None:
             return
         if entry is not None and not entry.persisted:
@@ -610,7 +605,8 @@ class Runner:
         # always fed), so this is the boundary the same prompt, repeated, can use whole.
         cut = prompt_len - 1
         if 0 < cut < n:
-            boundary = [(k[..., :cut, :], v[..., :cut, :]) for k, v in layers]
+            boundary = [(kv_quant.kv_slice(k, cut), kv_quant.kv_slice(v, cut))
+                        for k, v in layers]
             self._on_entry(Entry(tuple(tokens[:cut]), boundary, 0))
 
     def _fail_all(self, message: str, held: bool = True) -> None:
@@ -641,8 +637,3 @@ class Runner:
         self.counters.busy = False
         if rids or waiting:
             self._outbox.put(RequestsRemoved(rids + waiting, error=message))
-
-
-def _to_mx(a: Any, dtype: str) -> mx.array:
-    arr = mx.array(a)
-    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr

@@ -126,6 +126,7 @@ class EngineService:
     def _load_and_serve(self) -> int:
         import mlx.core as mx
 
+        from mlxd.engine import kv_quant
         from mlxd.engine.batch_sizing import measure_budget
         from mlxd.engine.embedding_model import (
             CausalLMEmbedder,
@@ -164,6 +165,8 @@ class EngineService:
                 raise AdapterError("LoRA adapters apply to text models served by one engine "
                                    "(not to a sharded or a vision model)")
             self.lora = apply_adapters(model, adapters)
+            kv_quant.install_for(model, settings, alone=not launch.group
+                                 and getattr(self, "vision", None) is None)
             draft = self._load_draft(model) if settings.speculative and settings.draft_model \
                 and self.group is None else None
         except (ModelLoadError, AdapterError, faults.FaultInjected) as e:
