@@ -2,9 +2,12 @@
 the request's grammar does not allow next. Constrained and free requests share decode steps:
 the processor runs only on its own row of the batch.
 
-The mask for step k depends on the token sampled at step k-1, so a constrained row waits for
-that token (one GPU synchronisation per step for a batch holding a constrained row); free
-batches keep mlx-lm's overlap of graph building and GPU work.
+The mask for step k depends on the token sampled at step k-1, which mlx-lm's step has not read
+back yet when it calls the processors of step k. So the mask work is ordered to keep the device
+busy (`constraints_overlap.py`): the step's forward pass is started first, then the previous
+tokens of every constrained row are read in one synchronisation, all rows' masks are computed
+together on llguidance's worker threads (GIL released) while the device runs that forward pass,
+and the masks go to the device as packed bits, unpacked there where the logits are masked.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class TokenizerCache:
         self._lock = threading.Lock()
         self._ll: Any = None
 
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
     def get(self) -> Any:
         with self._lock:
             if self._ll is None:
@@ -41,9 +48,54 @@ class TokenizerCache:
             return self._ll
 
 
+class OutOfOrder(RuntimeError):
+    """A token offered for a position after one not consumed yet (a bug, never a user error)."""
+
+
+class TokenFeed:
+    """A matcher and how many generated tokens it has consumed: each generated position is
+    consumed exactly once and in order, whichever path (batched or per-row) offers it."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.consumed = 0  # generated tokens consumed so far (replayed ones not counted)
+
+    def due(self, position: int) -> bool:
+        """Whether the token at generated `position` is the next to consume (False: it was
+        consumed already)."""
+        if position > self.consumed:
+            raise OutOfOrder(f"token {position} offered before token {self.consumed}")
+        return position == self.consumed
+
+    def consume(self, position: int, token: int) -> None:
+        if self.due(position):
+            self.matcher.consume_token(token)
+            self.consumed += 1
+
+    def consumed_par(self, position: int) -> None:
+        """`position` was consumed by a batched call (llguidance's parallel executor)."""
+        assert position == self.consumed
+        self.consumed += 1
+
+
+def unpack_bits(words: mx.array, vocab: int) -> mx.array:
+    """(rows, ceil(vocab/32)) int32 bitmasks -> (rows, vocab) bool, on the device."""
+    idx = mx.arange(vocab, dtype=mx.uint32)
+    picked = mx.take(words.view(mx.uint32), idx // 32, axis=-1)
+    return ((picked >> (idx % 32)) & 1).astype(mx.bool_)
+
+
+def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:
+    return mx.where(allowed, logits, _NEG_INF)
+
+
 class GrammarProcessor:
     """A BatchGenerator logits processor. `context` is the row's token history; from the
-    second call on, its last token is the one sampled at the previous step."""
+    second call on, its last token is the one sampled at the previous step.
+
+    When the runner's step hook (`constraints_overlap.GrammarSteps`) found this row in the
+    batch, `plan` is set for the step and the mask comes from it (all rows at once); otherwise
+    the row reads its token and computes its mask itself."""
 
     def __init__(self, tokenizers: TokenizerCache, grammar: str,
                  replay: list[int] | None = None) -> None:
@@ -55,23 +107,51 @@ class GrammarProcessor:
             raise ConstraintError(self.matcher.get_error())
         for t in replay or []:  # a resumed request: what was delivered before the crash
             self.matcher.consume_token(t)
+        self.feed = TokenFeed(self.matcher)
         self._calls = 0
         self._warned = False
-        self._bitmask: np.ndarray | None = None
+        self.plan: Any = None  # set by the step hook for the step in progress
+        # The first mask needs no sampled token: computed here, on the admission lane.
+        self._vocab = tokenizers.n_vocab
+        self._first: np.ndarray | None = None
+        if not self.matcher.is_error():
+            self._first = self._allocate(1, self._vocab)
+            self._fill(self.matcher, self._first, 0)
+
+    @property
+    def calls(self) -> int:
+        return self._calls
+
+    def check_error(self) -> bool:
+        """True (and one warning) once the grammar failed: the rest is unconstrained."""
+        if not self.matcher.is_error():
+            return False
+        if not self._warned:  # should not happen: every sampled token was allowed
+            log.warning("output grammar failed (%s); the rest is unconstrained",
+                        self.matcher.get_error())
+            self._warned = True
+        return True
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
-        if self._calls:
-            self.matcher.consume_token(cast(int, context[-1].item()))  # token ids: an int
-        self._calls += 1
+        calls, self._calls = self._calls, self._calls + 1
+        plan, self.plan = self.plan, None
+        if plan is not None:
+            allowed = plan.allowed(self, logits)
+        else:
+            allowed = self._own_mask(calls, context, logits)
+        return logits if allowed is None else apply_mask(logits, allowed)
+
+    def _own_mask(self, calls: int, context: mx.array, logits: mx.array) -> mx.array | None:
+        """This row alone: start the forward pass, then wait for the previous token."""
         vocab = logits.shape[-1]
-        if self._bitmask is None:
-            self._bitmask = self._allocate(1, vocab)
-        if self.matcher.is_error():  # should not happen: every sampled token was allowed
-            if not self._warned:
-                log.warning("output grammar failed (%s); the rest is unconstrained",
-                            self.matcher.get_error())
-                self._warned = True
-            return logits
-        self._fill(self.matcher, self._bitmask, 0)
-        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:vocab]
-        return mx.where(mx.array(allowed.astype(np.bool_)), logits, _NEG_INF)
+        if calls == 0 and self._first is not None and vocab == self._vocab:
+            bits = self._first
+        else:
+            if calls:
+                mx.async_eval(logits)  # the device runs the forward pass meanwhile
+                self.feed.consume(calls - 1, cast(int, context[-1].item()))  # token ids: int
+            if self.check_error():
+                return None
+            bits = self._allocate(1, vocab)
+            self._fill(self.matcher, bits, 0)
+        return unpack_bits(mx.array(bits), vocab)

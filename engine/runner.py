@@ -25,6 +25,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxd.engine import kv_quant
 from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
+from mlxd.engine.constraints_overlap import GrammarSteps
 from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
 from mlxd.engine.speculative_step import Speculator
 from mlxd.protocol import faults
@@ -144,6 +145,7 @@ class Runner:
         being prepared for this runner (burst admission waits for them)."""
         self._model = model
         self.spec = speculator  # speculative steps for a row decoding alone
+        self._grammar = GrammarSteps()  # constrained rows: masks computed together
         self._batch_size = batch_size
         self._budget = budget
         self._context = context
@@ -477,8 +479,9 @@ class Runner:
     def _step_inner(self) -> None:
         faults.hit("engine.step")
         try:
-            prompt_responses, responses = (self._gen.next() if self.spec is None else
-                                           self.spec.next(self._gen, self._logprobs))
+            with self._grammar.step(self._gen):
+                prompt_responses, responses = (self._gen.next() if self.spec is None else
+                                               self.spec.next(self._gen, self._logprobs))
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
             self._fail_all(f"generation step failed: {e}", held=False)

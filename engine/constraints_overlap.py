@@ -1,0 +1,131 @@
+"""The constrained rows of one generation step, masked together, with the device kept busy.
+
+mlx-lm's step k builds the forward pass on the tokens sampled at step k-1 (still being computed
+on the device), calls the logits processors, samples, starts the evaluation (`async_eval`) and
+only then reads back the tokens of step k-1. A grammar row needs its token k-1 to compute its
+mask for step k, so a processor that simply reads it (as this engine did before) leaves the
+device idle from the end of step k-1 until the whole step k is submitted, and pays one
+synchronisation, one mask and one host-side unpack per row.
+
+The runner's hook (`GrammarSteps.step`, around `BatchGenerator.next`) finds the constrained
+rows of the running batch and the lazy array of their previous tokens. The first of those rows
+whose processor is called (`StepPlan.allowed`):
+
+1. starts the forward pass of step k (`mx.async_eval` of the logits), so the device has work;
+2. reads the previous tokens of all rows at once (one wait, for step k-1 only);
+3. has llguidance consume them and fill every row's bitmask on its executor's threads
+   (parallel across rows, the GIL released), while the device runs the forward pass;
+4. sends the packed bitmasks to the device in one array and unpacks them there; each row's
+   processor then applies its own row of it where the step samples.
+
+The tokens and masks are exactly those of the per-row path, so greedy and seeded outputs do not
+change. Free rows of the batch wait for no more than they did (less: one wait instead of one per
+constrained row). Rows the hook did not see (a row's first step, processors wrapped by another,
+a generator whose internals differ) take the per-row path in `constraints.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import mlx.core as mx
+
+from mlxd.engine.constraints import GrammarProcessor, unpack_bits
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def executor() -> Any:
+    """llguidance's thread pool, one per process."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+class StepPlan:
+    """One step's constrained rows: (row in the batch, processor, position of the token it
+    consumes), and the lazy array of the tokens sampled at the previous step."""
+
+    def __init__(self, rows: list[tuple[int, GrammarProcessor, int]], tokens: mx.array) -> None:
+        self.rows = rows
+        self._tokens = tokens
+        self._index = {id(p): j for j, (_, p, _) in enumerate(rows)}
+        self._allowed: mx.array | None = None
+        self._ok: list[bool] = []
+
+    def allowed(self, proc: GrammarProcessor, logits: mx.array) -> mx.array | None:
+        """`proc`'s row of the step's mask (None: its grammar failed, leave it free)."""
+        if not self._ok:
+            self._compute(logits)
+        j = self._index[id(proc)]
+        if not self._ok[j]:
+            return None
+        assert self._allowed is not None
+        return self._allowed[j:j + 1]
+
+    def _compute(self, logits: mx.array) -> None:
+        from llguidance.numpy import (
+            allocate_token_bitmask,
+            consume_token_par,
+            fill_next_token_bitmask,
+            fill_next_token_bitmask_par,
+        )
+        mx.async_eval(logits)  # 1. the forward pass of this step starts now
+        previous = cast(list[int], self._tokens.tolist())  # 2. one wait, for the last step
+        feeds = [(j, p, position) for j, (i, p, position) in enumerate(self.rows)
+                 if p.feed.due(position)]
+        par = [(p.matcher, previous[self.rows[j][0]]) for j, p, _ in feeds]
+        if len(par) == 1:
+            par[0][0].consume_token(par[0][1])
+        elif par:
+            consume_token_par(executor(), par)  # 3. on llguidance's threads
+        for _, p, position in feeds:
+            p.feed.consumed_par(position)
+        self._ok = [not p.check_error() for _, p, _ in self.rows]
+        vocab = logits.shape[-1]
+        bits = allocate_token_bitmask(len(self.rows), vocab)
+        fill = [(p.matcher, j) for j, (_, p, _) in enumerate(self.rows) if self._ok[j]]
+        if len(fill) == 1:
+            fill_next_token_bitmask(fill[0][0], bits, fill[0][1])
+        elif fill:
+            fill_next_token_bitmask_par(executor(), fill, bits)
+        self._allowed = unpack_bits(mx.array(bits), vocab)  # 4. unpacked on the device
+
+
+class GrammarSteps:
+    """The runner's step hook: `with steps.step(gen): gen.next()`."""
+
+    @contextmanager
+    def step(self, gen: Any) -> Iterator[None]:
+        plan = plan_for(gen)
+        try:
+            yield
+        finally:
+            if plan is not None:
+                for _, p, _ in plan.rows:
+                    p.plan = None  # a row not called this step (it should be) keeps no plan
+
+
+def plan_for(gen: Any) -> StepPlan | None:
+    """The constrained rows of the generator's running batch, each told of the plan; None
+    when there are none or the generator is not shaped as expected (the per-row path then)."""
+    batch = getattr(gen, "_generation_batch", None)
+    processors = getattr(batch, "logits_processors", None)
+    if not processors or not any(processors):
+        return None
+    rows = [(i, p, p.calls - 1) for i, ps in enumerate(processors) for p in ps or ()
+            if type(p) is GrammarProcessor and p.calls > 0]
+    tokens = getattr(batch, "_next_tokens", None)
+    if not rows or not isinstance(tokens, mx.array) or tokens.shape != (len(processors),):
+        return None
+    plan = StepPlan(rows, tokens)
+    for _, p, _ in rows:
+        p.plan = plan
+    return plan
