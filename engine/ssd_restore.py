@@ -98,10 +98,11 @@ class SsdReader:
         return best
 
     def _read(self, found: Found, better_than: int) -> RestoredPrefix | None:
-        """Per-layer (k, v) host arrays (1, kv_heads, n, head_dim) for the verified blocks."""
+        """Per-layer (k, v) host arrays (1, kv_heads, n, head_dim) for the verified blocks;
+        quantized (--kv-bits), k and v are each a triplet (packed, scales, biases)."""
         lay = self.layout
-        raw = RAW_DTYPES[lay.dtype]
-        parts: list[list[np.ndarray]] = [[] for _ in range(2 * lay.n_layers)]
+        kinds = lay.parts()  # the arrays of one layer, in the order a block stores them
+        parts: list[list[np.ndarray]] = [[] for _ in range(len(kinds) * lay.n_layers)]
         got = 0
         names = []
         for parent, t, key, tokens in found:
@@ -113,13 +114,13 @@ class SsdReader:
                 self.stats.bad_blocks += 1
                 path.unlink(missing_ok=True)
                 break
-            flat = np.frombuffer(payload, dtype=raw)
             off = 0
             for i in range(lay.n_layers):
-                for j, hd in ((0, lay.k_head_dim), (1, lay.v_head_dim)):
-                    size = lay.kv_heads * t * hd
-                    parts[2 * i + j].append(flat[off:off + size].reshape(lay.kv_heads, t, hd))
-                    off += size
+                for j, (dtype, width) in enumerate(kinds):
+                    size = lay.kv_heads * t * width
+                    arr = np.frombuffer(payload, dtype=dtype, count=size, offset=off)
+                    parts[len(kinds) * i + j].append(arr.reshape(lay.kv_heads, t, width))
+                    off += arr.nbytes
             got += t
             names.append(path.name)
         if got <= better_than:
@@ -128,6 +129,11 @@ class SsdReader:
         self.stats.hits += 1
         self.stats.restored_tokens += got
         self.touch(names)
-        layers = [(np.concatenate(parts[2 * i], axis=1)[None],
-                   np.concatenate(parts[2 * i + 1], axis=1)[None]) for i in range(lay.n_layers)]
+        arrays = [np.concatenate(p, axis=1)[None] for p in parts]
+        if lay.kv_bits:
+            layers: list[tuple[Any, Any]] = [(tuple(arrays[6 * i:6 * i + 3]),
+                                              tuple(arrays[6 * i + 3:6 * i + 6]))
+                                             for i in range(lay.n_layers)]
+        else:
+            layers = [(arrays[2 * i], arrays[2 * i + 1]) for i in range(lay.n_layers)]
         return RestoredPrefix(got, layers, lay.dtype)

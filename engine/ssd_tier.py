@@ -209,15 +209,19 @@ class SsdTier:
 
     def _flatten(self, entry: Entry, start: int, end: int) -> Any:
         """The block as the slot holds it: per layer, keys then values, each
-        (kv_heads, tokens, head_dim), as one lazy 1-D array."""
+        (kv_heads, tokens, head_dim), as one lazy 1-D array; quantized, keys and values are
+        triplets (packed, scales, biases; `Layout.parts`), and the array is their bytes."""
         import mlx.core as mx
+        if self.layout.kv_bits:
+            return mx.concatenate([a[0, :, start:end, :].reshape(-1).view(mx.uint8)
+                                   for k, v in entry.layers for a in (*k, *v)])
         flat = mx.concatenate([arr[0, :, start:end, :].reshape(-1)
                                for k, v in entry.layers for arr in (k, v)])
         return flat.view(mx.uint16) if self.layout.dtype == "bfloat16" else flat
 
     def _copy(self, blocks: list[_Block]) -> StoreBlocks:
         """Storage thread: wait for each block's evaluation, copy it into its slot."""
-        raw = RAW_DTYPES[self.layout.dtype]
+        raw = np.uint8 if self.layout.kv_bits else RAW_DTYPES[self.layout.dtype]
         for b in blocks:
             data = np.asarray(b.data)
             dst = np.ndarray(data.shape, dtype=raw, buffer=self._shm.buf,
@@ -405,30 +409,38 @@ def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> S
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from mlxd.engine.kv_quant import QuantizedRowCache, config_of
     from mlxd.engine.lora import lora_of
     from mlxd.engine.model_loader import resolve_model_dir
     from mlxd.protocol.models import model_id
     if launch.ssd_root is None or not endpoint:
         return None
     probe = make_prompt_cache(model)
-    if not all(type(c) is KVCache for c in probe):
+    if not all(type(c) in (KVCache, QuantizedRowCache) for c in probe):
         log.info("this model's cache is not a plain KV cache: no SSD tier")
         return None
     model(mx.array([[0]]), cache=probe)
     k, v = probe[0].keys, probe[0].values
+    quant = config_of(model)  # --kv-bits: blocks hold the quantized triplets as they are
+    bits, group = quant if quant is not None else (0, 0)
+    if quant is not None:  # (packed, scales, biases): the head size is the scales' times group
+        k, v = k[1], v[1]
     kv_dtypes: dict[Any, KvDtype] = {mx.float32: "float32", mx.float16: "float16",
                                     mx.bfloat16: "bfloat16"}
     dtype = kv_dtypes.get(k.dtype)
     if dtype is None:
         log.info("this model's KV dtype %s has no block format: no SSD tier", k.dtype)
         return None
-    layout = Layout(len(probe), k.shape[1], k.shape[3], v.shape[3], dtype)
+    layout = Layout(len(probe), k.shape[1], k.shape[3] * (group or 1), v.shape[3] * (group or 1),
+                    dtype, bits, group)
     block_tokens = launch.settings.block_tokens
     digest = weights_digest(resolve_model_dir(launch.model, Path(launch.cache_dir)))
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
     description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
                    f"mlx {mlx_version}|{layout}")
     lora = lora_of(model)  # what each adapter index means: blocks under it are keyed apart
+    if quant is not None:  # also in the layout above; named here too, plainly
+        description += f"|kv {bits} bits, group {group}"
     if lora is not None:
         description += f"|lora {lora.identity()}"
     if getattr(launch, "group", ""):  # a sharded engine's blocks hold rank 0's shard only

@@ -9,7 +9,12 @@ tokens; a tail block spans fewer (the partial span at a checkpoint boundary).
 File: ROOT/<namespace>/<parent[:2]>/<parent>-<n_tokens>-<key>.blk
   header (HEADER struct) | token ids (u32 LE x n_tokens) | payload
   payload: per layer, K as (kv_heads, n_tokens, k_head_dim) then V as (kv_heads, n, v_head_dim),
-  C order, in the KV dtype.
+  C order, in the KV dtype. With --kv-bits (`Layout.kv_bits`), K and V are each three arrays,
+  as `mx.quantize` gives them: packed (kv_heads, n, head_dim * bits / 32) uint32, then scales
+  and biases (kv_heads, n, head_dim / group size) in the KV dtype.
+The header records the bits and the group size (0, 0: unquantized) and a reader checks them
+against its own: a block of other bits is a miss, never misread. (The namespace, the keys'
+root, names them too, so an engine set to other bits does not even find such a block.)
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import numpy as np
 
 MAGIC = b"MLXDKV01"
 VERSION = 1
-HEADER = struct.Struct("<8sHHIIIII B7x 32s32s32s Q32s")
+# ... dtype, kv bits, kv group size (both 0 when unquantized; were padding before they existed)
+HEADER = struct.Struct("<8sHHIIIII BBH4x 32s32s32s Q32s")
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+STORED_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}  # numpy's
 
 
 class BadBlock(Exception):
@@ -36,17 +43,31 @@ class BadBlock(Exception):
 KvDtype = Literal["float32", "float16", "bfloat16"]
 
 
-class Layout(msgspec.Struct, frozen=True, array_like=True):
+class Layout(msgspec.Struct, frozen=True, array_like=True, repr_omit_defaults=True):
     """The shape of a model's KV cache, as blocks store it (and `StoreBlocks` names it)."""
     n_layers: int
     kv_heads: int
     k_head_dim: int
     v_head_dim: int
     dtype: KvDtype
+    kv_bits: int = 0  # --kv-bits: 4 or 8; 0: unquantized
+    kv_group_size: int = 0
+
+    def parts(self) -> list[tuple[str, int]]:
+        """The arrays one layer stores, in order, each (kv_heads, n_tokens, width): (numpy
+        dtype as stored, width), K's then V's."""
+        raw = STORED_DTYPES[self.dtype]
+        out = []
+        for dim in (self.k_head_dim, self.v_head_dim):
+            if self.kv_bits:
+                groups = dim // self.kv_group_size
+                out += [("uint32", dim * self.kv_bits // 32), (raw, groups), (raw, groups)]
+            else:
+                out.append((raw, dim))
+        return out
 
     def layer_bytes(self, n_tokens: int) -> int:
-        return self.kv_heads * n_tokens * (self.k_head_dim + self.v_head_dim) \
-            * DTYPE_SIZES[self.dtype]
+        return self.kv_heads * n_tokens * sum(np.dtype(t).itemsize * w for t, w in self.parts())
 
     def payload_bytes(self, n_tokens: int) -> int:
         return self.n_layers * self.layer_bytes(n_tokens)
@@ -92,8 +113,8 @@ def pack_header(layout: Layout, namespace: bytes, parent: bytes, key: bytes, tok
                 payload_hash: bytes, payload_len: int, tail: bool) -> bytes:
     head = HEADER.pack(MAGIC, VERSION, 1 if tail else 0, len(tokens), layout.n_layers,
                        layout.kv_heads, layout.k_head_dim, layout.v_head_dim,
-                       DTYPE_CODES[layout.dtype], namespace, parent, key, payload_len,
-                       payload_hash)
+                       DTYPE_CODES[layout.dtype], layout.kv_bits, layout.kv_group_size,
+                       namespace, parent, key, payload_len, payload_hash)
     return head + np.asarray(tokens, dtype="<u4").tobytes()
 
 
@@ -107,7 +128,7 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
         raise BadBlock(f"{path.name}: {e}") from e
     if len(data) < HEADER.size:
         raise BadBlock(f"{path.name}: truncated header")
-    (magic, version, _flags, n, n_layers, kv_heads, kd, vd, dtype, ns, par, k, plen,
+    (magic, version, _flags, n, n_layers, kv_heads, kd, vd, dtype, bits, group, ns, par, k, plen,
      phash) = HEADER.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         raise BadBlock(f"{path.name}: not a v{VERSION} block")
@@ -116,6 +137,9 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
     if (n_layers, kv_heads, kd, vd, dtype) != (layout.n_layers, layout.kv_heads, layout.k_head_dim,
                                                layout.v_head_dim, DTYPE_CODES[layout.dtype]):
         raise BadBlock(f"{path.name}: layout mismatch")
+    if (bits, group) != (layout.kv_bits, layout.kv_group_size):
+        raise BadBlock(f"{path.name}: KV quantization mismatch (block: {bits} bits, group "
+                       f"{group}; wanted {layout.kv_bits} bits, group {layout.kv_group_size})")
     if n != len(tokens) or plen != layout.payload_bytes(n):
         raise BadBlock(f"{path.name}: size mismatch")
     start = HEADER.size + 4 * n
