@@ -143,8 +143,10 @@ SETTINGS: tuple[Setting, ...] = _derive()
 BY_KEY = {s.key: s for s in SETTINGS}
 ENV_NAMES = {s.env: s for s in SETTINGS}
 # MLXD_* variables that are not settings: fault injection for tests, the config file itself,
-# the memory an engine may use (engine/batch_sizing.py).
-OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON", "MLXD_ENGINE_MEMORY"}
+# the memory an engine may use (engine/batch_sizing.py), the per-token stage clock
+# (protocol/stage_trace.py).
+OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON", "MLXD_ENGINE_MEMORY",
+             "MLXD_STAGE_TRACE"}
 
 TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}

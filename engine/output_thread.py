@@ -16,7 +16,7 @@ import zmq
 from mlxd.engine.output import RequestOutput
 from mlxd.engine.runner import AbortRequest, RequestsRemoved, RequestStarted, StepTokens
 from mlxd.engine.state import Channels, Registered, StatusTick
-from mlxd.protocol import codec
+from mlxd.protocol import codec, stage_trace
 from mlxd.protocol.messages import (
     CacheFlushed,
     Delta,
@@ -43,6 +43,10 @@ class OutputThread:
         self.runner_inbox = runner_inbox
         self.token_text = token_text
         self.outputs: dict[str, RequestOutput] = {}  # this thread's alone
+        self.trace: Any = None  # stage_trace.OutputTrace under MLXD_STAGE_TRACE
+        if stage_trace.ON:  # before any producer puts on outq (see stage_trace.attach)
+            from mlxd.engine.stage_trace import attach
+            self.trace = attach(channels)
 
     def run(self) -> None:
         enc = codec.from_engine()
@@ -53,8 +57,11 @@ class OutputThread:
         push.connect(self.endpoint)
 
         def send(msg: Any) -> None:
+            send_bytes(enc.encode(msg))
+
+        def send_bytes(data: bytes) -> None:
             try:
-                push.send(enc.encode(msg))
+                push.send(data)
             except zmq.Again:
                 log.warning("no proxy is reading engine output; dropped a message")
 
@@ -73,10 +80,15 @@ class OutputThread:
                         item = outq.get_nowait()
                 except queue.Empty:
                     pass
-                if deltas:
+                finished = any(d.finish_reason is not None for d in deltas)
+                if deltas and self.trace is not None:
+                    data = enc.encode(StepOutput(self.engine_id, self.epoch, deltas))
+                    encoded = stage_trace.now()
+                    send_bytes(data)
+                    self.trace.sent(encoded, stage_trace.now(), finished)
+                elif deltas:
                     send(StepOutput(self.engine_id, self.epoch, deltas))
                 now = time.monotonic()
-                finished = any(d.finish_reason is not None for d in deltas)
                 if now >= next_status or finished or stop.is_set():
                     next_status = now + STATUS_INTERVAL
                     send(self.status())
@@ -109,6 +121,7 @@ class OutputThread:
                 pass
 
     def _tokens(self, step: StepTokens, deltas: list[Delta]) -> None:
+        stamps = self.trace.taken(step) if self.trace is not None else None
         for rid, token, finish in step.rows:
             out = self.outputs.get(rid)
             if out is None:
@@ -121,6 +134,8 @@ class OutputThread:
                 delta.logprobs = [TokenLogprob(self.token_text(token), lp,
                                                [(self.token_text(i), v) for i, v in top])]
             deltas.append(delta)
+            if stamps is not None:
+                self.trace.detokenized(delta, stamps, len(step.rows))
             if delta.finish_reason is not None:
                 del self.outputs[rid]
                 inbox = self.runner_inbox()

@@ -17,7 +17,7 @@ from typing import cast
 import zmq
 import zmq.asyncio
 
-from mlxd.protocol import codec
+from mlxd.protocol import codec, stage_trace
 from mlxd.protocol.addresses import Endpoints, engine_identity
 from mlxd.protocol.messages import (
     Abort,
@@ -316,6 +316,7 @@ class EngineClient:
         assert pull is not None
         while True:
             data = await pull.recv()
+            received = stage_trace.now() if stage_trace.ON else 0
             try:
                 msg = self._dec.decode(data)
             except Exception:  # noqa: BLE001
@@ -323,6 +324,9 @@ class EngineClient:
                 continue
             match msg:
                 case StepOutput(epoch=epoch, deltas=deltas):
+                    if received:
+                        from mlxd.proxy.stage_trace import arrived
+                        arrived(deltas, received)
                     self._on_deltas(epoch, deltas)
                 case EngineStatus():
                     self._on_status(msg)

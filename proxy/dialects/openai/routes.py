@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.models import model_id
 from mlxd.proxy import constraints
@@ -209,8 +210,13 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
     calls = [0] * n
     held = [""] * n  # a forced call's text, sent as one call once complete
     deltas = _Deltas(gens)
+    trace = None
+    if stage_trace.ON:
+        from mlxd.proxy.stage_trace import StreamTrace
+        trace = StreamTrace()
     try:
         async for i, d in deltas:
+            stamps = trace.handler(d) if trace is not None else None
             if d.reasoning and shape.chat:
                 out.append(_sse({**base, "choices": [chunk(i, reasoning_content=d.reasoning)]}))
             if d.tool_calls and shape.chat:
@@ -226,6 +232,8 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
             elif d.text:
                 out.append(templates[i].render(d.text))
             offsets[i] += len(d.text)
+            if trace is not None:
+                trace.built(d, stamps, offsets[i])
             if d.finish_reason is not None:
                 reason = d.finish_reason
                 if shape.forced:
@@ -238,6 +246,8 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
             if not deltas.pending():  # one write for whatever has queued up meanwhile
                 await resp.write(b"".join(out))
                 out.clear()
+                if trace is not None:
+                    trace.written()
         if out:
             await resp.write(b"".join(out))
         if include_usage:
@@ -247,6 +257,8 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
         await resp.write(b"".join(out) + _sse(e.body()))
     finally:
         deltas.close()
+        if trace is not None:
+            trace.close()
     await resp.write_eof()
     return resp
 

@@ -1,0 +1,94 @@
+"""The per-token stage clock (opt-in, for benchmarks/stage_costs.py): every process on a
+token's way from the MLX thread to the client stamps the token at each stage boundary, and
+the stamps are joined afterwards into a cost per stage.
+
+Switched on by the environment variable MLXD_STAGE_TRACE=DIR (inherited by every child), read
+once at import; each process appends its records, one JSON line per token, to
+`DIR/<role>-<pid>.jsonl` when a request finishes. Unset, nothing is installed: the hot path
+tests one module constant.
+
+The clock is `time.perf_counter_ns()`: CLOCK_MONOTONIC on Linux, mach_absolute_time on macOS,
+both one clock for every process of a host, so the engine's, the proxy's and a local client's
+stamps compare directly and nothing travels on the wire. (A client on another machine could
+only be compared through deltas.)
+
+A token is named by its request id and its index (the request's completion tokens once it is
+counted, as the `Delta` carries it); the proxy also records the characters delivered after
+it, which is how a client, who sees chunks and not tokens, is joined.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+ENV = "MLXD_STAGE_TRACE"
+DIR: str | None = os.environ.get(ENV) or None
+ON: bool = DIR is not None
+now = time.perf_counter_ns
+
+# Stage boundaries in the order a token passes them (see benchmarks/stage_costs.py).
+ENGINE_STAGES = (
+    "next_in",  # MLX thread: BatchGenerator.next called
+    "graph_built",  # the step's graph built (mx.async_eval called for the next tokens)
+    "dispatched",  # mx.async_eval returned
+    "device_done",  # mx.eval of the current tokens returned: the device finished them
+    "read_back",  # GenerationBatch._step returned (tokens read back as Python ints)
+    "next_out",  # BatchGenerator.next returned (mlx-lm's stop matching, responses)
+    "handed_off",  # the runner put the step's tokens on the output queue
+    "taken",  # output thread: began on the step
+    "detokenized",  # this row's token detokenized, stop strings matched, delta built
+    "encoded",  # the StepOutput msgpack-encoded
+    "sent",  # ZeroMQ send returned
+)
+PROXY_STAGES = (
+    "received",  # proxy: ZeroMQ recv returned
+    "decoded",  # StepOutput decoded, deltas queued to their streams
+    "handler",  # the request's handler task got the delta
+    "chunk_built",  # the dialect's SSE bytes for it built
+    "written",  # the SSE write returned (bytes handed to the transport)
+)
+CLIENT_STAGE = "client"  # the client parsed the chunk
+STAGES = (*ENGINE_STAGES, *PROXY_STAGES, CLIENT_STAGE)
+
+
+class TokenTrace(msgspec.Struct):
+    """One token's stamps in one process (perf_counter_ns, per stage boundary)."""
+    request_id: str
+    index: int  # the request's completion tokens, this one counted
+    stamps: dict[str, int]
+    rows: int = 1  # engine: rows that produced a token in the same step
+    chars: int = -1  # proxy: the request's characters delivered after this token
+
+
+class TraceFile:
+    """A process's trace records, appended to DIR/<role>-<pid>.jsonl on `flush`."""
+
+    def __init__(self, role: str, directory: str | None = None) -> None:
+        self.path = Path(directory or DIR or ".") / f"{role}-{os.getpid()}.jsonl"
+        self._records: list[TokenTrace] = []
+        self._lock = threading.Lock()
+        self._enc = msgspec.json.Encoder()
+
+    def add(self, record: TokenTrace) -> None:
+        self._records.append(record)
+
+    def flush(self) -> None:
+        with self._lock:
+            records, self._records = self._records, []
+            if not records:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab") as f:
+                f.write(b"".join(self._enc.encode(r) + b"\n" for r in records))
+
+
+def read(directory: str | Path) -> list[TokenTrace]:
+    """Every record of every process under `directory`."""
+    dec = msgspec.json.Decoder(TokenTrace)
+    return [dec.decode(line) for p in sorted(Path(directory).glob("*.jsonl"))
+            for line in p.read_bytes().splitlines() if line]
