@@ -49,7 +49,7 @@ def install() -> None:
     import importlib
 
     import mlx.core as mx
-    g = importlib.import_module("mlx_lm.generate")  # (mlx_lm.generate is also a function)
+    g: Any = importlib.import_module("mlx_lm.generate")  # (mlx_lm.generate is also a function)
 
     next_, step_ = g.BatchGenerator.next, g.GenerationBatch._step
 
@@ -95,8 +95,8 @@ def install() -> None:
     shim.__dict__.update({k: v for k, v in vars(mx).items() if not k.startswith("__")})
     shim.__dict__.update(async_eval=async_eval, eval=eval_)
     g.mx = shim
-    g.BatchGenerator.next = traced_next  # type: ignore[method-assign]
-    g.GenerationBatch._step = traced_step  # type: ignore[method-assign]
+    g.BatchGenerator.next = traced_next
+    g.GenerationBatch._step = traced_step
     _installed = True
 
 
