@@ -5,6 +5,7 @@ weights: whatever it would say, the output must still match the schema."""
 from __future__ import annotations
 
 import json
+import queue
 import threading
 
 import anthropic
@@ -179,3 +180,214 @@ def test_ollama_format(daemon):
     jsonschema.validate(json.loads(r.message.content or ""), CITY)
     g = c.generate(model=MODEL, prompt="A city:", format="json", options={"num_predict": 120})
     assert isinstance(json.loads(g.response or ""), dict) and g.done_reason == "stop"
+
+
+# ---------------------------------------------------------------- the MLX thread, in process
+# The step hook (`constraints_overlap`) masks every grammar row of a step at once, after
+# starting the forward pass. Its outputs must be those of the per-row processor it replaced,
+# kept here as the reference.
+
+class SyncGrammarProcessor:
+    """The previous implementation: reads its token and masks its row on the MLX thread."""
+
+    def __init__(self, tokenizers, grammar: str, replay=None) -> None:
+        import llguidance
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+        self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
+        self.matcher = llguidance.LLMatcher(tokenizers.get(), grammar)
+        for t in replay or []:
+            self.matcher.consume_token(t)
+        self._calls = 0
+
+    def __call__(self, context, logits):
+        import mlx.core as mx
+        import numpy as np
+        if self._calls:
+            self.matcher.consume_token(context[-1].item())
+        self._calls += 1
+        vocab = logits.shape[-1]
+        bitmask = self._allocate(1, vocab)
+        if self.matcher.is_error():
+            return logits
+        self._fill(self.matcher, bitmask, 0)
+        allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab]
+        return mx.where(mx.array(allowed.astype(np.bool_)), logits, float("-inf"))
+
+
+SMALL: dict[str, object] = {
+    "type": "object", "additionalProperties": False, "required": ["n", "ok"],
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "ok": {"type": "boolean"}, "tag": {"type": "string", "maxLength": 6}}}
+
+
+@pytest.fixture(scope="module")
+def engine_parts(tiny_model, tmp_path_factory):
+    from mlxd.engine.constraints import TokenizerCache
+    from mlxd.engine.model_loader import load_model
+    m, tok, _ = load_model(str(tiny_model), tmp_path_factory.mktemp("grammar"))
+    vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
+    return m, tok, TokenizerCache(tok._tokenizer, vocab, sorted(tok.eos_token_ids))
+
+
+def grammars() -> dict[str, str]:
+    from llguidance import LLMatcher
+    return {"json": LLMatcher.grammar_from_json_schema(
+                SMALL, defaults={"whitespace_flexible": False}),
+            "regex": LLMatcher.grammar_from_regex(r"(cat|dog|bird)s? [0-9]{1,3}( and [a-z]+)*\.")}
+
+
+def decode_rows(parts, rows, batch: int = 8) -> dict[str, list[int]]:
+    """Run `rows` [(id, prompt, max_tokens, sampler, processors)] through one Runner."""
+    from mlxd.engine.runner import AddRequest, Runner, StepTokens
+    m, tok, _ = parts
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, sorted(tok.eos_token_ids), batch_size=batch, prefill_step=64, outbox=outq)
+    for rid, prompt, max_tokens, sampler, procs in rows:
+        r.inbox.put(AddRequest(rid, prompt, max_tokens, sampler, procs))
+    r._handle_commands(block=False)
+    out: dict[str, list[int]] = {}
+    done: set[str] = set()
+    while len(done) < len(rows):
+        r._step()
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, StepTokens):
+                for rid, t, fin in item.rows:
+                    out.setdefault(rid, []).append(t)
+                    if fin:
+                        done.add(rid)
+    return out
+
+
+def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,
+              max_tokens: int = 40, replay: dict[int, list[int]] | None = None,
+              sampler_of=None):
+    """The same rows decoded with the new processor and the reference; returns both outputs
+    and how many steps the new one masked through the batched plan."""
+    from mlxd.engine import constraints_overlap
+    from mlxd.engine.constraints import GrammarProcessor
+    from mlxd.engine.sampling import make_request_sampler
+    from mlxd.protocol.messages import SamplingParams
+    _, tok, tc = parts
+    g = grammars()
+    planned = [0]
+    original = constraints_overlap.StepPlan._compute
+
+    def counting(self, logits):
+        planned[0] += 1
+        return original(self, logits)
+    monkeypatch.setattr(constraints_overlap.StepPlan, "_compute", counting)
+    outs = []
+    for cls in (GrammarProcessor, SyncGrammarProcessor):
+        rows = []
+        for i, (kind, seed) in enumerate(zip(kinds, seeds, strict=True)):
+            back = (replay or {}).get(i, [])
+            p = SamplingParams(temperature=0.0 if seed < 0 else 0.9, seed=max(seed, 0))
+            sampler = (sampler_of(i) if sampler_of else None) or make_request_sampler(
+                p, start_position=len(back))
+            procs = [] if kind is None else [cls(tc, g[kind], replay=back)]
+            rows.append((f"r{i}", tok.encode(f"Item {i}: the answer") + back,
+                         max_tokens, sampler, procs))
+        outs.append(decode_rows(parts, rows))
+    return outs[0], outs[1], planned[0]
+
+
+def text_ok(tok, kind: str, ids: list[int]) -> None:
+    import re
+    text = tok.decode([t for t in ids if t not in tok.eos_token_ids])
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SMALL)
+    else:
+        assert re.fullmatch(r"(cat|dog|bird)s? [0-9]{1,3}( and [a-z]+)*\.", text), text
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_overlapped_masks_equal_the_per_row_processor_alone(engine_parts, monkeypatch, kind):
+    new, ref, planned = both_ways(engine_parts, [kind], [-1], monkeypatch, max_tokens=60)
+    assert new == ref and planned > 0
+    if ref["r0"][-1] in engine_parts[1].eos_token_ids:  # finished: the whole text obeys
+        text_ok(engine_parts[1], kind, ref["r0"])
+
+
+def test_overlapped_masks_equal_the_per_row_processor_in_a_mixed_batch(engine_parts, monkeypatch):
+    """Greedy and seeded grammar rows beside free rows, in one batch."""
+    kinds: list[str | None] = ["json", None, "regex", "json", None, "regex"]
+    seeds = [-1, -1, 7, 11, 5, -1]
+    new, ref, planned = both_ways(engine_parts, kinds, seeds, monkeypatch)
+    assert new == ref
+    assert planned >= 10  # the steps went through the batched path, not row by row
+    assert len(new["r1"]) == 40 and len(new["r4"]) == 40  # free rows ran their course
+    _, tok, _ = engine_parts
+    for i, kind in enumerate(kinds):
+        ids = new[f"r{i}"]
+        if kind is not None and ids[-1] in tok.eos_token_ids:
+            text_ok(tok, kind, ids)
+
+
+def test_a_grammar_failing_midway_leaves_the_row_unconstrained_as_before(
+        engine_parts, monkeypatch, caplog):
+    """A token the grammar refuses (here forced by the sampler) puts the matcher in error:
+    the row goes on unconstrained, with one warning, exactly as the reference does."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import greedy_sampler
+    _, tok, _ = engine_parts
+    bad = tok.encode("}")[-1]
+
+    def sampler_of(i: int):  # called once per run: each run counts from 0
+        if i != 0:
+            return None
+        calls = [0]
+
+        def forcing(logprobs):
+            calls[0] += 1
+            return mx.array([bad]) if calls[0] == 4 else greedy_sampler(logprobs)
+        return forcing
+    with caplog.at_level("WARNING", logger="mlxd.engine"):
+        new, ref, planned = both_ways(engine_parts, ["json", "json", None], [-1, -1, -1],
+                                      monkeypatch, max_tokens=20, sampler_of=sampler_of)
+    assert new == ref and planned > 0
+    assert new["r0"][3] == bad and len(new["r0"]) == 20
+    warnings = [r for r in caplog.records if "output grammar failed" in r.getMessage()]
+    assert len(warnings) == 1  # the reference logs nothing; the new one warns once
+
+
+def test_resumed_rows_replay_their_tokens_first(engine_parts, monkeypatch):
+    """A resumed request's processor replays what was delivered; the continuation is that of
+    the reference, and the whole answer still obeys the grammar."""
+    full, _, _ = both_ways(engine_parts, ["json", "regex"], [-1, -1], monkeypatch, max_tokens=60)
+    replay = {0: full["r0"][:5], 1: full["r1"][:3]}
+    new, ref, planned = both_ways(engine_parts, ["json", "regex"], [-1, -1], monkeypatch,
+                                  max_tokens=20, replay=replay)
+    assert new == ref and planned > 0
+    _, tok, _ = engine_parts
+    for i, kind in enumerate(["json", "regex"]):
+        ids = replay[i] + new[f"r{i}"]
+        if ids[-1] in tok.eos_token_ids:
+            text_ok(tok, kind, ids)
+
+
+def test_token_feed_consumes_each_position_once_and_in_order():
+    """The feed between the plan, the per-row path and the matcher, on a fake sequence."""
+    from mlxd.engine.constraints import OutOfOrder, TokenFeed
+
+    class Fake:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def consume_token(self, t: int) -> bool:
+            self.seen.append(t)
+            return True
+    fake = Fake()
+    feed = TokenFeed(fake)
+    sequence = [5, 9, 2, 7]
+    for pos, t in enumerate(sequence):
+        feed.consume(pos, t)
+        feed.consume(pos, t + 100)  # offered again (a second path): not consumed twice
+        assert feed.due(pos) is False
+    assert fake.seen == sequence and feed.consumed == 4
+    with pytest.raises(OutOfOrder):
+        feed.consume(6, 1)  # position 4 and 5 never came: refused, nothing consumed
+    assert fake.seen == sequence
+    assert feed.due(4)
+    feed.consumed_par(4)  # the batched path consumed position 4 itself
+    assert feed.consumed == 5 and not feed.due(4)
