@@ -261,6 +261,7 @@ def install(model: Any, bits: int | None, group_size: int) -> None:
         raise KvQuantError(f"--kv-bits must be one of {BITS} and --kv-group-size one of "
                            f"{GROUP_SIZES} (got {bits}, {group_size})")
     from mlx_lm.models.cache import make_prompt_cache
+    uninstall(model)  # installing again replaces the bits
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     if kinds != {"KVCache"}:
         raise KvQuantError(f"--kv-bits needs a model whose cache is a plain KVCache per layer; "
