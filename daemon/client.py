@@ -169,7 +169,7 @@ def _kv_budget(engine: dict) -> str:
     """The KV memory `--batch auto` sizes the batch from, and the engine's share of the
     machine's memory when it is one of a pool's."""
     c = engine.get("cache") or {}
-    if not c.get("kv_budget_bytes"):
+    if not c.get("kv_budget_bytes") or engine.get("state") in ("stopped", "unloaded"):
         return "-"
     share = c.get("memory_share", 1.0)
     return _size(c["kv_budget_bytes"]) + (f" ({share:.0%} share)" if share < 1 else "")

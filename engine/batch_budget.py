@@ -61,18 +61,21 @@ def budget(available_bytes: int, model_bytes: int, shape: KvShape,
     mine = int(available_bytes * fraction)
     usable = int(mine * (1 - RESERVE_FRACTION)) - model_bytes - cache_bytes
     kv = max(0, usable)
-    gib = 2**30
-    cache = f", prefix cache {cache_bytes / gib:.1f} GiB" if cache_bytes else ""
-    whole = f"{source}: {available_bytes / gib:.1f} GiB"
+    cache = f", prefix cache {_size(cache_bytes)}" if cache_bytes else ""
+    whole = f"{source}: {_size(available_bytes)}"
     if share is not None and fraction < 1:
-        back = (f" (the other engines' weights {counted_back / gib:.1f} GiB counted back)"
+        back = (f" (the other engines' weights {_size(counted_back)} counted back)"
                 if counted_back else "")
         whole = (f"share {fraction:.0%} (--model-pool {share.pool}, {share.others} other "
-                 f"engine(s)) of {whole}{back} = {mine / gib:.2f} GiB")
-    why = (f"{whole}, weights {model_bytes / gib:.1f} "
-           f"GiB{cache}, {RESERVE_FRACTION:.0%} reserve -> {kv / gib:.1f} GiB for KV at "
-           f"{shape.bytes_per_token / 1024:.1f} KiB/token")
+                 f"engine(s)) of {whole}{back} = {_size(mine)}")
+    why = (f"{whole}, weights {_size(model_bytes)}{cache}, {RESERVE_FRACTION:.0%} reserve -> "
+           f"{_size(kv)} for KV at {shape.bytes_per_token / 1024:.1f} KiB/token")
     return Budget(kv, shape.bytes_per_token, explicit_cap, why, fraction)
+
+
+def _size(n: int) -> str:
+    """GiB, or MiB below one GiB (a small model's weights are not "0.0 GiB")."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 or n == 0 else f"{n / 2**20:.1f} MiB"
 
 
 def machine_memory(found_bytes: int, share: PoolShare | None, forced: bool) -> int:

@@ -36,7 +36,7 @@ def weights(model) -> int:
 
 def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
     """Memory for 4.5 full-context rows of tiny-llama in half of it: alone, an engine would
-    have taken all of it (13 rows); in a pool of 2 each takes its half, and the wide model,
+    have taken all of it (21 rows); in a pool of 2 each takes its half, and the wide model,
     whose KV costs twice as much, gets about half as many rows in the same bytes."""
     memory = int((weights(tiny_model) + CACHE + 4.5 * CONTEXT * KV_A) / 0.45)
     d = start_daemon(tiny_model, "--model-pool", "2", "--prompt-cache", "0.001",
@@ -63,7 +63,7 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
         held = sum(e["cache"]["kv_budget_bytes"] for e in (a, b)) + 2 * CACHE \
             + weights(tiny_model) + weights(wide_model)
         assert held <= 0.9 * memory, (held, memory)
-        # each its half: 4 rows of the whole context for tiny-llama (13 alone), 2 for the wide
+        # each its half: 4 rows of the whole context for tiny-llama (21 alone), 2 for the wide
         assert a["batch_cap"] == 4 and a["cache"]["kv_budget_bytes"] // KV_A // CONTEXT == 4
         assert b["batch_cap"] == 2 and b["cache"]["kv_budget_bytes"] // KV_B // CONTEXT == 2
         shown = format_status(stats)  # what `mlxd status` prints
