@@ -13,8 +13,9 @@ whose processor is called (`StepPlan.allowed`):
 
 1. starts the forward pass of step k (`mx.async_eval` of the logits), so the device has work;
 2. reads the previous tokens of all rows at once (one wait, for step k-1 only);
-3. has llguidance consume them and fill every row's bitmask on its executor's threads
-   (parallel across rows, the GIL released), while the device runs the forward pass;
+3. has llguidance consume them (a few µs a row) and fill every row's bitmask on its
+   executor's threads (parallel across rows, the GIL released; the costly part), while the
+   device runs the forward pass;
 4. sends the packed bitmasks to the device in one array and unpacks them there; each row's
    processor then applies its own row of it where the step samples.
 
@@ -73,7 +74,6 @@ class StepPlan:
     def _compute(self, logits: mx.array) -> None:
         from llguidance.numpy import (
             allocate_token_bitmask,
-            consume_token_par,
             fill_next_token_bitmask,
             fill_next_token_bitmask_par,
         )
@@ -81,13 +81,8 @@ class StepPlan:
         previous = cast(list[int], self._tokens.tolist())  # 2. one wait, for the last step
         feeds = [(j, p, position) for j, (i, p, position) in enumerate(self.rows)
                  if p.feed.due(position)]
-        par = [(p.matcher, previous[self.rows[j][0]]) for j, p, _ in feeds]
-        if len(par) == 1:
-            par[0][0].consume_token(par[0][1])
-        elif par:
-            consume_token_par(executor(), par)  # 3. on llguidance's threads
-        for _, p, position in feeds:
-            p.feed.consumed_par(position)
+        for j, p, position in feeds:  # a few µs each: cheaper here than on the executor
+            p.feed.consume(position, previous[self.rows[j][0]])
         self._ok = [not p.check_error() for _, p, _ in self.rows]
         vocab = logits.shape[-1]
         bits = allocate_token_bitmask(len(self.rows), vocab)
