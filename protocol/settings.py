@@ -177,7 +177,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         extra={"metavar": "4|8"})] = None
     kv_group_size: Annotated[int, Meta(ge=32, le=128, multiple_of=32, description=(
         "with --kv-bits: elements per quantization group, one scale and bias each: 32, 64 or "
-        "128"))] = 64
+        "128"), extra={"metavar": "32|64|128"})] = 64
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,6 +30,7 @@ from mlxd.protocol.block_format import (
     pack_header,
     read_block,
 )
+from support.harness import stream_chat
 from support.random_model import write_random_model
 
 
@@ -219,22 +220,24 @@ def test_engine_reader_with_other_bits_is_a_miss(tmp_path):
 
 # ---------------------------------------------------------------------- through daemons
 
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 3}
+
+
 def chat(d, user, max_tokens=8):
     with d.http() as c:
         r = c.post("/v1/chat/completions", json={
-            "messages": [{"role": "system", "content": "You are a careful assistant. " * 3},
-                         {"role": "user", "content": user}], "max_tokens": max_tokens})
+            "messages": [SYSTEM, {"role": "user", "content": user}], "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["message"]["content"], \
         body["usage"]["prompt_tokens_details"]["cached_tokens"], body["usage"]["prompt_tokens"]
 
 
-def serve(model, ssd, *extra):
-    return start_daemon(model, "--ssd-cache", str(ssd), "--block-tokens", "16", *extra)
+def serve(model, ssd, *extra, **kw):
+    return start_daemon(model, "--ssd-cache", str(ssd), "--block-tokens", "16", *extra, **kw)
 
 
-def test_ssd_round_trip_and_blocks_of_other_bits_are_misses(qmodel, tmp_path):
+def test_ssd_round_trip_resume_and_blocks_of_other_bits_are_misses(qmodel, tmp_path):
     path = qmodel[0]
     ssd = tmp_path / "kv"
     ask = "Tell me about the sea and the lighthouse."
@@ -244,11 +247,15 @@ def test_ssd_round_trip_and_blocks_of_other_bits_are_misses(qmodel, tmp_path):
         assert cached == 0
     finally:
         stop(d)
-    d = serve(path, ssd, "--kv-bits", "8")
+    # --isolate, 8 bits, checkpoints: a killed engine's request resumes from quantized blocks
+    d = serve(path, ssd, "--kv-bits", "8", "--generation-checkpoint", "8", "--restart-backoff",
+              "0.1", isolate=True, env={"MLXD_FAULTS": "engine.step=delay@1#<2"})
     try:
-        text8, cached, _ = chat(d, ask)
-        again, cached2, prompt = chat(d, ask)  # the RAM tier, quantized
-        assert cached == 0 and cached2 == prompt - 1 and again == text8
+        text8, cached, _ = chat(d, ask, max_tokens=24)
+        body = {"messages": [SYSTEM, {"role": "user", "content": ask}], "max_tokens": 24}
+        resumed, usage = stream_chat(d, body, kill_after=12)
+        assert resumed == text8 and usage["resumes"] == 1
+        assert d.stats()["engines"][0]["cache"]["ssd_hits"] >= 1  # the restarted engine's
         with d.unix_http() as c:
             assert c.post("/admin/cache/flush").json()["failed"] == 0
     finally:
@@ -257,7 +264,7 @@ def test_ssd_round_trip_and_blocks_of_other_bits_are_misses(qmodel, tmp_path):
     assert blocks and all(b.read_bytes()[33] == 8 for b in blocks)  # the header's bits
     d = serve(path, ssd, "--kv-bits", "8")
     try:  # a restart: the SSD tier restores the quantized blocks, the text is the same
-        restored, cached, prompt = chat(d, ask)
+        restored, cached, prompt = chat(d, ask, max_tokens=24)
         assert cached == prompt - 1 and restored == text8
         assert d.stats()["engines"][0]["cache"]["ssd_hits"] == 1
     finally:
