@@ -24,9 +24,11 @@ that moment is not counted back, which only makes the new engine's part smaller.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxd.daemon.children import Child
 from mlxd.protocol.settings import PoolShare
 
 
@@ -61,6 +63,22 @@ def relaunch(share: PoolShare, holders: list[Holder]) -> PoolShare:
     """A restarted engine's share: its fraction kept, the others' weights as they are now."""
     return PoolShare(fraction=share.fraction, pool=share.pool, others=len(holders),
                      others_weight_bytes=sum(h.loaded_weight_bytes for h in holders))
+
+
+def share_of(child: Child, children: Iterable[Child], pool: int,
+             weight_of: Callable[[str], int] | None = None) -> PoolShare:
+    """The share `child` (an engine about to be spawned) is launched with: granted at its
+    first start beside the other engines holding one (an unloaded engine holds none, even
+    while it exits), kept across restarts. The weights of the others that are ready (loaded)
+    are counted back; a loading one's may not be in memory yet."""
+    weight_of = weight_of or weight_bytes_on_disk
+    holders = [Holder(c.share.fraction, weight_of(c.model) if c.state == "ready" else 0)
+               for c in children
+               if c.role == "engine" and c is not child and not c.removed
+               and c.share is not None]
+    if child.share is None:
+        return grant(pool, holders)
+    return relaunch(child.share, holders)
 
 
 def weight_bytes_on_disk(spec: str) -> int:

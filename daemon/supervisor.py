@@ -25,7 +25,7 @@ from mlxd.daemon import health_probe
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.launch import command, engine_launch, proxy_launch, storage_launch, write_launch
-from mlxd.daemon.memory_share import Holder, grant, relaunch, weight_bytes_on_disk
+from mlxd.daemon.memory_share import share_of
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
@@ -95,19 +95,13 @@ class Supervisor:
     def _share(self, child: Child) -> PoolShare:
         """An engine's part of the machine's memory: granted at its first start beside the
         engines that hold one (an unloaded engine holds none), kept across restarts."""
-        holders = [Holder(c.share.fraction,
-                          weight_bytes_on_disk(c.model) if c.state == "ready" else 0)
-                   for c in self.children.values()
-                   if c.role == "engine" and c is not child and not c.removed
-                   and c.share is not None]
-        if child.share is None:
-            share = grant(self.cfg.proxy.model_pool, holders)
-            if share.fraction < 1:
-                log.info("engine %s gets %.0f%% of the memory (--model-pool %d, %d other "
-                         "engine(s) holding %.0f%%)", child.child_id, 100 * share.fraction,
-                         share.pool, share.others, 100 * sum(h.fraction for h in holders))
-            return share
-        return relaunch(child.share, holders)
+        first = child.share is None
+        share = share_of(child, self.children.values(), self.cfg.proxy.model_pool)
+        if first and share.fraction < 1:
+            log.info("engine %s for %s gets %.0f%% of the memory (--model-pool %d, %d other "
+                     "engine(s) with a share)", child.child_id, model_id(child.model),
+                     100 * share.fraction, share.pool, share.others)
+        return share
 
     # ------------------------------------------------------------------ main loop
 

@@ -78,12 +78,12 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 or n == 0 else f"{n / 2**20:.1f} MiB"
 
 
-def machine_memory(found_bytes: int, share: PoolShare | None, forced: bool) -> int:
+def machine_memory(found_bytes: int, share: PoolShare | None, whole: bool) -> int:
     """What the machine can give all the engines of the pool, from what this engine found at
     load (free memory plus its own weights): the other engines' loaded weights are counted
-    back, since free memory lacks them. A figure the user forced (`MLXD_ENGINE_MEMORY`) is
-    already the pool's whole."""
-    if share is None or forced:
+    back, since free memory lacks them. A `whole` figure (one the user forced with
+    `MLXD_ENGINE_MEMORY`, Metal's working-set limit) is already the pool's."""
+    if share is None or whole:
         return found_bytes
     return found_bytes + share.others_weight_bytes
 

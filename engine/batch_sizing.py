@@ -27,9 +27,15 @@ def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int =
     `share`: the engine's part of the memory when it is one of a pool's."""
     weights = weight_bytes(model)
     available, source = available_memory(weights)
-    whole = machine_memory(available, share, forced=source == MEMORY_ENV)
+    whole = machine_memory(available, share, whole=not free_based(source))
     return budget(whole, weights, kv_shape(model, stream), explicit_cap(batch), source,
                   cache_bytes, share, whole - available)
+
+
+def free_based(source: str) -> bool:
+    """Whether `available_memory`'s figure came from free memory, which lacks what the other
+    engines of a pool already hold (not a forced figure nor Metal's working-set limit)."""
+    return source.startswith(("RAM (", "GPU memory ("))
 
 
 def weight_bytes(model: Any) -> int:

@@ -24,6 +24,7 @@ from mlxd.engine.batch_budget import (
     may_admit,
     reserved_tokens,
 )
+from mlxd.engine.batch_sizing import MEMORY_ENV, free_based
 from mlxd.protocol.settings import PoolShare
 
 GiB = 2**30
@@ -114,7 +115,7 @@ def load_pool(machine: int, pool: int, models: Sequence[tuple[int, KvShape, int 
         share = grant(pool, holders)
         # free memory once its weights are in, plus them: the machine less the others' weights
         found = machine if forced else machine - sum(h.loaded_weight_bytes for h in holders)
-        whole = machine_memory(found, share, forced)
+        whole = machine_memory(found, share, whole=forced)
         b = budget(whole, weights, shape, cap, "MLXD_ENGINE_MEMORY" if forced else "RAM",
                    cache, share, whole - found)
         out.append((weights, b))
@@ -191,6 +192,10 @@ def test_a_forced_memory_figure_is_the_whole_pool():
     assert [b.kv_bytes for _, b in engines] == [int(m / 2 * 0.9) - w for w in (GiB, 3 * GiB)]
     assert "counted back" not in engines[1][1].why
     assert machine_memory(m, PoolShare(fraction=0.5, others_weight_bytes=GiB), True) == m
+    assert free_based("RAM (3.0 GiB available + the weights)")
+    assert free_based("GPU memory (70.0 GiB free + 1.0 GiB held by MLX)")
+    assert not free_based("unified memory (the GPU's recommended working set)")
+    assert not free_based(MEMORY_ENV)
 
 
 def test_an_unloaded_engines_share_goes_to_the_next_one_started():

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from mlxd.daemon.children import Child
+from mlxd.daemon.memory_share import share_of
+from mlxd.protocol.messages import ChildState
+from mlxd.protocol.settings import PoolShare
 from mlxd.proxy.model_pool import ModelPool, NotEnoughMemory, PoolBusy, parse_keep_alive
 
 
@@ -61,3 +65,56 @@ def test_parse_keep_alive(value, seconds):
 def test_parse_keep_alive_rejects_junk(value):
     with pytest.raises(ValueError):
         parse_keep_alive(value)
+
+
+# ---------------------------------------------------------------- memory shares (supervisor)
+# daemon/memory_share.share_of: the part of the memory each engine child is launched with.
+
+def _engine(eid: str, state: ChildState = "ready") -> Child:
+    c = Child("engine", eid, f"/models/{eid}", [])
+    c.state = state
+    return c
+
+
+def _spawn(child: Child, children: dict[str, Child], pool: int) -> PoolShare:
+    """What the supervisor does as it launches `child`."""
+    children[child.child_id] = child
+    child.share = share_of(child, children.values(), pool, lambda spec: 100 * len(spec))
+    return child.share
+
+
+def test_shares_granted_kept_across_restarts_and_returned_on_unload():
+    children: dict[str, Child] = {}
+    a = _engine("a")
+    assert _spawn(a, children, 2) == PoolShare(fraction=0.5, pool=2)
+    b = _engine("b", "starting")
+    sb = _spawn(b, children, 2)
+    assert (sb.fraction, sb.others, sb.others_weight_bytes) == (0.5, 1, 900)  # a's weights
+    a.state = "backoff"  # a crashed: restarted with its half; b still loading: no weights
+    assert _spawn(a, children, 2) == PoolShare(fraction=0.5, pool=2, others=1)
+    a.removed = True  # unloaded (still exiting): its half goes to the next engine at once
+    c = _engine("c")
+    assert _spawn(c, children, 2).fraction == 0.5
+    assert sum(x.share.fraction for x in children.values() if not x.removed and x.share) == 1
+
+
+def test_one_engine_alone_and_a_pool_of_one_get_all_the_memory():
+    children: dict[str, Child] = {}
+    a = _engine("a")
+    assert _spawn(a, children, 1) == PoolShare()
+    a.removed = True  # --model-pool 1: the evicted engine's whole goes to the next
+    assert _spawn(_engine("b"), children, 1) == PoolShare()
+    assert share_of(_engine("x"), [Child("proxy", "proxy", "", [])], 1) == PoolShare()
+
+
+def test_three_engines_each_a_third_whatever_leaves_between():
+    children: dict[str, Child] = {}
+    a, b = _engine("a"), _engine("b")
+    _spawn(a, children, 3)
+    _spawn(b, children, 3)
+    b.removed = True
+    c, d = _engine("c"), _engine("d")
+    assert abs(_spawn(c, children, 3).fraction - 1 / 3) < 1e-9
+    assert abs(_spawn(d, children, 3).fraction - 1 / 3) < 1e-9
+    held = [x.share.fraction for x in children.values() if not x.removed and x.share]
+    assert len(held) == 3 and abs(sum(held) - 1) < 1e-9
