@@ -1,9 +1,14 @@
 """Decode tokens/s with constrained decoding (a JSON schema through llguidance) against the
-same requests unconstrained, on one `mlxd serve --isolate`, at batch 1 and 8, interleaved
+same requests unconstrained, on one `mlxd serve --isolate`, at batch 8 and 32, interleaved
 repetitions. The schema asks for a long array of integers so that both kinds decode the full
 `--max-tokens` (a model's EOS ends either early only by chance).
 
-    python benchmarks/constrained.py --shape tiny --reps 3
+`--base-tree DIR` measures a second checkout of this repository in the same run (its `mlxd`
+imported ahead of the installed one), side by side: before vs after a change, e.g.
+
+    git worktree add /tmp/grammar-base <commit>
+    python benchmarks/constrained.py --shape tiny --reps 3 --base-tree /tmp/grammar-base
+    git worktree remove /tmp/grammar-base
     python benchmarks/constrained.py --shape 1b --model-dtype bfloat16 --max-tokens 256
 """
 
@@ -11,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
+import queue
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -47,42 +57,202 @@ async def round_(base: str, model: str, n: int, max_tokens: int, constrained: bo
         return sum(tokens) / (time.perf_counter() - t0)
 
 
+def tree_view(tree: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes `import mlxd` load the checkout at `tree`."""
+    view = Path(tempfile.mkdtemp(prefix="mlxd-tree-"))
+    pkg = view / "mlxd"
+    pkg.mkdir()
+    for f in ("__init__.py", "__main__.py"):
+        (pkg / f).symlink_to(tree.resolve() / "_pkg" / f)
+    for name in ("daemon", "proxy", "engine", "storage_worker", "protocol", "deploy"):
+        if (tree / name).is_dir():
+            (pkg / name).symlink_to(tree.resolve() / name)
+    return view
+
+
+def start(tree: Path | None, model_dir: str, batch: int, dtype: str
+          ) -> tuple[throughput.Server, str, str, Path | None]:
+    view = tree_view(tree) if tree is not None else None
+    saved = os.environ.get("PYTHONPATH")
+    if view is not None:  # the server and the engines it spawns import mlxd from `tree`
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(view), *filter(None, [saved])])
+    try:
+        server, base, name = throughput.start_target(
+            "mlxd-isolate", model_dir, batch, dtype, ["--prompt-cache", "0", "--ssd-cache", "off"])
+    finally:
+        if view is not None:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+    return server, base, name, view
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     model_dir = throughput.model_for(args)
     levels = [int(x) for x in args.concurrency.split(",")]
-    server, base, name = throughput.start_target("mlxd-isolate", model_dir, max(levels),
-                                                 args.dtype, ["--prompt-cache", "0",
-                                                              "--ssd-cache", "off"])
+    trees: dict[str, Path | None] = {"after": args.tree}
+    if args.base_tree is not None:
+        trees["before"] = args.base_tree
+    servers = {label: start(tree, model_dir, max(levels), args.dtype)
+               for label, tree in trees.items()}
     results: dict = {}
     try:
-        await server.wait()
-        for n in levels:  # warm-up: compile every shape, build llguidance's tokenizer
-            for c in (False, True):
-                await round_(base, name, n, 16, c, -1)
+        for server, base, name, _ in servers.values():
+            await server.wait()
+            for n in levels:  # warm-up: compile every shape, build llguidance's tokenizer
+                for c in (False, True):
+                    await round_(base, name, n, 16, c, -1)
         for rep in range(args.reps):
-            for n in levels:
-                for c in ((False, True) if rep % 2 == 0 else (True, False)):
-                    tok_s = await round_(base, name, n, args.max_tokens, c, rep)
-                    results.setdefault(f"{n}/{'json' if c else 'free'}", []).append(tok_s)
-                    print(f"rep {rep} batch {n} {'json' if c else 'free'}: {tok_s:.1f} tok/s",
-                          flush=True)
+            for label, (_, base, name, _) in servers.items():
+                for n in levels:
+                    for c in ((False, True) if rep % 2 == 0 else (True, False)):
+                        tok_s = await round_(base, name, n, args.max_tokens, c, rep)
+                        kind = "json" if c else "free"
+                        results.setdefault(f"{label}/{n}/{kind}", []).append(tok_s)
+                        print(f"rep {rep} {label} batch {n} {kind}: {tok_s:.1f} tok/s",
+                              flush=True)
     finally:
-        server.stop()
+        for server, _, _, view in servers.values():
+            server.stop()
+            if view is not None:
+                shutil.rmtree(view, ignore_errors=True)
     return results
 
 
 def report(results: dict, args: argparse.Namespace) -> str:
     import mlx.core as mx
+    levels = args.concurrency.split(",")
+    labels = [lb for lb in ("before", "after") if f"{lb}/{levels[0]}/free" in results]
     lines = [f"# Constrained decoding cost: {args.model or args.shape} ({args.model_dtype}), "
              f"{args.max_tokens} tokens per request, {args.reps} interleaved reps", "",
              f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
-             f"device {mx.default_device()}", "",
-             "| batch | free tok/s (median) | JSON-schema tok/s (median) | ratio |",
-             "|---|---|---|---|"]
+             f"device {mx.default_device()}"
+             + (f"; before: the tree at {args.base_tree}" if args.base_tree else "")
+             + (f"; after: the tree at {args.tree}" if args.tree else "")
+             + ". Tok/s: medians; ratios: median over reps of JSON / free of the same rep.", "",
+             "| batch | " + " | ".join(f"{lb}: free tok/s | {lb}: JSON tok/s | {lb}: ratio"
+                                     for lb in labels) + " |",
+             "|---|" + "---|---|---|" * len(labels)]
+    for n in levels:
+        cells = []
+        for lb in labels:
+            free, con = results[f"{lb}/{n}/free"], results[f"{lb}/{n}/json"]
+            ratio = statistics.median(c / f for c, f in zip(con, free, strict=True))
+            cells.append(f"{statistics.median(free):.1f} | {statistics.median(con):.1f} | "
+                         f"{ratio:.3f}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- --engine: the MLX thread alone
+
+class SyncGrammarProcessor:
+    """The per-row processor used before the overlap (kept here only, as the reference): reads
+    its row's previous token, computes its mask and unpacks it on the host, row after row."""
+
+    def __init__(self, tokenizers: Any, grammar: str) -> None:
+        import llguidance
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+        self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
+        self.matcher = llguidance.LLMatcher(tokenizers.get(), grammar)
+        self._calls = 0
+
+    def __call__(self, context: Any, logits: Any) -> Any:
+        import mlx.core as mx
+        import numpy as np
+        if self._calls:
+            self.matcher.consume_token(context[-1].item())
+        self._calls += 1
+        vocab = logits.shape[-1]
+        bits = self._allocate(1, vocab)
+        if self.matcher.is_error():
+            return logits
+        self._fill(self.matcher, bits, 0)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab]
+        return mx.where(mx.array(allowed.astype(np.bool_)), logits, float("-inf"))
+
+
+def engine_rounds(args: argparse.Namespace) -> dict:
+    """Tokens/s of one in-process Runner (no proxy, no ZeroMQ): free rows, rows with the
+    previous per-row processor ("before"), rows with the overlapped one ("after")."""
+    import json
+
+    from llguidance import LLMatcher
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from mlxd.daemon.paths import default_cache_dir
+    from mlxd.engine.constraints import GrammarProcessor, TokenizerCache
+    from mlxd.engine.model_loader import load_model, resolve_model_dir
+    from mlxd.engine.runner import AddRequest, Runner, StepTokens
+    spec = throughput.model_for(args)
+    cache = default_cache_dir()
+    model, tok, _ = load_model(spec, cache, args.dtype)
+    config = json.loads((resolve_model_dir(spec, cache) / "config.json").read_text())
+    tokenizers = TokenizerCache(tok._tokenizer, int(config.get("vocab_size") or len(tok)),
+                                sorted(tok.eos_token_ids))
+    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+    makers: dict[str, Any] = {"free": None, "before": SyncGrammarProcessor,
+                              "after": GrammarProcessor}
+
+    def one(n: int, kind: str, max_tokens: int, rep: int) -> float:
+        outq: queue.Queue = queue.Queue()
+        runner = Runner(model, sorted(tok.eos_token_ids), batch_size=n, prefill_step=512,
+                        outbox=outq)
+        make = makers[kind]
+        for i in range(n):
+            runner.inbox.put(AddRequest(f"r{i}", tok.encode(f"rep {rep} list {i}: numbers"),
+                                        max_tokens, greedy_sampler,
+                                        [] if make is None else [make(tokenizers, grammar)]))
+        runner._handle_commands(block=False)
+        done = tokens = 0
+        t0 = None
+        while done < n:
+            runner._step()
+            while not outq.empty():
+                item = outq.get()
+                if isinstance(item, StepTokens):
+                    if t0 is None:  # decode only: from the step that gave the first tokens
+                        t0 = time.perf_counter()
+                        continue
+                    tokens += len(item.rows)
+                    done += sum(1 for row in item.rows if row[2] is not None)
+        assert t0 is not None
+        return tokens / (time.perf_counter() - t0)
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    for n in levels:  # warm-up
+        for kind in makers:
+            one(n, kind, 16, -1)
+    results: dict = {}
+    kinds = list(makers)
+    for rep in range(args.reps):
+        for n in levels:
+            for kind in kinds[rep % 3:] + kinds[:rep % 3]:
+                tok_s = one(n, kind, args.max_tokens, rep)
+                results.setdefault(f"{n}/{kind}", []).append(tok_s)
+                print(f"rep {rep} engine batch {n} {kind}: {tok_s:.1f} tok/s", flush=True)
+    return results
+
+
+def engine_report(results: dict, args: argparse.Namespace) -> str:
+    import mlx.core as mx
+    lines = [f"# Constrained decoding cost on the MLX thread alone (in-process Runner): "
+             f"{args.model or args.shape} ({args.model_dtype}), {args.max_tokens} tokens per "
+             f"request, {args.reps} interleaved reps", "",
+             f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
+             f"device {mx.default_device()}. Ratios: median over reps of JSON / free of the "
+             f"same rep.", "",
+             "| batch | free tok/s | before: JSON tok/s | before: ratio | after: JSON tok/s | "
+             "after: ratio |", "|---|---|---|---|---|---|"]
     for n in args.concurrency.split(","):
-        free = statistics.median(results[f"{n}/free"])
-        con = statistics.median(results[f"{n}/json"])
-        lines.append(f"| {n} | {free:.1f} | {con:.1f} | {con / free:.3f} |")
+        free = results[f"{n}/free"]
+        cells = [f"{statistics.median(free):.1f}"]
+        for lb in ("before", "after"):
+            con = results[f"{n}/{lb}"]
+            ratio = statistics.median(c / f for c, f in zip(con, free, strict=True))
+            cells += [f"{statistics.median(con):.1f}", f"{ratio:.3f}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -93,11 +263,22 @@ def main() -> None:
     ap.add_argument("--shape", default="tiny", choices=sorted(throughput.SHAPES))
     ap.add_argument("--model-dtype", default="float32")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--base-tree", type=Path, default=None,
+                    help="a checkout (git worktree) to measure as 'before' in the same run")
+    ap.add_argument("--tree", type=Path, default=None,
+                    help="a checkout to measure as 'after' (default: the installed mlxd)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engine", action="store_true",
+                    help="measure one in-process Runner instead of a server, the per-row "
+                         "processor used before the overlap ('before') against the current")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.engine:
+        results = engine_rounds(args)
+        throughput.save(args.out, engine_report(results, args), results)
+        return
     results = asyncio.run(main_async(args))
     throughput.save(args.out, report(results, args), results)
 
