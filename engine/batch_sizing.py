@@ -28,8 +28,13 @@ def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int =
     weights = weight_bytes(model)
     available, source = available_memory(weights)
     whole = machine_memory(available, share, whole=not free_based(source))
-    return budget(whole, weights, kv_shape(model, stream), explicit_cap(batch), source,
-                  cache_bytes, share, whole - available)
+    b = budget(whole, weights, kv_shape(model, stream), explicit_cap(batch), source,
+               cache_bytes, share, whole - available)
+    if b.kv_bytes == 0 and b.per_token > 1:
+        log.warning("no memory left for KV cache (%s): one request at a time; a smaller "
+                    "--prompt-cache%s leaves room for more", b.why,
+                    " or --model-pool" if b.share < 1 else "")
+    return b
 
 
 def free_based(source: str) -> bool:
