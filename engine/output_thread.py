@@ -44,9 +44,9 @@ class OutputThread:
         self.token_text = token_text
         self.outputs: dict[str, RequestOutput] = {}  # this thread's alone
         self.trace: Any = None  # stage_trace.OutputTrace under MLXD_STAGE_TRACE
-        if stage_trace.ON:  # before any producer puts on outq (see stage_trace.attach)
+        if stage_trace.ON:
             from mlxd.engine.stage_trace import attach
-            self.trace = attach(channels)
+            self.trace = attach()
 
     def run(self) -> None:
         enc = codec.from_engine()

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from mlxd.engine import admission
+from mlxd.engine import admission, step_handoff
 from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.admission_lanes import AdmissionLanes
 from mlxd.engine.batch_budget import ceiling
@@ -36,6 +36,7 @@ from mlxd.engine.runner import (
 )
 from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
 from mlxd.engine.status import engine_status
+from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
 from mlxd.protocol import exit_codes, faults
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import (
@@ -82,7 +83,11 @@ class EngineService:
         self.error: str | None = None
         # while loading: (task, done, total, unit) of the long step under way, for the status
         self.load_progress: tuple[str, int, int, str] | None = None
-        self.ch = Channels()
+        # A step's tokens reach the output thread when the MLX thread next waits on MLX.
+        self._outbox = StepOutbox()
+        self.ch = Channels(outq=self._outbox)
+        if not self._outbox.eager:
+            step_handoff.install()
         self.model: LoadedModel | None = None  # set once loaded, read-only after
         self.runner: Runner | None = None
         self.ssd: Any = None  # ssd_tier.SsdTier when the SSD tier is on
@@ -196,6 +201,8 @@ class EngineService:
                              if persist else None,
                              checkpoint_every=settings.generation_checkpoint,
                              on_checkpoint=persist, speculator=self._speculator(draft))
+        if not self._outbox.eager:
+            self.runner.inbox = ReleasingInbox(self._outbox)  # idle: held tokens go out
         inbox = self.runner.inbox  # embeddings run between generation steps
         self.embedding = Embedding(
             CausalLMEmbedder(model, tokenizer, loaded.context_length,

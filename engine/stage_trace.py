@@ -5,8 +5,9 @@ MLX thread: without a line in the runner, the step's boundaries are taken where 
 them: `BatchGenerator.next` (in, out), `GenerationBatch._step` (out: tokens read back) and the
 `mx.async_eval` / `mx.eval` calls inside that step (graph built, dispatched, device done), by
 wrapping those two methods and giving `mlx_lm.generate` a module object whose `eval` and
-`async_eval` stamp before delegating to `mlx.core`. The runner's hand-off is stamped by the
-output queue itself (`TracedQueue.put`), which attaches the step's stamps to its `StepTokens`.
+`async_eval` stamp before delegating to the module it had. The runner's put and the hand-off
+are stamped by the output queue (`step_handoff.StepOutbox`), which attaches the step's stamps
+to its `StepTokens`.
 The output thread adds its own stamps per row (`OutputTrace`).
 
 The benchmark's in-process reference installs the same hooks (`install`), so both sides of
@@ -15,12 +16,10 @@ the comparison are measured by the same clock at the same places.
 
 from __future__ import annotations
 
-import queue
 import types
 from typing import Any
 
 from mlxd.engine.runner import StepTokens
-from mlxd.engine.state import Channels
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.stage_trace import TokenTrace, TraceFile, now
 
@@ -32,12 +31,10 @@ keep_steps = False
 _installed = False
 
 
-def attach(channels: Channels) -> OutputTrace:
-    """The engine under the trace: mlx-lm's step boundaries wrapped, the output queue swapped
-    for one that stamps hand-offs. Called by the output thread's constructor, before the
-    model loads, so before anything is put on the queue or the runner holds it."""
+def attach() -> OutputTrace:
+    """The engine under the trace: mlx-lm's step boundaries wrapped (the output queue,
+    `step_handoff.StepOutbox`, stamps the put and the hand-off of each step's tokens)."""
     install()
-    channels.outq = TracedQueue()
     return OutputTrace()
 
 
@@ -48,8 +45,8 @@ def install() -> None:
         return
     import importlib
 
-    import mlx.core as mx
     g: Any = importlib.import_module("mlx_lm.generate")  # (mlx_lm.generate is also a function)
+    mx = g.mx  # mlx.core, or step_handoff's module over it
 
     next_, step_ = g.BatchGenerator.next, g.GenerationBatch._step
 
@@ -86,7 +83,7 @@ def install() -> None:
         return mx.async_eval(*args)
 
     def eval_(*args: Any) -> None:
-        mx.eval(*args)
+        mx.eval(*args)  # (after step_handoff's release, when installed)
         cur = _current if _in_step else None
         if cur is not None and "device_done" not in cur:
             cur["device_done"] = now()
@@ -95,19 +92,23 @@ def install() -> None:
     shim.__dict__.update({k: v for k, v in vars(mx).items() if not k.startswith("__")})
     shim.__dict__.update(async_eval=async_eval, eval=eval_)
     g.mx = shim
+    from mlxd.engine.speculative_step import Speculator
+    speculate = Speculator._speculate
+
+    def traced_speculate(self: Any, gen: Any, gb: Any) -> Any:
+        global last_step
+        t0 = now()
+        out = speculate(self, gen, gb)
+        if out is not None:  # tokens of a draft-and-verify step, not of gen.next()
+            last_step = {"next_in": t0, "next_out": now(), "speculative": 1}
+            if keep_steps:
+                steps.append(last_step)
+        return out
+
+    Speculator._speculate = traced_speculate  # type: ignore[method-assign]
     g.BatchGenerator.next = traced_next
     g.GenerationBatch._step = traced_step
     _installed = True
-
-
-class TracedQueue(queue.Queue):
-    """The output queue: a `StepTokens` put on it carries its step's stamps and the time of
-    the hand-off (an attribute only the traced output thread reads)."""
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if isinstance(item, StepTokens):
-            item.trace = {**last_step, "handed_off": now()}  # type: ignore[attr-defined]
-        super().put(item, block, timeout)
 
 
 class OutputTrace:

@@ -39,7 +39,8 @@ ENGINE_STAGES = (
     "device_done",  # mx.eval of the current tokens returned: the device finished them
     "read_back",  # GenerationBatch._step returned (tokens read back as Python ints)
     "next_out",  # BatchGenerator.next returned (mlx-lm's stop matching, responses)
-    "handed_off",  # the runner put the step's tokens on the output queue
+    "put",  # the runner put the step's tokens on the output queue
+    "handed_off",  # ... which woke the output thread (engine/step_handoff.py: deferred)
     "taken",  # output thread: began on the step
     "detokenized",  # this row's token detokenized, stop strings matched, delta built
     "encoded",  # the StepOutput msgpack-encoded
