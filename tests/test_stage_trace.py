@@ -9,12 +9,11 @@ import queue
 import threading
 
 from conftest import start_daemon, stop_and_check
-from support.harness import stream_chat
-
 from mlxd.engine.runner import StepTokens
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
 from mlxd.protocol import stage_trace
 from mlxd.protocol.stage_trace import ENGINE_STAGES, PROXY_STAGES, read
+from support.harness import stream_chat
 
 
 def test_every_token_is_stamped_at_every_stage_in_order(tiny_model, tmp_path):
