@@ -75,8 +75,13 @@ def test_a_step_is_held_until_the_mlx_thread_waits_or_goes_idle():
         box.put("removed")  # anything else from the MLX thread: what it holds goes first
         assert [box.get_nowait() for _ in range(3)] == [second, later, "removed"]
 
-        other = []
-        t = threading.Thread(target=lambda: (box.put("admitted"), other.append(box.qsize())))
+        other: list[int] = []
+
+        def admission_lane() -> None:
+            box.put("admitted")
+            other.append(box.qsize())
+
+        t = threading.Thread(target=admission_lane)
         box.put(StepTokens([("r", 4, None)]))
         t.start()
         t.join()
