@@ -15,6 +15,12 @@ protocol/stage_trace.py), and prints, per stage, the median and p90 in microseco
 Every stamp is time.perf_counter_ns of one host (CLOCK_MONOTONIC), so the engine's, the
 proxy's and this client's stamps compare directly.
 
+Two mlxd daemons run side by side: the step hand-off as it was (MLXD_EAGER_HANDOFF=1: the
+output thread woken at each step's end) and as it is (engine/step_handoff.py: woken when the
+MLX thread next waits on MLX); rounds of in-process, before and after are interleaved, so a
+busy machine slows all three alike, and each round's rate is also compared with the
+in-process round just before it.
+
     python benchmarks/stage_costs.py --shape tiny --tokens 256 --streams 1,8
 """
 
@@ -52,8 +58,7 @@ DELIVERY = [
     ("output thread wakes and takes the step", "handed_off", "taken"),
     ("detokenize, stop strings, delta", "taken", "detokenized"),
     ("msgspec encode (StepOutput)", "detokenized", "encoded"),
-    ("ZeroMQ send", "encoded", "sent"),
-    ("ZeroMQ transit to the proxy", "sent", "received"),
+    ("ZeroMQ send and transit to the proxy", "encoded", "received"),
     ("proxy decode", "received", "decoded"),
     ("to the request's handler task (asyncio)", "decoded", "handler"),
     ("dialect chunk building", "handler", "chunk_built"),
@@ -199,6 +204,7 @@ def delivery_costs(tokens: list[dict[str, int]]) -> dict[str, list[float]]:
         for name, x, y in DELIVERY:
             costs[name].append((st[y] - st[x]) / 1e3)
         costs["sum: put to client"].append((st["client"] - st["put"]) / 1e3)
+        costs["send"].append((st["sent"] - st["encoded"]) / 1e3)
         costs["step start to client"].append((st["client"] - st["next_in"]) / 1e3)
     return costs
 
@@ -229,14 +235,19 @@ def table(streams: int, ref: list[dict[str, Any]], variants: dict[str, list[dict
     rate = {v: statistics.median(r["count"] / r["seconds"] for r in runs)
             for v, runs in variants.items()}
     ref_rate = statistics.median(r["tokens"] / r["seconds"] for r in ref)
+    # each round's ratio to the in-process round run just before it (a busy machine moves
+    # both alike), median over rounds
+    paired = {v: statistics.median((r["count"] / r["seconds"]) / (q["tokens"] / q["seconds"])
+                                   for r, q in zip(runs, ref, strict=True))
+              for v, runs in variants.items()}
     rows = statistics.median(rc["rows"]) if rc["rows"] else 1
     div = rows if streams > 1 else 1
     per = f" ÷ {rows:.0f} rows (µs per token)" if streams > 1 else " (= per token)"
     lines = [f"### {streams} stream(s) x {ref[0]['tokens'] // streams} tokens, "
              f"{len(ref)} round(s) each, interleaved", "",
              "Rate (median round): in-process " + f"{ref_rate:.0f} tok/s; " + "; ".join(
-                 f"mlxd {v} {rate[v]:.0f} tok/s ({rate[v] / ref_rate:.2f})" for v in names)
-             + ".", "",
+                 f"mlxd {v} {rate[v]:.0f} tok/s (median of per-round ratios to in-process "
+                 f"{paired[v]:.2f})" for v in names) + ".", "",
              f"MLX thread, µs per step{per}, median / p90:", "",
              "| stage | in-process | " + " | ".join(f"mlxd {v}" for v in names) + " |",
              "|---|---|" + "---|" * len(names)]
@@ -248,7 +259,7 @@ def table(streams: int, ref: list[dict[str, Any]], variants: dict[str, list[dict
               "the next step: it costs the step only through CPU and the GIL):", "",
               "| stage | where | " + " | ".join(f"mlxd {v}" for v in names) + " |",
               "|---|---|" + "---|" * len(names)]
-    where = ["engine: MLX thread", *["engine: output thread"] * 4, "ZeroMQ",
+    where = ["engine: MLX thread", *["engine: output thread"] * 3, "ZeroMQ",
              "proxy: reader task", "proxy: asyncio", *["proxy: handler task"] * 2, "client"]
     for (name, _, _), w in zip(DELIVERY, where, strict=True):
         lines.append(f"| {name} | {w} | " + " | ".join(_cell(dlv[v].get(name)) for v in names)
@@ -256,6 +267,8 @@ def table(streams: int, ref: list[dict[str, Any]], variants: dict[str, list[dict
     lines.append("| **sum of the medians** | | " + " | ".join(
         f"{sum(pct(dlv[v][n], .5) for n, _, _ in DELIVERY if dlv[v].get(n)):.0f}"
         for v in names) + " |")
+    lines.append("| (output thread: back from the send, GIL retaken) | engine | " + " | ".join(
+        _cell(dlv[v].get("send")) for v in names) + " |")
     lines.append("| put to client, per token | | " + " | ".join(
         _cell(dlv[v].get("sum: put to client")) for v in names) + " |")
     lines.append("| step start to client, per token | | " + " | ".join(
