@@ -72,11 +72,6 @@ class TokenFeed:
             self.matcher.consume_token(token)
             self.consumed += 1
 
-    def consumed_par(self, position: int) -> None:
-        """`position` was consumed by a batched call (llguidance's parallel executor)."""
-        assert position == self.consumed
-        self.consumed += 1
-
 
 def unpack_bits(words: mx.array, vocab: int) -> mx.array:
     """(rows, ceil(vocab/32)) int32 bitmasks -> (rows, vocab) bool, on the device."""
