@@ -11,7 +11,8 @@ next step's `mx.async_eval` released it).
 
 So `StepOutbox` holds a step's `StepTokens` (no wake-up) until the MLX thread next calls into
 MLX from mlx-lm's generate module or the speculative step (`mx.async_eval` / `mx.eval`, which
-release the GIL while the device works) or blocks on its inbox (idle): the output thread
+release the GIL while the device works), takes a command from its inbox (work before its next
+step: admissions, aborts, embeddings, a flush's copies) or blocks on it (idle): the output thread
 wakes exactly when the GIL is free, and its detokenizing, encoding and sending overlap the
 device's work instead of the next step's Python. A put of anything else from the MLX thread
 releases what is held first, so the output thread sees the MLX thread's items in order.
@@ -87,7 +88,9 @@ class StepOutbox(queue.Queue):
 
 
 class ReleasingInbox(queue.Queue):
-    """The runner's inbox: before the MLX thread blocks on it (idle), held tokens go out."""
+    """The runner's inbox: before the MLX thread blocks on it (idle), and when it takes a
+    command (an admission, an abort, a `Call` such as embeddings or a flush's copies: work
+    before its next step), held tokens go out."""
 
     def __init__(self, outbox: StepOutbox) -> None:
         super().__init__()
@@ -96,7 +99,9 @@ class ReleasingInbox(queue.Queue):
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         if block:
             self._outbox.release()
-        return super().get(block, timeout)
+        item = super().get(block, timeout)  # (queue.Empty: no command, the next step follows)
+        self._outbox.release()
+        return item
 
 
 def _release_all() -> None:

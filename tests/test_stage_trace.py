@@ -94,8 +94,15 @@ def test_a_step_is_held_until_the_mlx_thread_waits_or_goes_idle():
         except queue.Empty:
             pass
         assert box.get_nowait().rows == [("r", 4, None)]
-        inbox.put("cmd")
-        assert inbox.get_nowait() == "cmd"
+        box.put(StepTokens([("r", 5, None)]))
+        try:
+            inbox.get_nowait()  # no command: the next step follows, its MLX call releases
+        except queue.Empty:
+            pass
+        assert box.empty()
+        inbox.put("embed")
+        assert inbox.get_nowait() == "embed"  # work before the next step: released first
+        assert box.get_nowait().rows == [("r", 5, None)]
     finally:
         box.close()
 
