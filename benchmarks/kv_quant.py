@@ -114,6 +114,7 @@ def bytes_per_token(model: Any, group: int) -> dict[int | None, int]:
 
 def answers(model: Any, prompts: list[list[int]], eos: list[int], tokens: int,
             bits: int | None, group: int) -> list[list[int]]:
+    """Greedy answers, all prompts decoding in one batch."""
     kv_quant.uninstall(model)
     kv_quant.install(model, bits, group)
     outq: queue.Queue = queue.Queue()
@@ -166,7 +167,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per stream")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--agreement", default="8/64,4/64,4/32",
+                    help="bits/group settings compared with unquantized KV")
     ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args()
     cache = default_cache_dir()
@@ -199,31 +203,36 @@ def main() -> None:
         eos = sorted(tok.eos_token_ids)
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
                                            add_generation_prompt=True) for p in PROMPTS]
-        got = {}
-        for bits in SETTINGS:
+        compared = [(int(b), int(g)) for b, g in (x.split("/") for x in args.agreement.split(","))]
+        got: dict[tuple[int, int] | None, list[list[int]]] = {}
+        for setting in [None, *compared]:
             t0 = time.perf_counter()
-            got[bits] = answers(model, prompts, eos, args.tokens, bits, args.group)
-            say(f"{name_of(bits)} answers in {time.perf_counter() - t0:.1f} s")
+            got[setting] = answers(model, prompts, eos, args.tokens,
+                                   *(setting or (None, args.group)))
+            say(f"{setting or 'unquantized'} answers in {time.perf_counter() - t0:.1f} s")
         n = args.tokens
         lines += [f"## Greedy agreement, default model ({default_dir.name}), {len(PROMPTS)} "
                   f"chat prompts, first {n} tokens", "",
                   "| KV | answers equal to unquantized (first 16 tokens) | first differing "
                   "token, per differing answer |", "|---|---|---|"]
-        for bits in (8, 4):
+        for setting in compared:
             same, where = 0, []
-            for a, b in zip(got[None], got[bits], strict=True):
+            for a, b in zip(got[None], got[setting], strict=True):
                 if a[:n] == b[:n]:
                     same += 1
                 else:
                     where.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False))
                                        if x != y), min(len(a), len(b))))
-            lines.append(f"| {name_of(bits)} | {same} of {len(PROMPTS)} | "
+            lines.append(f"| {setting[0]}-bit, group {setting[1]} | {same} of {len(PROMPTS)} | "
                          f"{', '.join(map(str, where)) or '-'} |")
         example = PROMPTS[0]
         lines += ["", f"e.g. {example!r}: "
-                  + "; ".join(f"{name_of(b)}: {tok.decode(got[b][0])!r}" for b in SETTINGS), ""]
+                  + "; ".join(f"{k or 'unquantized'}: {tok.decode(v[0])!r}"
+                              for k, v in got.items()), ""]
         del model
 
+    if args.skip_throughput:
+        SETTINGS.clear()
     models = {}
     for bits in SETTINGS:  # one model object per setting: install() is per model
         m, _, _ = load_model(str(tiny_dir), cache)
@@ -232,8 +241,8 @@ def main() -> None:
     lines += [f"## Decode throughput, {tiny_dir.name} (float32), {args.context}-token prompts, "
               f"{args.steps} steps x {args.rounds} rounds", "",
               "| streams | KV | tok/s (median) | per round | vs unquantized | cache MiB |",
-              "|---|---|---|---|---|---|"]
-    for streams in (int(s) for s in args.streams.split(",")):
+              "|---|---|---|---|---|---|"] if models else []
+    for streams in (int(s) for s in args.streams.split(",") if models):
         runs = {}
         for bits, m in models.items():
             runs[bits] = Streams(m, streams, args.context, 8 + args.rounds * args.steps + 8,
