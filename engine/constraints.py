@@ -73,11 +73,18 @@ class TokenFeed:
             self.consumed += 1
 
 
+_BIT_INDEX: dict[int, tuple[mx.array, mx.array]] = {}  # vocab -> (word of each id, its bit)
+
+
 def unpack_bits(words: mx.array, vocab: int) -> mx.array:
     """(rows, ceil(vocab/32)) int32 bitmasks -> (rows, vocab) bool, on the device."""
-    idx = mx.arange(vocab, dtype=mx.uint32)
-    picked = mx.take(words.view(mx.uint32), idx // 32, axis=-1)
-    return ((picked >> (idx % 32)) & 1).astype(mx.bool_)
+    if vocab not in _BIT_INDEX:
+        idx = mx.arange(vocab, dtype=mx.uint32)
+        word, bit = idx // 32, idx % 32
+        mx.eval(word, bit)  # evaluated once: engines on other threads may share them
+        _BIT_INDEX[vocab] = (word, bit)
+    word, bit = _BIT_INDEX[vocab]
+    return ((mx.take(words.view(mx.uint32), word, axis=-1) >> bit) & 1).astype(mx.bool_)
 
 
 def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:

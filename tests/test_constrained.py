@@ -389,3 +389,16 @@ def test_token_feed_consumes_each_position_once_and_in_order():
         feed.consume(6, 1)  # position 4 and 5 never came: refused, nothing consumed
     assert fake.seen == sequence
     assert feed.due(4)
+
+
+@pytest.mark.parametrize("vocab", [5, 32, 33, 49155])
+def test_bitmasks_unpack_on_the_device_as_numpy_unpacks_them(vocab):
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxd.engine.constraints import unpack_bits
+    rng = np.random.default_rng(vocab)
+    words = rng.integers(-2**31, 2**31, size=(3, (vocab + 31) // 32), dtype=np.int64)
+    bits = words.astype(np.int32)
+    want = np.unpackbits(bits.view(np.uint8), bitorder="little").reshape(3, -1)[:, :vocab]
+    assert (np.array(unpack_bits(mx.array(bits), vocab)) == want.astype(bool)).all()
