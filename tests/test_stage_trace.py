@@ -9,7 +9,7 @@ import queue
 import threading
 
 from conftest import start_daemon, stop_and_check
-from mlxd.engine.runner import StepTokens
+from mlxd.engine.runner import RequestStarted, StepTokens
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
 from mlxd.protocol import stage_trace
 from mlxd.protocol.stage_trace import ENGINE_STAGES, PROXY_STAGES, read
@@ -69,11 +69,23 @@ def test_a_step_is_held_until_the_mlx_thread_waits_or_goes_idle():
         box.release()  # the next step's mx.async_eval / mx.eval
         assert box.get_nowait() is first
 
-        second, later = StepTokens([("r", 2, None)]), StepTokens([("r", 3, "stop")])
+        second, third = StepTokens([("r", 2, None)]), StepTokens([("r", 3, None)])
         box.put(second)
-        box.put(later)
+        box.put(third)
         box.put("removed")  # anything else from the MLX thread: what it holds goes first
-        assert [box.get_nowait() for _ in range(3)] == [second, later, "removed"]
+        assert [box.get_nowait() for _ in range(3)] == [second, third, "removed"]
+
+        started = RequestStarted("s", 0, "none")
+        box.put(StepTokens([("r", 4, None)]))
+        box.put(started)  # releases the held step first
+        first_of_s = StepTokens([("r", 5, None), ("s", 9, None)])
+        box.put(first_of_s)  # a row's first token goes at once
+        assert [box.get_nowait() for _ in range(3)][1:] == [started, first_of_s]
+        box.put(StepTokens([("s", 10, None)]))
+        assert box.empty()  # s is no longer fresh
+        last = StepTokens([("s", 11, "length")])
+        box.put(last)  # a row's end goes at once, after what was held
+        assert [box.get_nowait().rows for _ in range(2)] == [[("s", 10, None)], last.rows]
 
         other: list[int] = []
 
