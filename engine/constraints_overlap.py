@@ -79,17 +79,15 @@ class StepPlan:
         )
         mx.async_eval(logits)  # 1. the forward pass of this step starts now
         previous = cast(list[int], self._tokens.tolist())  # 2. one wait, for the last step
-        feeds = [(j, p, position) for j, (i, p, position) in enumerate(self.rows)
-                 if p.feed.due(position)]
-        for j, p, position in feeds:  # a few µs each: cheaper here than on the executor
-            p.feed.consume(position, previous[self.rows[j][0]])
+        for i, p, position in self.rows:  # a few µs each: cheaper here than on the executor
+            p.feed.consume(position, previous[i])  # once per position, in order
         self._ok = [not p.check_error() for _, p, _ in self.rows]
         vocab = logits.shape[-1]
         bits = allocate_token_bitmask(len(self.rows), vocab)
         fill = [(p.matcher, j) for j, (_, p, _) in enumerate(self.rows) if self._ok[j]]
         if len(fill) == 1:
             fill_next_token_bitmask(fill[0][0], bits, fill[0][1])
-        elif fill:
+        elif fill:  # 3. every row at once on llguidance's threads, the GIL released
             fill_next_token_bitmask_par(executor(), fill, bits)
         self._allowed = unpack_bits(mx.array(bits), vocab)  # 4. unpacked on the device
 
