@@ -7,7 +7,7 @@ back yet when it calls the processors of step k. So the mask work is ordered to 
 busy (`constraints_overlap.py`): the step's forward pass is started first, then the previous
 tokens of every constrained row are read in one synchronisation, all rows' masks are computed
 together on llguidance's worker threads (GIL released) while the device runs that forward pass,
-and the masks go to the device as packed bits, unpacked there where the logits are masked.
+and the masks become one boolean array for all rows (unpacked on a GPU from the packed bits).
 """
 
 from __future__ import annotations
@@ -73,18 +73,25 @@ class TokenFeed:
             self.consumed += 1
 
 
-_BIT_INDEX: dict[int, tuple[mx.array, mx.array]] = {}  # vocab -> (word of each id, its bit)
+_SHIFTS: list[mx.array] = []  # 0..7 as uint8, built once
 
 
-def unpack_bits(words: mx.array, vocab: int) -> mx.array:
-    """(rows, ceil(vocab/32)) int32 bitmasks -> (rows, vocab) bool, on the device."""
-    if vocab not in _BIT_INDEX:
-        idx = mx.arange(vocab, dtype=mx.uint32)
-        word, bit = idx // 32, idx % 32
-        mx.eval(word, bit)  # evaluated once: engines on other threads may share them
-        _BIT_INDEX[vocab] = (word, bit)
-    word, bit = _BIT_INDEX[vocab]
-    return ((mx.take(words.view(mx.uint32), word, axis=-1) >> bit) & 1).astype(mx.bool_)
+def unpack_bits(bits: np.ndarray, vocab: int, on_device: bool | None = None) -> mx.array:
+    """(rows, ceil(vocab/32)) int32 bitmasks -> a (rows, vocab) bool array. On the CPU backend
+    numpy unpacks them (cheapest there: MLX's CPU gathers and broadcasts cost more); on a GPU
+    the packed bits travel (a thirty-second of the mask's bytes) and are unpacked there."""
+    if on_device is None:
+        on_device = mx.default_device() != mx.cpu
+    if not on_device:
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")
+        return mx.array(unpacked[:, :vocab].view(np.bool_))
+    if not _SHIFTS:
+        shifts = mx.arange(8, dtype=mx.uint8)
+        mx.eval(shifts)  # evaluated once: engines on other threads may share it
+        _SHIFTS.append(shifts)
+    packed = mx.array(bits).view(mx.uint8)
+    unpacked_mx = (packed[:, :, None] >> _SHIFTS[0]) & 1
+    return unpacked_mx.astype(mx.bool_).reshape(packed.shape[0], -1)[:, :vocab]
 
 
 def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:
@@ -156,4 +163,4 @@ class GrammarProcessor:
                 return None
             bits = self._allocate(1, vocab)
             self._fill(self.matcher, bits, 0)
-        return unpack_bits(mx.array(bits), vocab)
+        return unpack_bits(bits, vocab)

@@ -16,8 +16,9 @@ whose processor is called (`StepPlan.allowed`):
 3. has llguidance consume them (a few µs a row) and fill every row's bitmask on its
    executor's threads (parallel across rows, the GIL released; the costly part), while the
    device runs the forward pass;
-4. sends the packed bitmasks to the device in one array and unpacks them there; each row's
-   processor then applies its own row of it where the step samples.
+4. turns the bitmasks into one boolean array for every row (unpacked on a GPU, where only
+   the packed bits travel; by numpy on the CPU backend); each row's processor then applies
+   its own row of it where the step samples.
 
 The tokens and masks are exactly those of the per-row path, so greedy and seeded outputs do not
 change. Free rows of the batch wait for no more than they did (less: one wait instead of one per
@@ -89,7 +90,7 @@ class StepPlan:
             fill_next_token_bitmask(fill[0][0], bits, fill[0][1])
         elif fill:  # 3. every row at once on llguidance's threads, the GIL released
             fill_next_token_bitmask_par(executor(), fill, bits)
-        self._allowed = unpack_bits(mx.array(bits), vocab)  # 4. unpacked on the device
+        self._allowed = unpack_bits(bits, vocab)  # 4. one array for every row
 
 
 class GrammarSteps:

@@ -391,9 +391,9 @@ def test_token_feed_consumes_each_position_once_and_in_order():
     assert feed.due(4)
 
 
+@pytest.mark.parametrize("on_device", [False, True])
 @pytest.mark.parametrize("vocab", [5, 32, 33, 49155])
-def test_bitmasks_unpack_on_the_device_as_numpy_unpacks_them(vocab):
-    import mlx.core as mx
+def test_bitmasks_unpack_to_the_tokens_they_allow(vocab, on_device):
     import numpy as np
 
     from mlxd.engine.constraints import unpack_bits
@@ -401,4 +401,5 @@ def test_bitmasks_unpack_on_the_device_as_numpy_unpacks_them(vocab):
     words = rng.integers(-2**31, 2**31, size=(3, (vocab + 31) // 32), dtype=np.int64)
     bits = words.astype(np.int32)
     want = np.unpackbits(bits.view(np.uint8), bitorder="little").reshape(3, -1)[:, :vocab]
-    assert (np.array(unpack_bits(mx.array(bits), vocab)) == want.astype(bool)).all()
+    got = np.array(unpack_bits(bits, vocab, on_device))
+    assert got.dtype == np.bool_ and (got == want.astype(bool)).all()
