@@ -217,12 +217,12 @@ def main() -> None:
                   "token, per differing answer |", "|---|---|---|"]
         for setting in compared:
             same, where = 0, []
-            for a, b in zip(got[None], got[setting], strict=True):
-                if a[:n] == b[:n]:
+            for ref, ans in zip(got[None], got[setting], strict=True):
+                if ref[:n] == ans[:n]:
                     same += 1
                 else:
-                    where.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False))
-                                       if x != y), min(len(a), len(b))))
+                    where.append(next((i for i, (x, y) in enumerate(zip(ref, ans, strict=False))
+                                       if x != y), min(len(ref), len(ans))))
             lines.append(f"| {setting[0]}-bit, group {setting[1]} | {same} of {len(PROMPTS)} | "
                          f"{', '.join(map(str, where)) or '-'} |")
         example = PROMPTS[0]
