@@ -275,7 +275,7 @@ class GroupLeader:
                 gen = super()._new_generator()
                 leader.send(GNew(gen.completion_batch_size, gen.prefill_batch_size,
                                  gen.prefill_step_size, leader.eos))
-                return LeaderGenerator(gen, leader.send)
+                return LeaderGenerator(gen, leader.send, leader.broken)
 
             def _insert(self, add: AddRequest, shared: Any = None) -> int:
                 gen: Any = self._gen  # a LeaderGenerator (see _new_generator)
@@ -323,6 +323,17 @@ class GroupLeader:
         if self._ctx is not None:
             self._ctx.term()
         self.hostfile.unlink(missing_ok=True)
+
+    def broken(self, error: BaseException) -> None:
+        """A generator call failed on rank 0: the ranks are out of step (a follower that died
+        mid-step shows first as a lost connection, before its exit is seen)."""
+        if self._stopping.is_set():
+            return
+        log.error("a step of the sharded engine failed (%s): the group goes down and is "
+                  "restarted", error)
+        self._kill_followers()
+        self.hostfile.unlink(missing_ok=True)
+        os._exit(exit_codes.CRASH)
 
     def _kill_followers(self) -> None:
         for p in self.procs:

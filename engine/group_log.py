@@ -112,9 +112,14 @@ class Notes:
 class LeaderGenerator:
     """Rank 0's BatchGenerator, with every call the followers must repeat sent first."""
 
-    def __init__(self, gen: Any, send: Callable[[Command], None]) -> None:
+    def __init__(self, gen: Any, send: Callable[[Command], None],
+                 broken: Callable[[BaseException], None] | None = None) -> None:
         self._gen = gen
         self._send = send
+        # A call that fails on rank 0 leaves the ranks out of step (a follower gone mid-step
+        # shows here first, as a lost connection): `broken` takes the group down, so that it is
+        # restarted and its requests resume, instead of failing them and stepping on alone.
+        self._broken = broken
         # what the rows of the next insert were built from (rank 0's runner sets it, one
         # entry per row, just before it inserts)
         self.next_rows: list[tuple[SamplingParams | None, int, str | None]] = []
@@ -134,24 +139,31 @@ class LeaderGenerator:
             rows.append(Row(list(prompt), prefix if caches and caches[i] is not None else [],
                             max_tokens[i] if max_tokens else 0, sampling, resumed, grammar))
         self.next_rows = []
-        uids = self._gen.insert(prompts, max_tokens=max_tokens, caches=caches,
-                                all_tokens=all_tokens, samplers=samplers,
-                                logits_processors=logits_processors,
-                                stop_sequences=stop_sequences)
+        uids = self._call(self._gen.insert, prompts, max_tokens=max_tokens, caches=caches,
+                          all_tokens=all_tokens, samplers=samplers,
+                          logits_processors=logits_processors, stop_sequences=stop_sequences)
         self._send(GInsert(rows, list(uids)))
         return uids
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> Any:
         self._send(GRemove(list(uids), return_prompt_caches))
-        return self._gen.remove(uids, return_prompt_caches=return_prompt_caches)
+        return self._call(self._gen.remove, uids, return_prompt_caches=return_prompt_caches)
 
     def extract_cache(self, uids: list[int]) -> Any:
         self._send(GExtract(list(uids)))
-        return self._gen.extract_cache(uids)
+        return self._call(self._gen.extract_cache, uids)
 
     def next(self) -> Any:
         self._send(GNext())
-        return self._gen.next()
+        return self._call(self._gen.next)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if self._broken is not None:
+                self._broken(e)
+            raise
 
     def close(self) -> None:
         self._send(GClose())

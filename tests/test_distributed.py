@@ -431,3 +431,23 @@ def test_sigterm_leaves_no_rank_behind(group_daemon):
     stop(d)  # exit 0, no process, socket or segment left
     for p in ranks:
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_failed_generator_call_on_rank_0_takes_the_group_down():
+    """A follower that dies mid-step shows on rank 0 first as a failed collective, before its
+    exit is seen: that must bring the group down (restart, resume), not fail the requests."""
+    class LostPeer:
+        def next(self):
+            raise RuntimeError("[ring] connection to a peer was lost")
+
+        def remove(self, uids, return_prompt_caches=False):
+            return {}
+
+    seen: list[BaseException] = []
+    sent: list = []
+    gen = LeaderGenerator(LostPeer(), sent.append, seen.append)
+    with pytest.raises(RuntimeError):
+        gen.next()
+    assert [str(e) for e in seen] == ["[ring] connection to a peer was lost"]
+    assert gen.remove([1]) == {} and len(seen) == 1  # calls that succeed are not reported
+    assert [type(c).__name__ for c in sent] == ["GNext", "GRemove"]
