@@ -47,14 +47,20 @@ class Bounds:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
+    multiple_of: float | None = None
 
     def __bool__(self) -> bool:
-        return any(b is not None for b in (self.ge, self.gt, self.le, self.lt))
+        return any(b is not None for b in (self.ge, self.gt, self.le, self.lt,
+                                           self.multiple_of))
 
     @property
     def rule(self) -> str:
         """What the bounds demand, as the error message says it: `0..65535`, `in (0, 1]`,
-        `>= 1`, `> 0`."""
+        `>= 1`, `> 0`; `4..8, a multiple of 4`."""
+        step = "" if self.multiple_of is None else f", a multiple of {_num(self.multiple_of)}"
+        return self._range() + step
+
+    def _range(self) -> str:
         low, high = _num(self.ge if self.gt is None else self.gt), \
             _num(self.le if self.lt is None else self.lt)
         if low is not None and high is not None:
@@ -113,7 +119,7 @@ def _from_field(section: str, f: mi.Field, annotated: Any) -> Setting:
     return Setting(
         key=f.name, section=section, kind=extra.get("kind", _KIND_OF[type(t)]),
         default=default, help=help_, type=annotated,
-        bounds=Bounds(*(getattr(t, b, None) for b in ("ge", "gt", "le", "lt"))),
+        bounds=Bounds(*(getattr(t, b, None) for b in ("ge", "gt", "le", "lt", "multiple_of"))),
         choices=_literal_values(annotated) if isinstance(t, mi.LiteralType) else None,
         metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)), words=words)
 

@@ -101,6 +101,13 @@ def test_bounds_come_from_the_structs_in_the_tables_words(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("temp (flag --temp): 2.5 must be 0..2")):
         resolve(_args("--temp", "2.5"), {})
     with pytest.raises(ConfigError, match=re.escape(
+            "kv_bits (flag --kv-bits): 5 must be 4..8, a multiple of 4")):
+        resolve(_args("--kv-bits", "5"), {})
+    with pytest.raises(ConfigError, match=re.escape(
+            "kv_group_size (env MLXD_KV_GROUP_SIZE): 96 is not one of 32, 64, 128")):
+        resolve(_args(), {"MLXD_KV_GROUP_SIZE": "96"})
+    assert resolve(_args("--kv-bits", "8", "--kv-group-size", "32"), {}).config.engine.kv_bits == 8
+    with pytest.raises(ConfigError, match=re.escape(
             "log_level (env MLXD_LOG_LEVEL): 'loud' is not one of debug, info, warning, error")):
         resolve(_args(), {"MLXD_LOG_LEVEL": "loud"})
 
