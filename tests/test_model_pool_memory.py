@@ -68,5 +68,10 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
         assert b["batch_cap"] == 2 and b["cache"]["kv_budget_bytes"] // KV_B // CONTEXT == 2
         shown = format_status(stats)  # what `mlxd status` prints
         assert shown.count("(50% share)") == 2 and "batch cap, why:" in shown, shown
+        with d.http() as c:
+            metrics = c.get("/metrics").text
+        assert 'mlxd_engine_memory_share{model="tiny-wide"} 0.5' in metrics
+        assert (f'mlxd_engine_kv_budget_bytes{{model="tiny-llama"}} '
+                f'{float(a["cache"]["kv_budget_bytes"])}') in metrics
     finally:
         stop_and_check(d)
