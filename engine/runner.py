@@ -202,6 +202,8 @@ class Runner:
     # ------------------------------------------------------------------ commands
 
     def _handle_commands(self, block: bool) -> bool:
+        if not block and not self.inbox.queue:  # the usual step: no lock taken, no Empty raised
+            return True
         try:
             cmd = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
         except queue.Empty:
