@@ -151,7 +151,8 @@ def engine_state(engine: dict) -> str:
     """An engine's state, with how far a loading one has come."""
     progress = engine.get("load_progress")
     if engine.get("state") != "loading" or not progress:
-        return str(engine.get("state"))
+        group = engine.get("group")
+        return f"{engine.get('state')} ({group})" if group else str(engine.get("state"))
     task, done, total, unit = progress
     pct = f"{100 * done // total}%, " if total else ""
     return f"loading ({task}: {pct}{done}/{total} {unit})"

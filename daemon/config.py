@@ -189,6 +189,9 @@ def _check_together(values: dict[str, Any], sources: dict[str, str]) -> None:
                           "serving beyond this machine needs --api-key (or MLXD_API_KEY)")
     if values["api_key"] is not None and len(values["api_key"]) < 8:
         raise ConfigError(f"api_key ({sources['api_key']}): use at least 8 characters")
+    if values["shard"] and not values["isolate"]:  # rank 0 starts its followers as a child
+        raise ConfigError(f"shard ({sources['shard']}): a sharded engine runs only with "
+                          "--isolate")
     if values["kv_group_size"] not in (32, 64, 128):  # the group sizes mx.quantize takes
         raise ConfigError(f"kv_group_size ({sources['kv_group_size']}): "
                           f"{values['kv_group_size']} is not one of 32, 64, 128")

@@ -457,6 +457,9 @@ class EngineService:
         if self.vision is not None:
             status = msgspec.structs.replace(status, capabilities=[*status.capabilities,
                                                                    "vision"])
+        if launch.group:
+            status = msgspec.structs.replace(status, group=launch.group, group_pids=[
+                p.pid for p in (self.group.procs if self.group is not None else [])])
         progress = self.load_progress
         return status if progress is None else msgspec.structs.replace(
             status, load_progress=progress)

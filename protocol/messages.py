@@ -250,6 +250,10 @@ class EngineStatus(_Msg, tag="status"):
     batch_cap: int = 0
     batch_why: str = ""
     waiting: int = 0
+    # a sharded engine (rank 0 of a group): its layout ("tensor:2") and its followers'
+    # process ids (local ranks, or the ssh clients of remote ones); "" and [] for one process
+    group: str = ""
+    group_pids: list[int] = []
 
 
 class CacheFlushed(_Msg, tag="flushed"):

@@ -77,6 +77,7 @@ async def stats(request: web.Request) -> web.Response:
             "active_requests": st.active if st else 0, "peak_batch": st.peak_batch if st else 0,
             "batch_cap": st.batch_cap if st else 0, "batch_why": st.batch_why if st else "",
             "waiting_requests": st.waiting if st else 0,
+            "group": st.group if st else "", "group_pids": st.group_pids if st else [],
             "steps": st.steps if st else 0, "context_length": st.context_length if st else 0,
             "prompt_tokens_total": st.prompt_tokens_total if st else 0,
             "generated_tokens_total": st.generated_tokens_total if st else 0,

@@ -108,6 +108,10 @@ def test_bounds_come_from_the_structs_in_the_tables_words(tmp_path):
         resolve(_args(), {"MLXD_KV_GROUP_SIZE": "96"})
     assert resolve(_args("--kv-bits", "8", "--kv-group-size", "32"), {}).config.engine.kv_bits == 8
     with pytest.raises(ConfigError, match=re.escape(
+            "shard (flag --shard): a sharded engine runs only with --isolate")):
+        resolve(_args("--shard", "big=tensor:2"), {})
+    assert resolve(_args("--shard", "big=tensor:2", "--isolate"), {}).config.engine.shard
+    with pytest.raises(ConfigError, match=re.escape(
             "log_level (env MLXD_LOG_LEVEL): 'loud' is not one of debug, info, warning, error")):
         resolve(_args(), {"MLXD_LOG_LEVEL": "loud"})
 

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
+from mlxd.daemon.client import format_status
 from mlxd.daemon.group import ShardError, layout_for
 from mlxd.engine import group_log
 from mlxd.engine.group_log import (
@@ -425,9 +426,15 @@ def test_a_dead_or_hung_follower_restarts_the_group_and_the_stream_completes(gro
 
 def test_sigterm_leaves_no_rank_behind(group_daemon):
     d = group_daemon
-    ranks = [psutil.Process(_engine(d, "tiny-sharded")["pid"])]
+    engine = _engine(d, "tiny-sharded")
+    ranks = [psutil.Process(engine["pid"])]
     ranks += _followers(ranks[0].pid)
     assert len(ranks) == 2
+    # /stats and `mlxd status` show the group: its layout and its follower's pid
+    assert engine["group"] == "tensor:2" and engine["group_pids"] == [ranks[1].pid], engine
+    others = [e for e in d.stats()["engines"] if e["model"] != "tiny-sharded"]
+    assert others and all(e["group"] == "" and e["group_pids"] == [] for e in others)
+    assert "ready (tensor:2)" in format_status(d.stats())
     stop(d)  # exit 0, no process, socket or segment left
     for p in ranks:
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
