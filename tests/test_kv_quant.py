@@ -18,7 +18,7 @@ from conftest import start_daemon
 from conftest import stop_and_check as stop
 from mlxd.engine import kv_quant
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
+from mlxd.engine.runner import AddRequest, Runner
 from mlxd.engine.ssd_restore import SsdReader
 from mlxd.engine.ssd_tier import SsdStats
 from mlxd.protocol.block_format import (
@@ -32,6 +32,7 @@ from mlxd.protocol.block_format import (
 )
 from support.harness import stream_chat
 from support.random_model import write_random_model
+from support.runner_drive import run_one
 
 
 @pytest.fixture(scope="module")
@@ -130,22 +131,6 @@ def test_quantized_cache_is_smaller_and_install_refuses_what_it_cannot_do(qmodel
         kv_quant.install(small, 3, 64)
 
 
-def run(runner, outq, add):
-    runner.inbox.put(add)
-    runner._handle_commands(block=False)
-    tokens, started = [], None
-    while True:
-        runner._step()
-        while not outq.empty():
-            item = outq.get()
-            if isinstance(item, RequestStarted):
-                started = item
-            if isinstance(item, StepTokens):
-                for _rid, tok, fin in item.rows:
-                    tokens.append(tok)
-                    if fin:
-                        return tokens, started
-
 
 def test_ram_prefix_cache_holds_quantized_kv(qmodel):
     _, m, tok = qmodel
@@ -153,17 +138,17 @@ def test_ram_prefix_cache_holds_quantized_kv(qmodel):
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
     prompt = tok.encode("Hello, how are you today? The quick brown fox")
-    gen1, s1 = run(r, outq, AddRequest("a", prompt, 8, greedy_sampler, []))
+    gen1, s1 = run_one(r, outq, AddRequest("a", prompt, 8, greedy_sampler, []))
     assert s1.cached_tokens == 0
     entry = r.cache.entries()[0]
     assert isinstance(entry.layers[0][0], tuple) and entry.layers[0][0][0].dtype == mx.uint32
-    gen2, s2 = run(r, outq, AddRequest("b", prompt, 8, greedy_sampler, []))
+    gen2, s2 = run_one(r, outq, AddRequest("b", prompt, 8, greedy_sampler, []))
     assert s2.source == "ram" and s2.cached_tokens == len(prompt) - 1 and gen2 == gen1
     follow = prompt + gen1 + tok.encode(" and then")
-    gen3, s3 = run(r, outq, AddRequest("c", follow, 5, greedy_sampler, []))
+    gen3, s3 = run_one(r, outq, AddRequest("c", follow, 5, greedy_sampler, []))
     assert s3.cached_tokens == len(prompt) + len(gen1)
     cold = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=0)
-    assert run(cold, outq, AddRequest("d", follow, 5, greedy_sampler, []))[0] == gen3
+    assert run_one(cold, outq, AddRequest("d", follow, 5, greedy_sampler, []))[0] == gen3
 
 
 # ---------------------------------------------------------------------- block header and key

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
+from mlxd.engine.runner import AddRequest, Runner
+from support.runner_drive import run_one
 
 
 @pytest.fixture(scope="module")
@@ -21,36 +22,20 @@ def model(tiny_model, tmp_path_factory):
     return m, tok
 
 
-def run(runner, outq, add):
-    runner.inbox.put(add)
-    runner._handle_commands(block=False)
-    tokens, started = [], None
-    while True:
-        runner._step()
-        while not outq.empty():
-            item = outq.get()
-            if isinstance(item, RequestStarted):
-                started = item
-            if isinstance(item, StepTokens):
-                for _rid, tok, fin in item.rows:
-                    tokens.append(tok)
-                    if fin:
-                        return tokens, started
-
 
 def test_a_finished_history_is_reused_token_exactly(model):
     m, tok = model
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
     prompt = tok.encode("Hello, how are you today? The quick brown fox")
-    gen1, s1 = run(r, outq, AddRequest("a", prompt, 10, greedy_sampler, []))
+    gen1, s1 = run_one(r, outq, AddRequest("a", prompt, 10, greedy_sampler, []))
     assert s1.cached_tokens == 0
     follow = prompt + gen1 + tok.encode(" and then")
-    gen2, s2 = run(r, outq, AddRequest("b", follow, 5, greedy_sampler, []))
+    gen2, s2 = run_one(r, outq, AddRequest("b", follow, 5, greedy_sampler, []))
     # the KV of the prompt and every generated token was published
     assert s2.cached_tokens == len(prompt) + len(gen1) and s2.source == "ram"
     cold = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=0)
-    gen_cold, s3 = run(cold, outq, AddRequest("c", follow, 5, greedy_sampler, []))
+    gen_cold, s3 = run_one(cold, outq, AddRequest("c", follow, 5, greedy_sampler, []))
     assert s3.cached_tokens == 0 and gen_cold == gen2
 
 

@@ -1,0 +1,28 @@
+"""Driving an engine `Runner` on the test's own thread, without the engine's other threads."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
+
+
+def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
+            ) -> tuple[list[int], RequestStarted | None]:
+    """Admit `add`, step until it finishes; its tokens and its `RequestStarted`."""
+    runner.inbox.put(add)
+    runner._handle_commands(block=False)
+    tokens: list[int] = []
+    started: Any = None
+    while True:
+        runner._step()
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, RequestStarted):
+                started = item
+            if isinstance(item, StepTokens):
+                for _rid, tok, fin in item.rows:
+                    tokens.append(tok)
+                    if fin:
+                        return tokens, started
