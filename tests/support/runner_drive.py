@@ -9,7 +9,7 @@ from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
 
 
 def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
-            ) -> tuple[list[int], RequestStarted | None]:
+            ) -> tuple[list[int], RequestStarted]:
     """Admit `add`, step until it finishes; its tokens and its `RequestStarted`."""
     runner.inbox.put(add)
     runner._handle_commands(block=False)
@@ -25,4 +25,5 @@ def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
                 for _rid, tok, fin in item.rows:
                     tokens.append(tok)
                     if fin:
+                        assert isinstance(started, RequestStarted)  # sent before any token
                         return tokens, started
