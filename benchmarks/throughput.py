@@ -61,6 +61,7 @@ class Round:
     engine_cap: int | None = None  # mlxd: the batch cap in force (/stats batch_cap)
     engine_peak: int | None = None  # mlxd: most rows decoded together so far
     errors: int = 0  # streams that broke off (connection reset, HTTP error)
+    first_token: list[float] = field(default_factory=list)  # in-process: each row's first token
 
     @property
     def tok_s(self) -> float:
@@ -123,7 +124,8 @@ def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str)
     seconds = time.perf_counter() - t0
     gen.close()
     return Round("inprocess", concurrency, tokens, seconds, list(first_text.values()), itl,
-                 engine_ttft=statistics.mean(first.values()) if first else None)
+                 engine_ttft=statistics.mean(first.values()) if first else None,
+                 first_token=list(first.values()))
 
 
 _LOADED: tuple[str, Any, Any] | None = None  # (model dir, model, tokenizer) last loaded
@@ -237,7 +239,8 @@ def free_port() -> int:
 
 
 def start_target(target: str, model_dir: str, batch: int | None, dtype: str,
-                 extra: list[str] | None = None) -> tuple[Server, str, str]:
+                 extra: list[str] | None = None, env: dict | None = None
+                 ) -> tuple[Server, str, str]:
     """`batch` None: the server's own default batch."""
     port = free_port()
     if target == "mlx_lm.server":
@@ -257,7 +260,8 @@ def start_target(target: str, model_dir: str, batch: int | None, dtype: str,
     if target == "mlxd-isolate":
         argv.append("--isolate")
     argv += extra or []
-    return Server(argv, f"http://127.0.0.1:{port}/health"), f"http://127.0.0.1:{port}", model_dir
+    return (Server(argv, f"http://127.0.0.1:{port}/health", env), f"http://127.0.0.1:{port}",
+            model_dir)
 
 
 # ---------------------------------------------------------------- driver

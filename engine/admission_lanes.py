@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from mlxd.engine.admission import Admitted, Answered, prompt_chars
+from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Generate
 
 LARGE_PROMPT_CHARS = 64 * 1024
@@ -39,6 +40,8 @@ class AdmissionLanes:
                              daemon=True).start()
 
     def submit(self, msg: Generate) -> None:
+        if stage_trace.ON:
+            stage_trace.stamp_request(msg.request_id, "engine_in", "engine")
         with self._lock:
             self._pending.add(msg.request_id)
         lane = "large" if prompt_chars(msg) > LARGE_PROMPT_CHARS else "small"

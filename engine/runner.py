@@ -28,7 +28,7 @@ from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
 from mlxd.engine.constraints_overlap import GrammarSteps
 from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
 from mlxd.engine.speculative_step import Speculator
-from mlxd.protocol import faults
+from mlxd.protocol import faults, stage_trace
 
 log = logging.getLogger("mlxd.engine")
 
@@ -410,6 +410,8 @@ class Runner:
         elif hit is not None:
             layers, n = hit
             cache, cached, source = self._lend(layers, n, self._kv_quant), n, "ram"
+        if stage_trace.ON:
+            stage_trace.stamp_request(add.request_id, "inserted", "engine", True)
         uid = self._gen.insert(
             [prompt[cached:]],
             max_tokens=[add.max_tokens],

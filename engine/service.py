@@ -37,7 +37,7 @@ from mlxd.engine.runner import (
 from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
 from mlxd.engine.status import engine_status
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
-from mlxd.protocol import exit_codes, faults
+from mlxd.protocol import exit_codes, faults, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import (
     CacheFlushed,
@@ -396,15 +396,21 @@ class EngineService:
         """Under the lanes' lock: the output thread learns of the request before the MLX
         thread can produce its first token."""
         if isinstance(result, Answered):
+            if stage_trace.ON and result.deltas:
+                stage_trace.forget_request(result.deltas[0].request_id)
             for d in result.deltas:
                 self.ch.outq.put(d)
             return
         rid = result.request.request_id
+        if stage_trace.ON:
+            stage_trace.stamp_request(rid, "prepared", "engine")
         self.ch.outq.put(Registered(rid, result.output, result.notice))
         if self.runner is not None:
             self.runner.inbox.put(result.request)
 
     def _dropped(self, msg: Generate) -> None:
+        if stage_trace.ON:
+            stage_trace.forget_request(msg.request_id)
         self.ch.outq.put(Delta(msg.request_id, finish_reason="abort"))
 
     # ------------------------------------------------------------------ I/O thread's calls

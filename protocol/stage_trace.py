@@ -55,6 +55,15 @@ PROXY_STAGES = (
 )
 CLIENT_STAGE = "client"  # the client parsed the chunk
 STAGES = (*ENGINE_STAGES, *PROXY_STAGES, CLIENT_STAGE)
+# A request's way to its first step, before it has a token: one record per request and
+# process, `index` 0 (see `stamp_request`), for the burst table of benchmarks/burst.py.
+REQUEST_STAGES = (
+    "proxy_in",  # proxy: the request parsed and checked, its engine chosen next
+    "sending",  # proxy: the Generate handed to ZeroMQ
+    "engine_in",  # engine I/O thread: received, handed to an admission lane
+    "prepared",  # admission lane: templated, tokenized, checked, handed to the MLX thread
+    "inserted",  # MLX thread: inserted into the generator (prefilled at its next steps)
+)
 
 
 class TokenTrace(msgspec.Struct):
@@ -88,8 +97,34 @@ class TraceFile:
                 f.write(b"".join(self._enc.encode(r) + b"\n" for r in records))
 
 
-def read(directory: str | Path) -> list[TokenTrace]:
-    """Every record of every process under `directory`."""
+_request_files: dict[str, TraceFile] = {}
+_request_stamps: dict[str, dict[str, int]] = {}  # request id -> its stamps so far
+
+
+def stamp_request(request_id: str, stage: str, role: str, last: bool = False,
+                  at: int | None = None) -> None:
+    """Stamp a request's `stage` (REQUEST_STAGES) in this process; the `last` stage of the
+    process writes its record. Called only when ON; from any thread (one request's stages
+    follow each other, so no two threads touch one request's stamps at once)."""
+    stamps = _request_stamps.setdefault(request_id, {})
+    stamps[stage] = at or now()
+    if last:
+        f = _request_files.get(role)
+        if f is None:
+            f = _request_files[role] = TraceFile(f"{role}-requests")
+        f.add(TokenTrace(request_id, 0, _request_stamps.pop(request_id, stamps)))
+        f.flush()
+
+
+def forget_request(request_id: str) -> None:
+    """A request that will not reach its last stamp here (refused, cancelled)."""
+    _request_stamps.pop(request_id, None)
+
+
+def read(directory: str | Path, requests: bool = False) -> list[TokenTrace]:
+    """Every token's records of every process under `directory` (`requests`: the requests'
+    records before their first token instead)."""
     dec = msgspec.json.Decoder(TokenTrace)
-    return [dec.decode(line) for p in sorted(Path(directory).glob("*.jsonl"))
-            for line in p.read_bytes().splitlines() if line]
+    records = [dec.decode(line) for p in sorted(Path(directory).glob("*.jsonl"))
+               for line in p.read_bytes().splitlines() if line]
+    return [r for r in records if (r.index == 0) == requests]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta, Generate, TokenLogprob
 from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, bad_request, unavailable
@@ -109,6 +110,7 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
     """`n` started Generations of one request (OpenAI's `n`), on one engine, sharing one
     prefill there; each resumes on its own after an engine death."""
     router = state.router
+    traced_at = stage_trace.now() if stage_trace.ON else 0
     images = await decode_images(list(req.images), state.allow_image_urls) \
         if req.images else []  # a bad image is a 400 before any engine is chosen
     engine = await router.acquire(req.model)
@@ -125,6 +127,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
             msg = msgspec.structs.replace(msg, images=images)
         check_prompt_fits(msg, engine.status)
         for one in group_messages(msg, n):
+            if traced_at:
+                stage_trace.stamp_request(one.request_id, "proxy_in", "proxy", at=traced_at)
             gens.append(Generation(state.client, engine, one, resume=state.resume,
                                    load_wait=router.load_wait, stats=state.resume_stats,
                                    metrics=None if req.count_only else state.metrics))
@@ -253,6 +257,8 @@ class Generation:
         while True:
             if self.engine.state == "ready":
                 try:
+                    if stage_trace.ON:
+                        stage_trace.stamp_request(msg.request_id, "sending", "proxy", True)
                     self.stream = await self.client.submit(self.engine, msg)
                     return await self._next()
                 except EngineGone as e:

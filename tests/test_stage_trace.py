@@ -12,7 +12,7 @@ from conftest import start_daemon, stop_and_check
 from mlxd.engine.runner import RequestStarted, StepTokens
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
 from mlxd.protocol import stage_trace
-from mlxd.protocol.stage_trace import ENGINE_STAGES, PROXY_STAGES, read
+from mlxd.protocol.stage_trace import ENGINE_STAGES, PROXY_STAGES, REQUEST_STAGES, read
 from support.harness import stream_chat
 
 
@@ -47,6 +47,13 @@ def test_every_token_is_stamped_at_every_stage_in_order(tiny_model, tmp_path):
         if i > 1:  # each token's step starts after the previous token's step
             assert engine[i - 1].stamps["next_in"] < e["next_in"]
     assert proxy[n].chars == len(text)  # how a client's chunks are joined to tokens
+    # the request's way to its first step: one record per process, every stage in order,
+    # all before its first token's step
+    reqs = [r for r in read(trace, requests=True) if r.request_id in rid]  # (not warm-up's)
+    assert len(reqs) == 2, reqs
+    stamps = {k: v for r in reqs for k, v in r.stamps.items()}
+    assert list(sorted(stamps, key=stamps.__getitem__)) == list(REQUEST_STAGES), stamps
+    assert stamps["inserted"] < engine[1].stamps["next_in"]
 
 
 def test_the_clock_is_off_by_default():

@@ -1,0 +1,211 @@
+"""First tokens under a burst (issue 14 item 3): S clients send at once; where does each
+request's time go before its first token, by the client's, the proxy's and the engine's clock?
+
+Runs `mlxd serve --isolate` with the stage clock on (MLXD_STAGE_TRACE, protocol/stage_trace.py:
+one record per request before its first token, and the first token's own stamps) and, side by
+side in the same run, mlx-lm's BatchGenerator in this process with all S prompts inserted at
+once (the reference of benchmarks/throughput.py, prompts tokenized beforehand). Rounds of the
+two alternate. For each request the stamps are taken relative to the moment the round's first
+client sent its request, and the table gives, per stage, the median and the p90 over the
+requests of all measured rounds:
+
+    client sent -> proxy in -> sending -> engine in -> prepared (template, tokens) ->
+    inserted into the generator -> first token read back -> sent -> proxy wrote it ->
+    the client's first content
+
+and, per round, how the burst reached the generator: the sizes of the groups inserted
+together (one group per MLX-thread step).
+
+    python benchmarks/burst.py --shape tiny --streams 32 --rounds 3
+    python benchmarks/burst.py --shape 1b --model-dtype bfloat16 --streams 32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import PROMPTS, SHAPES, model_for, pct, run_inprocess, start_target
+
+STAGES = [  # (row label, the stamp's name, whose clock)
+    ("proxy in (parsed, checked)", "proxy_in", "proxy"),
+    ("sending (to ZeroMQ)", "sending", "proxy"),
+    ("engine in (I/O thread)", "engine_in", "engine"),
+    ("prepared (template, tokens)", "prepared", "engine"),
+    ("inserted into the generator", "inserted", "engine"),
+    ("first token read back", "read_back", "engine"),
+    ("first token sent", "sent", "engine"),
+    ("first token written (SSE)", "written", "proxy"),
+    ("client: first content", "client_first", "client"),
+]
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
+                  tokens: int, out: dict[str, dict[str, int]]) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens, "temperature": 0, "stream": True}
+    sent = time.perf_counter_ns()
+    rid = None
+    async with session.post(url, json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            obj = json.loads(line[6:])
+            if rid is None:
+                rid = obj["id"]
+                out[rid] = {"client_sent": sent}
+            if "client_first" not in out[rid] and any(
+                    (ch.get("delta") or {}).get("content") for ch in obj.get("choices") or []):
+                out[rid]["client_first"] = time.perf_counter_ns()
+
+
+async def burst(base: str, model: str, streams: int, tokens: int) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await asyncio.gather(*(_stream(s, base + "/v1/chat/completions", model, PROMPTS[i],
+                                       tokens, out) for i in range(streams)))
+    return out
+
+
+def join(trace_dir: Path, client: dict[str, dict[str, int]]) -> list[dict[str, int]]:
+    """Each request of the round: the client's, the proxy's and the engine's stamps."""
+    from mlxd.protocol.stage_trace import read
+    reqs: dict[str, dict[str, int]] = defaultdict(dict)
+    for r in read(trace_dir, requests=True):
+        reqs[r.request_id].update(r.stamps)
+    for r in read(trace_dir):
+        if r.index == 1:  # the first token's stamps
+            reqs[r.request_id].update({k: v for k, v in r.stamps.items()
+                                       if k in ("read_back", "sent", "written")})
+    return [{**reqs.get(rid, {}), **st} for rid, st in client.items()]
+
+
+def relative(rows: list[dict[str, int]]) -> tuple[dict[str, list[float]], list[int]]:
+    """ms from the round's first client send, per stage; and the sizes of the groups of
+    requests inserted together (stamps within 1 ms: one MLX-thread step)."""
+    t0 = min(r["client_sent"] for r in rows)
+    rel: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        for _, stage, _ in [("", "client_sent", ""), *STAGES]:
+            if stage in r:
+                rel[stage].append((r[stage] - t0) / 1e6)
+    groups: list[int] = []
+    last = None
+    for t in sorted(rel["inserted"]):
+        if last is None or t - last > 1.0:
+            groups.append(0)
+        groups[-1] += 1
+        last = t
+    return rel, groups
+
+
+def table(streams: int, rel: dict[str, list[float]], groups: list[list[int]],
+          ref_first: list[float], ref_text: list[float]) -> str:
+    lines = [f"### {streams} streams at once", "",
+             "| stage (ms after the burst's first client send) | median | p90 | last |",
+             "|---|---|---|---|"]
+    for label, stage, _ in [("client sent", "client_sent", ""), *STAGES]:
+        xs = rel.get(stage, [])
+        if xs:
+            lines.append(f"| {label} | {statistics.median(xs):.1f} | {pct(xs, 0.9):.1f} | "
+                         f"{max(xs):.1f} |")
+    lines.append(f"| in-process: first token (all inserted at once) | "
+                 f"{statistics.median(ref_first):.1f} | {pct(ref_first, 0.9):.1f} | "
+                 f"{max(ref_first):.1f} |")
+    lines.append(f"| in-process: first text | {statistics.median(ref_text):.1f} | "
+                 f"{pct(ref_text, 0.9):.1f} | {max(ref_text):.1f} |")
+    cf = rel.get("client_first", [])
+    if cf and ref_text:
+        lines += ["", f"First content, median: mlxd {statistics.median(cf):.1f} ms, in-process "
+                  f"{statistics.median(ref_text):.1f} ms: "
+                  f"**{statistics.median(cf) / statistics.median(ref_text):.2f}x**."]
+    lines.append(f"Groups inserted together, per round: {groups}.")
+    return "\n".join(lines)
+
+
+def inprocess_first(model_dir: str, streams: int, tokens: int, dtype: str
+                    ) -> tuple[list[float], list[float]]:
+    """The reference's first tokens and first text (ms after its insert of all S prompts)."""
+    rnd = run_inprocess(model_dir, streams, tokens, dtype)
+    return [x * 1e3 for x in rnd.first_token], [x * 1e3 for x in rnd.ttft]
+
+
+async def main_async(args: argparse.Namespace, model_dir: str) -> str:
+    levels = [int(x) for x in args.streams.split(",")]
+    trace_root = Path(tempfile.mkdtemp(prefix="mlxd-burst-"))
+    extra = args.mlxd_args.split() if args.mlxd_args else []
+    server, base, model = start_target("mlxd-isolate", model_dir, None, args.dtype, extra,
+                                       env={"MLXD_STAGE_TRACE": str(trace_root / "warm")})
+    out = []
+    try:
+        await server.wait()
+        os.environ.pop("MLXD_STAGE_TRACE", None)
+        for s in levels:
+            await burst(base, model, s, args.max_tokens)  # warm-up: shapes built
+            inprocess_first(model_dir, s, args.max_tokens, args.dtype)
+        for s in levels:
+            rel: dict[str, list[float]] = defaultdict(list)
+            groups: list[list[int]] = []
+            ref_first: list[float] = []
+            ref_text: list[float] = []
+            for n in range(args.rounds):
+                # every process appends to the directory it was started with: one round's
+                # records are told apart by their request ids (the client's)
+                client = await burst(base, model, s, args.max_tokens)
+                r, g = relative(join(trace_root / "warm", client))
+                for k, v in r.items():
+                    rel[k] += v
+                groups.append(g)
+                f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype)
+                ref_first += f
+                ref_text += t
+                print(f"streams {s} round {n}: mlxd first content median "
+                      f"{statistics.median(r.get('client_first', [float('nan')])):.1f} ms, "
+                      f"in-process first text {statistics.median(t):.1f} ms, groups {g}",
+                      flush=True)
+            out.append(table(s, rel, groups, ref_first, ref_text))
+    finally:
+        server.stop()
+    return "\n\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="'default', a model dir, or omit for --shape")
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--model-dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--streams", default="32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--mlxd-args", default="", help="extra `mlxd serve` flags")
+    ap.add_argument("--out", default=None, help="write the tables here too")
+    args = ap.parse_args()
+    model_dir = model_for(args)
+    report = asyncio.run(main_async(args, model_dir))
+    import mlx.core as mx
+    head = (f"Model: {args.model or 'random ' + args.shape + ' (' + args.model_dtype + ')'}; "
+            f"{args.max_tokens} tokens per request, greedy; {args.rounds} rounds; device "
+            f"{mx.default_device()}; mlx {mx.__version__}; {os.cpu_count()} CPUs; "
+            f"{time.strftime('%Y-%m-%d')}.")
+    print(head + "\n\n" + report)
+    if args.out:
+        Path(args.out).write_text(head + "\n\n" + report + "\n")
+
+
+if __name__ == "__main__":
+    main()
