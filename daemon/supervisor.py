@@ -25,7 +25,7 @@ from mlxd.daemon import health_probe
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.launch import command, engine_launch, proxy_launch, storage_launch, write_launch
-from mlxd.daemon.memory_share import share_of
+from mlxd.daemon.memory_share import engines_of, rebalance
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
@@ -43,6 +43,7 @@ from mlxd.protocol.messages import (
     Ready,
     ResetChild,
     Role,
+    SetMemoryShare,
     Shutdown,
     StartEngine,
     StopDaemon,
@@ -50,7 +51,6 @@ from mlxd.protocol.messages import (
     ToChild,
 )
 from mlxd.protocol.models import model_id
-from mlxd.protocol.settings import PoolShare
 
 log = logging.getLogger("mlxd.supervisor")
 
@@ -84,24 +84,35 @@ class Supervisor:
 
     def _launch(self, child: Child) -> bytes:
         """What the child reads on its stdin, for its current epoch."""
-        if child.role == "engine":
-            child.share = self._share(child)
+        if child.role == "engine":  # its share: set by _rebalance as it was spawned
             return codec.encode_launch(
                 engine_launch(self.cfg, child.child_id, child.model, child.epoch, child.share))
         if child.role == "proxy":
             return codec.encode_launch(proxy_launch(self.cfg, child.epoch))
         return codec.encode_launch(storage_launch(self.cfg, child.epoch, supervised=True))
 
-    def _share(self, child: Child) -> PoolShare:
-        """An engine's part of the machine's memory: granted at its first start beside the
-        engines that hold one (an unloaded engine holds none), kept across restarts."""
-        first = child.share is None
-        share = share_of(child, self.children.values(), self.cfg.proxy.model_pool)
-        if first and share.fraction < 1:
-            log.info("engine %s for %s gets %.0f%% of the memory (--model-pool %d, %d other "
-                     "engine(s) with a share)", child.child_id, model_id(child.model),
-                     100 * share.fraction, share.pool, share.others)
-        return share
+    async def _rebalance(self) -> None:
+        """Every engine's part of the machine's memory, recomputed from the engines that hold
+        one (daemon/memory_share.py); each running engine whose part changed is told. Called
+        before an engine is spawned (the others shrink before it starts), and when one is
+        gone for good (the others grow once its process has exited)."""
+        engines = [c for c in self.children.values() if c.role == "engine"]
+        told = {c.child_id: c.share.fraction for c in engines
+                if c.alive and c.share is not None}
+        before = {c.child_id: c.share.fraction if c.share else None for c in engines}
+        given, changed = rebalance(self.cfg.proxy.model_pool, engines_of(engines), told)
+        for c in engines:
+            if c.child_id in given:
+                c.share = given[c.child_id]
+        moved = [eid for eid, share in given.items() if (was := before[eid]) is None
+                 or abs(was - share.fraction) > 1e-9]
+        if moved and (self.cfg.proxy.model_pool > 1 or len(given) > 1):
+            log.info("memory shares (--model-pool %d): %s", self.cfg.proxy.model_pool,
+                     ", ".join(f"{model_id(c.model)} {100 * given[c.child_id].fraction:.0f}%"
+                               for c in engines if c.child_id in given))
+        for c in engines:
+            if c.child_id in changed and c.share is not None:
+                await self._send(c, SetMemoryShare(c.child_id, c.epoch, c.share))
 
     # ------------------------------------------------------------------ main loop
 
@@ -171,6 +182,8 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         child.state = "starting"
+        if child.role == "engine":
+            await self._rebalance()
         # stderr is our own pipe, not asyncio's: Process.wait() waits for its pipes to close,
         # so with asyncio's a child's death would go unseen while anything held its stderr.
         read_fd, write_fd = os.pipe()
@@ -187,6 +200,8 @@ class Supervisor:
             log.error("%s %s %s", child.role, child.child_id, child.reason)
             self._spawn_task(self._cool_down(child, child.epoch))
             self._broadcast()
+            if child.role == "engine":
+                await self._rebalance()
             return
         finally:
             os.close(write_fd)
@@ -234,6 +249,8 @@ class Supervisor:
                 self._last_epoch[child.child_id] = child.epoch
                 self.children.pop(child.child_id, None)
                 self._broadcast()
+                if not self.stopping:  # its memory is free: the others grow into it
+                    await self._rebalance()
             return
         if child.role == "proxy" and code == exit_codes.CONFIG_ERROR:
             # It cannot listen (port taken, unusable socket path): a daemon without a
@@ -254,6 +271,8 @@ class Supervisor:
             log.error("%s %s exited with %s and is marked failed: %s", child.role,
                       child.child_id, child.last_exit, child.reason)
             self._broadcast()
+            if child.role == "engine":  # it holds no memory until it is tried again
+                await self._rebalance()
             return
         child.state = "backoff"
         log.warning("%s %s exited with %s; restarting in %.1f s", child.role, child.child_id,
@@ -369,6 +388,10 @@ class Supervisor:
                 child.reason = shorten(reason, REASON_CAP)  # the daemon's last line
             case Hello() if child.role == "proxy":
                 self._broadcast()
+            case Hello() if child.role == "engine" and child.share is not None:
+                # a share changed before it connected (it could not be told): its current one
+                self._spawn_task(self._send(child, SetMemoryShare(child.child_id, child.epoch,
+                                                                  child.share)))
 
     def _announce_ready(self, child: Child, detail: str) -> None:
         """To systemd. The child has logged its own readiness (one line per event)."""
@@ -414,6 +437,7 @@ class Supervisor:
             self._last_epoch[engine_id] = child.epoch
             self.children.pop(engine_id, None)
             self._broadcast()
+            await self._rebalance()
             return
         child.state = "stopping"
         self._broadcast()

@@ -36,12 +36,29 @@ class KvShape:
 
 
 @dataclass(frozen=True)
+class Sizing:
+    """What a budget is derived from, measured once at load: kept so that a new share (the
+    supervisor rebalancing a pool) re-derives the budget from the same figures."""
+    available_bytes: int  # see `budget`
+    model_bytes: int
+    shape: KvShape
+    explicit_cap: int | None
+    source: str
+    cache_bytes: int  # the RAM prefix cache's configured capacity
+    counted_back: int
+
+
+@dataclass(frozen=True)
 class Budget:
     kv_bytes: int  # memory KV may use, after weights and the reserve
     per_token: int
     explicit_cap: int | None  # --batch N, or None for auto
     why: str  # how the budget was derived, for /stats
     share: float = 1.0  # the fraction of the machine's memory this engine may use (a pool)
+    # the RAM prefix cache's capacity within this part: the configured one, less what the
+    # weights and the reserve leave no room for (a small share trims the cache, not the rows)
+    cache_bytes: int = 0
+    sizing: Sizing | None = None  # None: a budget not derived from measured figures
 
     @property
     def kv_tokens(self) -> int:
@@ -59,18 +76,35 @@ def budget(available_bytes: int, model_bytes: int, shape: KvShape,
     `available_bytes` (for the reason shown)."""
     fraction = share.fraction if share is not None else 1.0
     mine = int(available_bytes * fraction)
-    usable = int(mine * (1 - RESERVE_FRACTION)) - model_bytes - cache_bytes
-    kv = max(0, usable)
-    cache = f", prefix cache {_size(cache_bytes)}" if cache_bytes else ""
+    room = int(mine * (1 - RESERVE_FRACTION)) - model_bytes  # for the cache and KV
+    kv = max(0, room - cache_bytes)
+    cache_cap = max(0, min(cache_bytes, room))
+    cache = ""
+    if cache_bytes:
+        cache = f", prefix cache {_size(cache_cap)}" + (
+            f" (of {_size(cache_bytes)})" if cache_cap < cache_bytes else "")
     whole = f"{source}: {_size(available_bytes)}"
-    if share is not None and fraction < 1:
+    if share is not None and (fraction < 1 or share.pool > 1):
         back = (f" (the other engines' weights {_size(counted_back)} counted back)"
                 if counted_back else "")
         whole = (f"share {fraction:.0%} (--model-pool {share.pool}, {share.others} other "
                  f"engine(s)) of {whole}{back} = {_size(mine)}")
     why = (f"{whole}, weights {_size(model_bytes)}{cache}, {RESERVE_FRACTION:.0%} reserve -> "
            f"{_size(kv)} for KV at {shape.bytes_per_token / 1024:.1f} KiB/token")
-    return Budget(kv, shape.bytes_per_token, explicit_cap, why, fraction)
+    sizing = Sizing(available_bytes, model_bytes, shape, explicit_cap, source, cache_bytes,
+                    counted_back)
+    return Budget(kv, shape.bytes_per_token, explicit_cap, why, fraction, cache_cap, sizing)
+
+
+def rebudget(b: Budget, share: PoolShare) -> Budget:
+    """The budget for a new share (the supervisor rebalanced the pool), from the figures
+    measured at load: the machine's memory, the weights, the KV per token, the cache's
+    configured capacity. A budget without them is kept."""
+    s = b.sizing
+    if s is None:
+        return b
+    return budget(s.available_bytes, s.model_bytes, s.shape, s.explicit_cap, s.source,
+                  s.cache_bytes, share, s.counted_back)
 
 
 def _size(n: int) -> str:

@@ -26,6 +26,7 @@ from mlxd.protocol.messages import (
     Generate,
     Heartbeat,
     Hello,
+    SetMemoryShare,
     Shutdown,
 )
 
@@ -44,6 +45,7 @@ class Handlers:
     children: Callable[[ChildStates], None]
     progress: Callable[[], tuple[int, bool]]  # the MLX thread's step counter, and busy
     embed: Callable[[Embed], None]
+    share: Callable[[SetMemoryShare], None] = lambda _: None  # the memory share changed
 
 
 class IoThread:
@@ -140,3 +142,5 @@ class IoThread:
                 self.on.shutdown(reason)
             case ChildStates():
                 self.on.children(msg)
+            case SetMemoryShare():
+                self.on.share(msg)

@@ -138,6 +138,21 @@ class PrefixCache:
                 self.on_evict(v)
         return entry
 
+    def resize(self, max_bytes: int) -> None:
+        """A new capacity (the engine's memory share changed): entries beyond it are evicted
+        at once, least recently used first, each offered to `on_evict` as an insert's are."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            victims = []
+            while self.nbytes > self.max_bytes and self._lru:
+                _, victim = self._lru.popitem(last=False)
+                self._unlink(victim)
+                victims.append(victim)
+        for v in victims:
+            self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(v)
+
     def entries(self) -> list[Entry]:
         with self._lock:
             return list(self._lru.values())

@@ -306,6 +306,22 @@ class Runner:
                    else self._last_reserved or self._context or 4096)
         c.batch_cap, c.batch_why = explain(self._budget, running, self._reserved_total, typical)
 
+    def set_budget(self, b: Budget) -> None:
+        """A new KV budget (the engine's memory share changed; run through `Call`, on the MLX
+        thread). Running rows go on; the gate admits no row that does not fit the new budget,
+        so a smaller one holds new rows back until enough running ones end; a larger one lets
+        held rows in at once. The RAM prefix cache takes its new capacity now, and memory MLX
+        kept for reuse goes back to the system (another engine may be about to load)."""
+        shrunk = b.kv_bytes + b.cache_bytes < (
+            self._budget.kv_bytes + self.cache.max_bytes if self._budget else 0)
+        self._budget = b
+        if kv_quant.cacheable(self._model):
+            self.cache.resize(b.cache_bytes)
+        if shrunk:
+            mx.clear_cache()
+        self._room_changed = True
+        self._update_cap()
+
     def _admit(self, adds: list[AddRequest]) -> None:
         """Requests that share a long uncached prefix with one still prefilling (the leader)
         wait for it and then hit the cache: N agents with one system prompt prefill it once."""

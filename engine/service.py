@@ -51,6 +51,7 @@ from mlxd.protocol.messages import (
     Generate,
     Ready,
     SamplingParams,
+    SetMemoryShare,
 )
 from mlxd.protocol.models import adapters_of, model_id
 from mlxd.protocol.settings import EngineLaunch
@@ -97,6 +98,8 @@ class EngineService:
         self.lora: Any = None  # lora.LoraSet when adapters are registered on this base
         self.group: Any = None  # group_leader.GroupLeader: rank 0 of a sharded engine
         self.supervised = supervised
+        self.share = launch.pool_share  # the latest the supervisor gave (it changes: a pool)
+        self.budget: Any = None  # batch_budget.Budget in force, once measured
         self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped)
         self._token_texts: dict[int, str] = {}  # the output thread's cache
         self._storage_epoch: int | None = None  # the storage worker's, from ChildStates
@@ -104,7 +107,7 @@ class EngineService:
                             Handlers(generate=self.lanes.submit, abort=self._abort,
                                      flush=self._flush_request, shutdown=lambda _: self.stop(),
                                      children=self._on_children, progress=self._progress,
-                                     embed=self._embed))
+                                     embed=self._embed, share=self._on_share))
         self._out = OutputThread(ctx, endpoints.outputs, launch.engine_id, launch.epoch, self.ch,
                                  self._status, lambda: self.runner.inbox if self.runner else None,
                                  self._token_text)
@@ -203,6 +206,8 @@ class EngineService:
                              on_checkpoint=persist, speculator=self._speculator(draft))
         if not self._outbox.eager:
             self.runner.inbox = ReleasingInbox(self._outbox)  # idle: held tokens go out
+        self.budget = budget
+        self.runner.inbox.put(Call(self._apply_share))  # one that came during the load
         inbox = self.runner.inbox  # embeddings run between generation steps
         self.embedding = Embedding(
             CausalLMEmbedder(model, tokenizer, loaded.context_length,
@@ -430,6 +435,30 @@ class EngineService:
                                    error="the model is still loading", error_code="engine_loading"))
         else:
             self.embedding.submit(msg)
+
+    def _on_share(self, msg: SetMemoryShare) -> None:
+        """The supervisor rebalanced the pool's memory: the MLX thread re-derives the budget
+        (before the runner exists, the load's end applies the latest share)."""
+        if msg.epoch != self.launch.epoch:
+            return
+        self.share = msg.share
+        if self.runner is not None:
+            self.runner.inbox.put(Call(self._apply_share))
+
+    def _apply_share(self, runner: Runner) -> None:
+        """On the MLX thread: the budget for the latest share, from the figures measured at
+        load; one line in the log per change."""
+        from mlxd.engine.batch_budget import rebudget
+        old, share = self.budget, self.share
+        if old is None or old.sizing is None or abs(old.share - share.fraction) < 1e-9:
+            return
+        self.budget = new = rebudget(old, share)
+        runner.set_budget(new)
+        log.info("memory share %.0f%% -> %.0f%% (%d other engine(s)): KV budget %.1f -> "
+                 "%.1f MiB, prefix cache %.1f MiB; %s", 100 * old.share, 100 * new.share,
+                 share.others, old.kv_bytes / 2**20, new.kv_bytes / 2**20,
+                 new.cache_bytes / 2**20, runner.counters.batch_why)
+        self.ch.outq.put(StatusTick())
 
     def _on_children(self, msg: ChildStates) -> None:
         storage = next((c for c in msg.children if c.role == "storage"), None)

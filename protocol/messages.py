@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from mlxd.protocol.block_format import Layout
+from mlxd.protocol.settings import PoolShare
 
 Role = Literal["proxy", "engine", "storage"]
 # A child process as the supervisor sees it (supervisord-style states).
@@ -318,6 +319,14 @@ class Shutdown(_Msg, tag="shutdown"):
     reason: str = ""
 
 
+class SetMemoryShare(_Msg, tag="share"):
+    """Supervisor -> engine: its part of the machine's memory is now `share` (the engines of a
+    model pool changed: daemon/memory_share.py); the engine re-derives its KV budget from it."""
+    engine_id: str
+    epoch: int
+    share: PoolShare
+
+
 class ChildInfo(msgspec.Struct, array_like=True):
     """The supervisor's view of one child, for /stats and for the proxy's routing."""
     role: Role
@@ -361,7 +370,7 @@ class StopDaemon(_Msg, tag="stop_daemon"):
 
 ToSupervisor = (Hello | Ready | Heartbeat | ChildFailed | StartEngine | StopEngine | ResetChild
                 | StopDaemon)
-ToChild = Shutdown | ChildStates
+ToChild = Shutdown | ChildStates | SetMemoryShare
 
 
 # ---------------------------------------------------------------- engine <-> storage worker

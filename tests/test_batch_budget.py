@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxd.daemon.memory_share import (
-    Holder,
-    fraction_for,
-    grant,
-    relaunch,
-    weight_bytes_on_disk,
-)
+from mlxd.daemon.memory_share import Engine, shares, weight_bytes_on_disk
 from mlxd.engine.batch_budget import (
     CEILING,
+    Budget,
     KvShape,
     budget,
     cap_of,
@@ -22,6 +17,7 @@ from mlxd.engine.batch_budget import (
     explicit_cap,
     machine_memory,
     may_admit,
+    rebudget,
     reserved_tokens,
 )
 from mlxd.engine.batch_sizing import MEMORY_ENV, free_based
@@ -96,34 +92,36 @@ def test_explain_names_the_bound_that_holds():
 
 
 # ---------------------------------------------------------------- engines of one model pool
-# The supervisor grants each engine a fraction of the machine's memory (daemon/memory_share.py);
-# the engine sizes its KV within it (budget(share=...)). Simulated here on a machine of M bytes:
-# each engine, as it loads, finds the free memory (M less the weights already loaded: KV is
-# allocated only as rows run) plus its own weights, and the supervisor counts back the weights
-# of the engines already loaded.
+# The supervisor gives each engine of a pool a fraction of the machine's memory, 1/k for k
+# engines, and changes it as engines come and go (daemon/memory_share.py); the engine sizes its
+# KV within it (budget(share=...)) and re-derives it from its measured figures when its share
+# changes (rebudget). Simulated here on a machine of M bytes: each engine, as it loads, finds
+# the free memory (M less the weights already loaded: KV is allocated only as rows run) plus
+# its own weights, and the supervisor counts back the weights of the engines already loaded.
 
 SMOL = KvShape(layers=30, kv_heads=3, k_head_dim=64, v_head_dim=64, bytes_per_element=2)
 LLAMA_8B = KvShape(layers=32, kv_heads=8, k_head_dim=128, v_head_dim=128, bytes_per_element=2)
 
 
 def load_pool(machine: int, pool: int, models: Sequence[tuple[int, KvShape, int | None]],
-              cache: int = 0, forced: bool = False) -> list:
-    """Engines loaded one after the other: (weights, KV shape, --batch N or None) each."""
-    holders: list[Holder] = []
-    out = []
-    for weights, shape, cap in models:
-        share = grant(pool, holders)
+              cache: int = 0, forced: bool = False) -> list[tuple[int, Budget]]:
+    """Engines loaded one after the other, the shares rebalanced before each starts: (weights,
+    KV shape, --batch N or None) each. Each engine's weights and budget once all are loaded."""
+    out: list[tuple[int, Budget]] = []
+    for i, (weights, shape, cap) in enumerate(models):
+        given = shares(pool, [Engine(str(j), True, out[j][0] if j < i else 0)
+                              for j in range(i + 1)])
+        out = [(w, rebudget(b, given[str(j)])) for j, (w, b) in enumerate(out)]
+        share = given[str(i)]
         # free memory once its weights are in, plus them: the machine less the others' weights
-        found = machine if forced else machine - sum(h.loaded_weight_bytes for h in holders)
+        found = machine if forced else machine - sum(w for w, _ in out)
         whole = machine_memory(found, share, whole=forced)
-        b = budget(whole, weights, shape, cap, "MLXD_ENGINE_MEMORY" if forced else "RAM",
-                   cache, share, whole - found)
-        out.append((weights, b))
-        holders.append(Holder(share.fraction, weights))
+        out.append((weights, budget(whole, weights, shape, cap, "MLXD_ENGINE_MEMORY" if forced
+                                    else "RAM", cache, share, whole - found)))
     return out
 
 
-def in_use(engines: list, cache: int = 0) -> int:
+def in_use(engines: list[tuple[int, Budget]], cache: int = 0) -> int:
     """What the engines may come to hold together: weights, prefix caches, every KV budget."""
     return sum(w + cache + b.kv_bytes for w, b in engines)
 
@@ -131,7 +129,32 @@ def in_use(engines: list, cache: int = 0) -> int:
 def test_one_engine_alone_gets_everything():
     (alone,) = load_pool(16 * GiB, 1, [(2 * GiB, LLAMA_1B, None)])
     assert alone[1] == budget(16 * GiB, 2 * GiB, LLAMA_1B, None, "RAM")  # as before pools
-    assert grant(1, []) == PoolShare() and "share" not in alone[1].why
+    assert shares(1, [Engine("a", True)]) == {"a": PoolShare()} and "share" not in alone[1].why
+
+
+def test_a_lone_engine_of_a_pool_takes_everything_until_another_starts():
+    m = 16 * GiB
+    (alone,) = load_pool(m, 2, [(2 * GiB, LLAMA_1B, None)])
+    assert alone[1].share == 1.0 and alone[1].kv_bytes == int(m * 0.9) - 2 * GiB
+    assert "share 100% (--model-pool 2, 0 other engine(s))" in alone[1].why
+    (a, b) = load_pool(m, 2, [(2 * GiB, LLAMA_1B, None), (1 * GiB, LLAMA_1B, None)])
+    assert a[1].share == 0.5 and a[1].kv_bytes == int(m / 2 * 0.9) - 2 * GiB  # shrunk first
+    # b unloaded: a grows back to what it had alone, from the figures it measured at load
+    assert rebudget(a[1], PoolShare(fraction=1.0, pool=2)) == alone[1]
+
+
+def test_a_new_share_keeps_the_measured_figures_and_trims_the_prefix_cache():
+    b = budget(16 * GiB, 2 * GiB, LLAMA_1B, 8, "RAM", 4 * GiB, PoolShare(fraction=1.0, pool=2))
+    assert (b.kv_bytes, b.cache_bytes) == (int(16 * GiB * 0.9) - 6 * GiB, 4 * GiB)
+    quarter = rebudget(b, PoolShare(fraction=0.25, pool=4, others=3))
+    # 4 GiB, 3.6 once the reserve is off, 2 of it weights: 1.6 GiB for the cache, none for KV
+    assert quarter.kv_bytes == 0 and quarter.cache_bytes == int(4 * GiB * 0.9) - 2 * GiB
+    assert quarter.explicit_cap == 8 and quarter.per_token == b.per_token
+    assert "prefix cache 1.6 GiB (of 4.0 GiB)" in quarter.why and "share 25%" in quarter.why
+    half = rebudget(quarter, PoolShare(fraction=0.5, pool=4, others=1))
+    assert half.cache_bytes == 4 * GiB and half.kv_bytes == int(8 * GiB * 0.9) - 6 * GiB
+    fixed = Budget(100, 10, None, "given")  # not measured: nothing to re-derive it from
+    assert rebudget(fixed, PoolShare(fraction=0.5, pool=2)) is fixed
 
 
 def test_two_engines_share_the_memory_instead_of_each_taking_all_of_it():
@@ -146,16 +169,17 @@ def test_two_engines_share_the_memory_instead_of_each_taking_all_of_it():
     assert sum(x.kv_bytes for x in alone) + 3 * GiB > 1.6 * m
     assert "share 50% (--model-pool 2, 1 other engine(s))" in b[1].why
     assert "other engines' weights 2.0 GiB counted back" in b[1].why
-    assert "share 50% (--model-pool 2, 0 other engine(s))" in a[1].why
+    assert "share 50% (--model-pool 2, 1 other engine(s))" in a[1].why
 
 
 def test_three_engines_and_the_order_they_load_in():
     m = 64 * GiB
     models = [(16 * GiB, LLAMA_8B, None), (1 * GiB, LLAMA_1B, None), (GiB // 4, SMOL, None)]
     for order in (models, models[::-1]):
-        engines = load_pool(m, 3, order, cache=2 * GiB)
-        assert [round(b.share, 6) for _, b in engines] == [round(1 / 3, 6)] * 3
-        assert m * 0.9 - 16 <= in_use(engines, cache=2 * GiB) <= m * 0.9
+        for pool in (2, 3):  # a third engine in a pool of 2 (a load racing an unload): thirds
+            engines = load_pool(m, pool, order, cache=2 * GiB)
+            assert [round(b.share, 6) for _, b in engines] == [round(1 / 3, 6)] * 3
+            assert m * 0.9 - 16 <= in_use(engines, cache=2 * GiB) <= m * 0.9
 
 
 def test_models_of_different_kv_cost_get_equal_memory_and_different_rows():
@@ -196,23 +220,6 @@ def test_a_forced_memory_figure_is_the_whole_pool():
     assert free_based("GPU memory (70.0 GiB free + 1.0 GiB held by MLX)")
     assert not free_based("unified memory (the GPU's recommended working set)")
     assert not free_based(MEMORY_ENV)
-
-
-def test_an_unloaded_engines_share_goes_to_the_next_one_started():
-    holders = [Holder(0.5, GiB)]  # b was unloaded: only a holds a share
-    assert grant(2, holders).fraction == 0.5
-    thirds = [Holder(1 / 3), Holder(1 / 3)]
-    assert abs(grant(3, thirds).fraction - 1 / 3) < 1e-9
-    assert abs(grant(3, thirds[:1]).fraction - 1 / 3) < 1e-9  # one of three left: 2/3 over 2
-    assert grant(1, []).fraction == 1.0  # --model-pool 1: the evicted engine held it all
-    # a restarted engine keeps its fraction, with the others' weights as they are now
-    again = relaunch(PoolShare(fraction=0.5, pool=2, others=0), [Holder(0.5, 3 * GiB)])
-    assert (again.fraction, again.others, again.others_weight_bytes) == (0.5, 1, 3 * GiB)
-
-
-def test_more_engines_than_the_pool_never_leaves_one_with_nothing():
-    assert fraction_for(2, [0.5, 0.5]) == 1 / 3
-    assert fraction_for(1, [1.0]) == 0.5
 
 
 def test_weights_on_disk_are_a_model_directorys_safetensors(tmp_path):

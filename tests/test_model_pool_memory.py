@@ -3,6 +3,8 @@ each sizing its batch as if it were alone (daemon/memory_share.py, engine/batch_
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import cast
 
 import pytest
@@ -34,31 +36,59 @@ def weights(model) -> int:
     return total
 
 
+def _engines(stats: dict) -> dict[str, dict]:
+    return {e["model"]: e for e in stats["engines"]}
+
+
+def _ready(stats: dict, model: str) -> bool:
+    e = _engines(stats).get(model)
+    return bool(e and e["state"] == "ready" and e["cache"].get("kv_budget_bytes"))
+
+
 def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
-    """Memory for 4.5 full-context rows of tiny-llama in half of it: alone, an engine would
-    have taken all of it (21 rows); in a pool of 2 each takes its half, and the wide model,
-    whose KV costs twice as much, gets about half as many rows in the same bytes."""
+    """Memory for 4.5 full-context rows of tiny-llama in half of it. Alone in the pool of 2,
+    tiny-llama takes all of it (21 rows); the wide model requested, tiny-llama is told its
+    half before the wide one starts, and the wide model, whose KV costs twice as much, gets
+    about half as many rows in the same bytes; the wide one unloaded, tiny-llama grows back."""
     memory = int((weights(tiny_model) + CACHE + 4.5 * CONTEXT * KV_A) / 0.45)
     d = start_daemon(tiny_model, "--model-pool", "2", "--prompt-cache", "0.001",
                      isolate=True, env={MEMORY_ENV: str(memory)})
-    try:
+
+    def chat(model: str) -> None:
         with d.http() as c:
-            for model in ("tiny-llama", str(wide_model)):  # the second loads on demand
-                r = c.post("/v1/chat/completions", json={  # the default max_tokens,
-                    "model": model,  # clamped to the context: the row reserves all of it
-                    "messages": [{"role": "user", "content": "hello"}]})
-                assert r.status_code == 200, r.text
-        d.wait_until(lambda s: len(s["engines"]) == 2 and all(
-            e["state"] == "ready" and e["cache"].get("kv_budget_bytes") for e in s["engines"]),
-            what="both engines ready with their budgets")
+            r = c.post("/v1/chat/completions", json={  # the default max_tokens, clamped to
+                "model": model,  # the context: the row reserves all of it
+                "messages": [{"role": "user", "content": "hello"}]})
+            assert r.status_code == 200, r.text
+
+    try:
+        chat("tiny-llama")
+        d.wait_until(lambda s: _ready(s, "tiny-llama"), what="tiny-llama ready")
+        alone = _engines(d.stats())["tiny-llama"]
+        assert alone["cache"]["memory_share"] == 1.0, alone
+        assert "share 100% (--model-pool 2, 0 other engine(s))" in alone["batch_why"]
+        assert alone["batch_cap"] == 21 and "(50% share)" not in format_status(d.stats())
+
+        # the wide model, loading on demand: watch tiny-llama's share until it is ready
+        loader = threading.Thread(target=chat, args=(str(wide_model),))
+        loader.start()
+        seen = []  # (tiny-llama's share, the wide engine's state) at each look
+        while loader.is_alive() or not seen or seen[-1][1] != "ready":
+            eng = _engines(d.stats())
+            wide = eng.get("tiny-wide", {}).get("state")
+            seen.append((eng["tiny-llama"]["cache"]["memory_share"], wide))
+            if not loader.is_alive() and wide != "ready":
+                d.wait_until(lambda s: _ready(s, "tiny-wide"), what="tiny-wide ready")
+            time.sleep(0.05)
+        loader.join()
+        assert seen[-1] == (0.5, "ready") and (1.0, "ready") not in seen, seen
         stats = d.stats()
-        eng = {e["model"]: e for e in stats["engines"]}
+        eng = _engines(stats)
         a, b = eng["tiny-llama"], eng["tiny-wide"]
         for e in (a, b):
             assert e["cache"]["memory_share"] == 0.5, e
-            assert "share 50% (--model-pool 2" in e["batch_why"], e["batch_why"]
+            assert "share 50% (--model-pool 2, 1 other engine(s))" in e["batch_why"], e
             assert MEMORY_ENV in e["batch_why"]
-        assert "0 other engine(s)" in a["batch_why"] and "1 other engine(s)" in b["batch_why"]
         # together: weights, both prefix caches and both KV budgets within the memory's 90 %
         held = sum(e["cache"]["kv_budget_bytes"] for e in (a, b)) + 2 * CACHE \
             + weights(tiny_model) + weights(wide_model)
@@ -66,12 +96,33 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
         # each its half: 4 rows of the whole context for tiny-llama (21 alone), 2 for the wide
         assert a["batch_cap"] == 4 and a["cache"]["kv_budget_bytes"] // KV_A // CONTEXT == 4
         assert b["batch_cap"] == 2 and b["cache"]["kv_budget_bytes"] // KV_B // CONTEXT == 2
+        # half the memory less: 45 % of it (the other 10 % of a part is its reserve)
+        shrunk = alone["cache"]["kv_budget_bytes"] - a["cache"]["kv_budget_bytes"]
+        assert abs(shrunk - 0.45 * memory) < 4, (shrunk, memory)
         shown = format_status(stats)  # what `mlxd status` prints
         assert shown.count("(50% share)") == 2 and "batch cap, why:" in shown, shown
         with d.http() as c:
             metrics = c.get("/metrics").text
         assert 'mlxd_engine_memory_share{model="tiny-wide"} 0.5' in metrics
+        assert 'mlxd_engine_memory_share{model="tiny-llama"} 0.5' in metrics
         assert (f'mlxd_engine_kv_budget_bytes{{model="tiny-llama"}} '
                 f'{float(a["cache"]["kv_budget_bytes"])}') in metrics
+
+        # the wide model unloaded: once its engine has exited, tiny-llama grows back
+        with d.unix_http() as c:  # /admin/* is served on the Unix socket
+            r = c.post("/admin/models/unload", json={"model": str(wide_model)})
+            assert r.status_code == 200, r.text
+        d.wait_until(lambda s: _engines(s)["tiny-llama"]["cache"]["memory_share"] == 1.0,
+                     what="tiny-llama's whole share back")
+        back = _engines(d.stats())["tiny-llama"]
+        assert back["cache"]["kv_budget_bytes"] == alone["cache"]["kv_budget_bytes"]
+        assert back["batch_cap"] == 21 and "0 other engine(s)" in back["batch_why"]
+        with d.http() as c:
+            assert 'mlxd_engine_memory_share{model="tiny-llama"} 1.0' in c.get("/metrics").text
+        chat("tiny-llama")  # and it serves on
+        log = d.log()
+        assert "memory share 100% -> 50% (1 other engine(s))" in log
+        assert "memory share 50% -> 100% (0 other engine(s))" in log
+        assert "memory shares (--model-pool 2): tiny-llama 50%, tiny-wide 50%" in log
     finally:
         stop_and_check(d)
