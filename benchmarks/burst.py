@@ -112,27 +112,33 @@ def relative(rows: list[dict[str, int]]) -> tuple[dict[str, list[float]], list[i
     return rel, groups
 
 
-def table(streams: int, rel: dict[str, list[float]], groups: list[list[int]],
-          ref_first: list[float], ref_text: list[float]) -> str:
+def table(streams: int, rels: dict[str, dict[str, list[float]]],
+          groups: dict[str, list[list[int]]], ref_first: list[float], ref_text: list[float]
+          ) -> str:
+    names = list(rels)
     lines = [f"### {streams} streams at once", "",
-             "| stage (ms after the burst's first client send) | median | p90 | last |",
-             "|---|---|---|---|"]
+             "median / p90 (ms after the burst's first client send); one column per mlxd "
+             "variant (MLXD_BURST_WINDOW=quiet,window ms)", "",
+             "| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for label, stage, _ in [("client sent", "client_sent", ""), *STAGES]:
-        xs = rel.get(stage, [])
-        if xs:
-            lines.append(f"| {label} | {statistics.median(xs):.1f} | {pct(xs, 0.9):.1f} | "
-                         f"{max(xs):.1f} |")
-    lines.append(f"| in-process: first token (all inserted at once) | "
-                 f"{statistics.median(ref_first):.1f} | {pct(ref_first, 0.9):.1f} | "
-                 f"{max(ref_first):.1f} |")
-    lines.append(f"| in-process: first text | {statistics.median(ref_text):.1f} | "
-                 f"{pct(ref_text, 0.9):.1f} | {max(ref_text):.1f} |")
-    cf = rel.get("client_first", [])
-    if cf and ref_text:
-        lines += ["", f"First content, median: mlxd {statistics.median(cf):.1f} ms, in-process "
-                  f"{statistics.median(ref_text):.1f} ms: "
-                  f"**{statistics.median(cf) / statistics.median(ref_text):.2f}x**."]
-    lines.append(f"Groups inserted together, per round: {groups}.")
+        cells = []
+        for n in names:
+            xs = rels[n].get(stage, [])
+            cells.append(f"{statistics.median(xs):.1f} / {pct(xs, 0.9):.1f}" if xs else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    ref = (f"{statistics.median(ref_first):.1f} / {pct(ref_first, 0.9):.1f}",
+           f"{statistics.median(ref_text):.1f} / {pct(ref_text, 0.9):.1f}")
+    lines.append(f"| in-process, all inserted at once: first token | {ref[0]} |" +
+                 " |" * (len(names) - 1))
+    lines.append(f"| in-process: first text | {ref[1]} |" + " |" * (len(names) - 1))
+    lines.append("")
+    for n in names:
+        cf = rels[n].get("client_first", [])
+        if cf and ref_text:
+            lines.append(f"- {n}: first content median {statistics.median(cf):.1f} ms against "
+                         f"in-process first text {statistics.median(ref_text):.1f} ms: "
+                         f"**{statistics.median(cf) / statistics.median(ref_text):.2f}x**; "
+                         f"groups inserted together per round {groups[n]}")
     return "\n".join(lines)
 
 
@@ -147,38 +153,47 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
     levels = [int(x) for x in args.streams.split(",")]
     trace_root = Path(tempfile.mkdtemp(prefix="mlxd-burst-"))
     extra = args.mlxd_args.split() if args.mlxd_args else []
-    server, base, model = start_target("mlxd-isolate", model_dir, None, args.dtype, extra,
-                                       env={"MLXD_STAGE_TRACE": str(trace_root / "warm")})
+    variants = args.variants.split(";") if args.variants else [""]
+    servers = {}
+    for v in variants:
+        env = {"MLXD_STAGE_TRACE": str(trace_root / (v or "default"))}
+        if v:
+            env["MLXD_BURST_WINDOW"] = v
+        servers[v or "default"] = (start_target("mlxd-isolate", model_dir, None, args.dtype,
+                                                extra, env=env), env["MLXD_STAGE_TRACE"])
     out = []
     try:
-        await server.wait()
-        os.environ.pop("MLXD_STAGE_TRACE", None)
+        for (server, _, _), _ in servers.values():
+            await server.wait()
         for s in levels:
-            await burst(base, model, s, args.max_tokens)  # warm-up: shapes built
+            for (_, base, model), _ in servers.values():
+                await burst(base, model, s, args.max_tokens)  # warm-up: shapes built
             inprocess_first(model_dir, s, args.max_tokens, args.dtype)
         for s in levels:
-            rel: dict[str, list[float]] = defaultdict(list)
-            groups: list[list[int]] = []
+            rels: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in servers}
+            groups: dict[str, list[list[int]]] = {n: [] for n in servers}
             ref_first: list[float] = []
             ref_text: list[float] = []
-            for n in range(args.rounds):
-                # every process appends to the directory it was started with: one round's
-                # records are told apart by their request ids (the client's)
-                client = await burst(base, model, s, args.max_tokens)
-                r, g = relative(join(trace_root / "warm", client))
-                for k, v in r.items():
-                    rel[k] += v
-                groups.append(g)
+            for i in range(args.rounds):
                 f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype)
                 ref_first += f
                 ref_text += t
-                print(f"streams {s} round {n}: mlxd first content median "
-                      f"{statistics.median(r.get('client_first', [float('nan')])):.1f} ms, "
-                      f"in-process first text {statistics.median(t):.1f} ms, groups {g}",
-                      flush=True)
-            out.append(table(s, rel, groups, ref_first, ref_text))
+                line = [f"streams {s} round {i}: in-process first text {statistics.median(t):.1f}"]
+                for name, ((_, base, model), trace) in servers.items():
+                    # each daemon appends to its own directory for the whole run: a round's
+                    # records are told apart by their request ids (the client's)
+                    client = await burst(base, model, s, args.max_tokens)
+                    r, g = relative(join(Path(trace), client))
+                    for k, v in r.items():
+                        rels[name][k] += v
+                    groups[name].append(g)
+                    line.append(f"{name} {statistics.median(r.get('client_first', [0])):.1f} "
+                                f"groups {g}")
+                print("; ".join(line), flush=True)
+            out.append(table(s, rels, groups, ref_first, ref_text))
     finally:
-        server.stop()
+        for (server, _, _), _ in servers.values():
+            server.stop()
     return "\n\n".join(out)
 
 
@@ -193,6 +208,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--mlxd-args", default="", help="extra `mlxd serve` flags")
+    ap.add_argument("--variants", default="",
+                    help="mlxd daemons side by side, one per MLXD_BURST_WINDOW value "
+                         "('QUIET_MS,WINDOW_MS'), ';'-separated; empty: one, the defaults")
     ap.add_argument("--out", default=None, help="write the tables here too")
     args = ap.parse_args()
     model_dir = model_for(args)

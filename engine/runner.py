@@ -13,6 +13,7 @@ one insert, so mlx-lm prefills it as one batch rather than one prompt after the 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections import deque
@@ -36,8 +37,18 @@ MIN_SHARED_PREFIX = 32  # tokens two simultaneous prompts must share to prefill 
 # Burst admission: an idle engine that just got a request keeps gathering arrivals while they
 # come within BURST_QUIET_S of each other or more are being prepared (tokenized) on the
 # admission lanes, for at most BURST_WINDOW_S in all; then prefills them as one batch.
-BURST_QUIET_S = 0.001
-BURST_WINDOW_S = 0.010
+# MLXD_BURST_WINDOW="QUIET_MS,WINDOW_MS" sets both, for benchmarks/burst.py's comparisons.
+
+
+def _burst_window(value: str) -> tuple[float, float]:
+    try:
+        quiet, window = (float(x) / 1e3 for x in value.split(","))
+        return quiet, window
+    except ValueError:
+        return 0.001, 0.010
+
+
+BURST_QUIET_S, BURST_WINDOW_S = _burst_window(os.environ.get("MLXD_BURST_WINDOW", ""))
 
 
 @dataclass
