@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PIN = -1.0
+# Of each engine's part of the memory, what it keeps free for activations: the engine's own
+# rule (engine/batch_budget.RESERVE_FRACTION; a test holds them equal).
+RESERVE_FRACTION = 0.10
 
 
 @dataclass
@@ -39,15 +42,61 @@ class NotEnoughMemory(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What loading a model asks of the memory (the check before a load; figures only)."""
+    weight_bytes: int  # the new model's weights (0: unknown, a repo id)
+    row_bytes: int  # the KV of one row: an engine always admits one, whatever its budget
+    available_bytes: int  # free memory now
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.row_bytes
+
+
+def memory_shortfall(need: MemoryNeed, resident_weights: list[int],
+                     evicted_weights: list[int]) -> str | None:
+    """Why the model cannot load once `evicted_weights`' engines are gone (None: it can), with
+    `resident_weights` the weights of every resident engine (evicted ones included).
+
+    - now: its weights and one row must fit in the free memory plus the evicted engines'
+      weights (their KV is not counted: only smaller, the safe side). Free memory is not
+      asked for a full batch: the engines' KV budgets, not `--batch`, bound what they admit;
+    - its part: the supervisor gives the engines that stay and the new one equal parts of the
+      machine's memory (daemon/memory_share.py; the others shrink as it starts), and an engine
+      keeps 10 % of its part in reserve; weights and one row must fit in the rest, or it
+      could serve only by eating into the reserve. The machine's memory is what the engines
+      count from: the free memory plus the resident engines' weights."""
+    freed = sum(evicted_weights)
+    if need.available_bytes + freed < need.total:
+        return (f"the model needs about {_gib(need.total)} (its weights and one row of KV); "
+                f"{_gib(need.available_bytes + freed)} would be available")
+    machine = need.available_bytes + sum(resident_weights)
+    engines = len(resident_weights) - len(evicted_weights) + 1
+    part = int(machine / engines * (1 - RESERVE_FRACTION))
+    if part < need.total:
+        beside = f", beside {engines - 1} other model(s)" if engines > 1 else ""
+        return (f"the model needs about {_gib(need.total)} (its weights and one row of KV); "
+                f"its part of the memory would be {_gib(part)} ({100 / engines:.0f}% of "
+                f"{_gib(machine)}{beside}, less a {RESERVE_FRACTION:.0%} reserve)")
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 class ModelPool:
     def __init__(self, size: int, idle_unload: float) -> None:
         self.size = size
         self.idle_unload = idle_unload
         self.resident: dict[str, Resident] = {}
 
-    def plan_load(self, engine_id: str, now: float, need_bytes: int = 0,
-                  available_bytes: int | None = None) -> LoadPlan:
-        """What to evict so that `engine_id` can load. Raises PoolBusy or NotEnoughMemory."""
+    def plan_load(self, engine_id: str, now: float,
+                  need: MemoryNeed | None = None) -> LoadPlan:
+        """What to evict so that `engine_id` can load: the least recently used idle engines,
+        as many as the pool's size asks, then more while the memory falls short (see
+        `memory_shortfall`). Raises PoolBusy or NotEnoughMemory."""
         if engine_id in self.resident:
             return LoadPlan([])
         idle = sorted((r for r in self.resident.values() if r.in_flight == 0 and not r.pinned),
@@ -56,19 +105,18 @@ class ModelPool:
         if over > len(idle):
             raise PoolBusy(f"all {len(self.resident)} resident models are busy")
         evict = idle[:max(over, 0)]
-        if available_bytes is not None and need_bytes:
-            freed = sum(r.weight_bytes for r in evict)
+        if need is not None:
+            weights = [r.weight_bytes for r in self.resident.values()]
+            short = memory_shortfall(need, weights, [r.weight_bytes for r in evict])
             for r in idle[len(evict):]:
-                if available_bytes + freed >= need_bytes:
+                if short is None:
                     break
                 evict.append(r)
-                freed += r.weight_bytes
-            if available_bytes + freed < need_bytes:
+                short = memory_shortfall(need, weights, [r.weight_bytes for r in evict])
+            if short is not None:
                 if len(evict) < len(self.resident):
                     raise PoolBusy("not enough memory until a busy model is unloaded")
-                raise NotEnoughMemory(
-                    f"the model needs about {need_bytes / 2**30:.1f} GiB; "
-                    f"{(available_bytes + freed) / 2**30:.1f} GiB would be available")
+                raise NotEnoughMemory(short)
         return LoadPlan([r.engine_id for r in evict])
 
     def add(self, engine_id: str, now: float, weight_bytes: int = 0) -> None:
@@ -140,12 +188,20 @@ def model_weight_bytes(spec: str) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def kv_budget_bytes(spec: str, batch: int | str, tokens: int = 4096) -> int:
-    """A KV budget for the memory check: every row at `tokens` of context, 2-byte KV. With
-    `--batch auto` the engine sizes its batch to the memory it finds once loaded, so the check
-    asks only for room for one row."""
-    if not isinstance(batch, int):
-        batch = 1
+def kv_bytes_per_element(dtype: str, kv_bits: int | None, group_size: int) -> float:
+    """What one K or V element takes: `--kv-bits` packed, plus a float16 scale and bias per
+    group (mlx-lm's quantized KV cache: 0.5625 at 4 bits, group 64); else the activation
+    dtype's size (float32: 4; the model's own, usually 16-bit, otherwise: 2. `auto` is
+    float32 on MLX's CPU backend, which the proxy cannot see: 2 there underestimates)."""
+    if kv_bits:
+        return kv_bits / 8 + 2 * 2 / group_size
+    return 4.0 if dtype == "float32" else 2.0
+
+
+def row_kv_bytes(spec: str, per_element: float = 2.0, tokens: int = 4096) -> int:
+    """The KV of one row at `tokens` of context (at most the model's) for the memory check
+    before a load: an engine admits one row whatever its budget, and more only within its
+    budget (its part of the memory: engine/batch_budget.py), whatever `--batch` says."""
     try:
         cfg = json.loads((Path(spec).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
@@ -155,4 +211,4 @@ def kv_budget_bytes(spec: str, batch: int | str, tokens: int = 4096) -> int:
     heads = max(cfg.get("num_attention_heads", 1), 1)
     head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads)
     context = min(cfg.get("max_position_embeddings", tokens), tokens)
-    return 2 * layers * kv_heads * head_dim * 2 * context * batch
+    return int(layers * kv_heads * head_dim * 2 * context * per_element)

@@ -22,12 +22,13 @@ from mlxd.proxy.bounds import MAX_REPO_PART, clip
 from mlxd.proxy.engine_client import EngineClient, EngineRecord
 from mlxd.proxy.errors import APIError, unavailable
 from mlxd.proxy.model_pool import (
+    MemoryNeed,
     ModelPool,
     NotEnoughMemory,
     PoolBusy,
-    kv_budget_bytes,
     looks_like_repo_id,
     model_weight_bytes,
+    row_kv_bytes,
 )
 from mlxd.proxy.model_resolution import LoadableCache
 
@@ -41,7 +42,7 @@ Send = Callable[[ToSupervisor], Awaitable[None]]
 class Router:
     def __init__(self, client: EngineClient, *, load_wait: float, aliases: dict[str, str],
                  pool: ModelPool | None = None, send: Send | None = None,
-                 batch: int | str = "auto",
+                 batch: int | str = "auto", kv_element_bytes: float = 2.0,
                  pool_wait: float = 60.0, pool_queue: int = 32,
                  adapters: dict[str, str] | None = None) -> None:
         self.client = client
@@ -57,7 +58,9 @@ class Router:
         self.aliases = aliases
         self.pool = pool  # None without --isolate: only the configured engines exist
         self.send = send
+        # --batch: no longer asked of the memory check (the engines' budgets bound their rows)
         self.batch = batch
+        self.kv_element_bytes = kv_element_bytes  # the memory check's KV size (--kv-bits)
         self.pool_wait = pool_wait
         self.pool_queue = pool_queue
         self.configured = set(client.engines)  # started with the daemon
@@ -197,13 +200,14 @@ class Router:
     async def _load(self, eid: str, spec: str) -> None:
         assert self.pool is not None and self.send is not None
         deadline = time.monotonic() + self.pool_wait
-        need = self.weight_bytes(spec) + kv_budget_bytes(spec, self.batch)
+        weights = self.weight_bytes(spec)
+        row = row_kv_bytes(spec, self.kv_element_bytes)
         while True:
             if eid in self.pool.resident:
                 return
             try:
-                plan = self.pool.plan_load(eid, time.monotonic(), need,
-                                           psutil.virtual_memory().available)
+                plan = self.pool.plan_load(eid, time.monotonic(), MemoryNeed(
+                    weights, row, psutil.virtual_memory().available))
             except NotEnoughMemory as e:
                 raise unavailable(f"cannot load {spec}: {e}", "insufficient_memory",
                                   retry_after=30) from e

@@ -31,7 +31,7 @@ from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
 from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.listen_address import ListenError
-from mlxd.proxy.model_pool import ModelPool
+from mlxd.proxy.model_pool import ModelPool, kv_bytes_per_element
 from mlxd.proxy.router import Router
 from mlxd.proxy.sampling import Defaults
 from mlxd.proxy.security import AccessSettings
@@ -123,6 +123,8 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
     router = Router(client, load_wait=s.load_wait, aliases=s.model_alias,
                     pool=ModelPool(s.model_pool, s.idle_unload) if supervised else None,
                     send=link.send if link else None, batch=launch.engine.batch,
+                    kv_element_bytes=kv_bytes_per_element(
+                        launch.engine.dtype, launch.engine.kv_bits, launch.engine.kv_group_size),
                     pool_wait=s.pool_wait, pool_queue=s.pool_queue,
                     adapters=launch.engine.adapter)
     if link is not None:
