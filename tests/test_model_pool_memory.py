@@ -72,7 +72,8 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
         # the wide model, loading on demand: watch tiny-llama's share until it is ready
         loader = threading.Thread(target=chat, args=(str(wide_model),))
         loader.start()
-        seen = []  # (tiny-llama's share, the wide engine's state) at each look
+        # (tiny-llama's share, the wide engine's state) at each look
+        seen: list[tuple[float, str | None]] = []
         while loader.is_alive() or not seen or seen[-1][1] != "ready":
             eng = _engines(d.stats())
             wide = eng.get("tiny-wide", {}).get("state")
