@@ -28,7 +28,7 @@ class Child:
     last_heartbeat: float | None = None
     restarts: int = 0
     removed: bool = False  # unloaded on purpose: not restarted when it exits
-    share: PoolShare | None = None  # an engine's part of the memory, granted at its first start
+    share: PoolShare | None = None  # an engine's part of the memory (memory_share.py), as told
 
     @property
     def identity(self) -> bytes:

@@ -4,8 +4,10 @@ for KV cache. Pure logic: the engine passes the figures in (engine/runner.py app
 A request is admitted into the running batch only if the KV it may come to hold (its prompt
 plus its `max_tokens`, at most the context) fits beside what the running rows may come to
 hold, within the budget: memory the machine can give (with a model pool, this engine's share
-of it, granted by the supervisor: daemon/memory_share.py) minus the model's weights, the RAM
-prefix cache's capacity (its entries are KV in the same memory) and a reserve.
+of it, given by the supervisor and changed as engines come and go: daemon/memory_share.py)
+minus the model's weights, the RAM prefix cache's capacity (its entries are KV in the same
+memory) and a reserve. A new share re-derives the budget from the figures measured at load
+(`rebudget`); a share too small for the configured prefix cache trims the cache.
 So the batch grows while requests are short and shrinks as contexts get long, and no
 admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
 `engine/batch_sizing.py` measures the figures at load; the runner's admission applies the rules.
@@ -87,8 +89,9 @@ def budget(available_bytes: int, model_bytes: int, shape: KvShape,
     if share is not None and (fraction < 1 or share.pool > 1):
         back = (f" (the other engines' weights {_size(counted_back)} counted back)"
                 if counted_back else "")
+        part = f" = {_size(mine)}" if fraction < 1 else ""
         whole = (f"share {fraction:.0%} (--model-pool {share.pool}, {share.others} other "
-                 f"engine(s)) of {whole}{back} = {_size(mine)}")
+                 f"engine(s)) of {whole}{back}{part}")
     why = (f"{whole}, weights {_size(model_bytes)}{cache}, {RESERVE_FRACTION:.0%} reserve -> "
            f"{_size(kv)} for KV at {shape.bytes_per_token / 1024:.1f} KiB/token")
     sizing = Sizing(available_bytes, model_bytes, shape, explicit_cap, source, cache_bytes,
