@@ -43,8 +43,13 @@ class TokenizerCache:
         with self._lock:
             if self._ll is None:
                 import llguidance.hf
-                self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._n_vocab,
-                                                        eos_token=self._eos or None)
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._n_vocab,
+                                                            eos_token=self._eos or None)
+                except TypeError:  # older llguidance (1.6) takes one EOS token id, not a list
+                    self._ll = llguidance.hf.from_tokenizer(
+                        self._hf, n_vocab=self._n_vocab,
+                        eos_token=self._eos[0] if self._eos else None)
             return self._ll
 
 

@@ -278,6 +278,12 @@ def install(model: Any, bits: int | None, group_size: int) -> None:
     # instance attributes (nn.Module keeps only arrays, dicts, lists and tuples as children)
     model.make_cache = lambda: [QuantizedRowCache(group_size, bits) for _ in range(n_layers)]
     model.mlxd_kv_quant = KvQuant(bits, group_size)
+    try:  # MLX's CUDA backend (0.32) has no quantized_matmul for attention's shapes
+        mx.eval(model(mx.array([[0, 0]]), cache=model.make_cache()))
+    except RuntimeError as e:
+        uninstall(model)
+        raise KvQuantError(f"--kv-bits {bits}: this MLX build cannot attend over quantized KV "
+                           f"on {mx.default_device()} ({str(e)[:160]}); use no --kv-bits") from e
 
 
 def install_for(model: Any, settings: Any, alone: bool) -> None:

@@ -45,7 +45,7 @@ def _burst_window(value: str) -> tuple[float, float]:
         quiet, window = (float(x) / 1e3 for x in value.split(","))
         return quiet, window
     except ValueError:
-        return 0.001, 0.010
+        return 0.003, 0.030
 
 
 BURST_QUIET_S, BURST_WINDOW_S = _burst_window(os.environ.get("MLXD_BURST_WINDOW", ""))
