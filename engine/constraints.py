@@ -136,6 +136,12 @@ class GrammarProcessor:
     def calls(self) -> int:
         return self._calls
 
+    def skip_call(self) -> None:
+        """The step masked this row with the whole batch (`StepPlan.masked_model`) instead of
+        calling it."""
+        self._calls += 1
+        self.plan = None
+
     def check_error(self) -> bool:
         """True (and one warning) once the grammar failed: the rest is unconstrained."""
         if not self.matcher.is_error():

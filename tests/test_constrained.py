@@ -275,8 +275,11 @@ def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,
 
     def counting(self, logits):
         planned[0] += 1
+        whole[0] += bool(self._whole)
         return original(self, logits)
     monkeypatch.setattr(constraints_overlap.StepPlan, "_compute", counting)
+    whole = WHOLE_STEPS
+    whole[0] = 0
     outs = []
     for cls in (GrammarProcessor, SyncGrammarProcessor):
         rows = []
@@ -290,6 +293,9 @@ def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,
                          max_tokens, sampler, procs))
         outs.append(decode_rows(parts, rows))
     return outs[0], outs[1], planned[0]
+
+
+WHOLE_STEPS = [0]  # steps masked for the whole batch in one op (WholeBatchMask), last both_ways
 
 
 def text_ok(tok, kind: str, ids: list[int]) -> None:
@@ -316,6 +322,7 @@ def test_overlapped_masks_equal_the_per_row_processor_in_a_mixed_batch(engine_pa
     new, ref, planned = both_ways(engine_parts, kinds, seeds, monkeypatch)
     assert new == ref
     assert planned >= 10  # the steps went through the batched path, not row by row
+    assert WHOLE_STEPS[0] >= 10  # ... one mask op for the batch, mlx-lm's per-row loop skipped
     assert len(new["r1"]) == 40 and len(new["r4"]) == 40  # free rows ran their course
     _, tok, _ = engine_parts
     for i, kind in enumerate(kinds):
