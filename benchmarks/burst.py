@@ -218,7 +218,8 @@ def main() -> None:
     import mlx.core as mx
     head = (f"Model: {args.model or 'random ' + args.shape + ' (' + args.model_dtype + ')'}; "
             f"{args.max_tokens} tokens per request, greedy; {args.rounds} rounds; device "
-            f"{mx.default_device()}; mlx {mx.__version__}; {os.cpu_count()} CPUs; "
+            f"{mx.default_device()}; mlx {mx.__version__}; "  # type: ignore[attr-defined]
+            f"{os.cpu_count()} CPUs; "
             f"{time.strftime('%Y-%m-%d')}.")
     print(head + "\n\n" + report)
     if args.out:
