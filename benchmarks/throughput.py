@@ -62,6 +62,7 @@ class Round:
     engine_peak: int | None = None  # mlxd: most rows decoded together so far
     errors: int = 0  # streams that broke off (connection reset, HTTP error)
     first_token: list[float] = field(default_factory=list)  # in-process: each row's first token
+    paired: float = float("nan")  # --interleave: median of its rounds' ratios to in-process
 
     @property
     def tok_s(self) -> float:
@@ -285,6 +286,8 @@ def model_for(args: argparse.Namespace) -> str:
 async def main_async(args: argparse.Namespace) -> list[Round]:
     model_dir = model_for(args)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.interleave:
+        return await interleaved(args, model_dir, levels)
     rounds: list[Round] = []
     for target in args.targets.split(","):
         if target == "inprocess":
@@ -316,6 +319,50 @@ async def main_async(args: argparse.Namespace) -> list[Round]:
                       + (f" (cap {r.engine_cap}, peak {r.engine_peak})"
                          if r.engine_cap is not None else ""), flush=True)
         finally:
+            server.stop()
+    return rounds
+
+
+async def interleaved(args: argparse.Namespace, model_dir: str, levels: list[int]
+                      ) -> list[Round]:
+    """Every server started up front; at each level, each repetition runs one round of every
+    target, in an order that rotates, so that a machine drifting over the run (the H200's
+    reference moved by 2x within an hour) moves all targets alike. Each round's ratio to the
+    in-process round of the same repetition is kept (`Round.paired`: their median)."""
+    targets = args.targets.split(",")
+    batch = max(levels) if args.server_batch == "max" else None
+    servers = {t: start_target(t, model_dir, batch, args.dtype,
+                               args.mlxd_args.split() if args.mlxd_args else None)
+               for t in targets if t != "inprocess"}
+    rounds: list[Round] = []
+    try:
+        for server, _, _ in servers.values():
+            await server.wait()
+
+        async def one(target: str, c: int, tokens: int) -> Round:
+            if target == "inprocess":
+                return run_inprocess(model_dir, c, tokens, args.dtype)
+            _, base, name = servers[target]
+            return await measured_http(target, base, name, c, tokens)
+        for c in levels:
+            for t in targets:
+                await one(t, c, min(args.max_tokens, 16))  # warm-up
+            tries: dict[str, list[Round]] = {t: [] for t in targets}
+            for rep in range(args.repeat):
+                order = targets[rep % len(targets):] + targets[:rep % len(targets)]
+                for t in order:
+                    tries[t].append(await one(t, c, args.max_tokens))
+            for t in targets:
+                r = median_round(tries[t])
+                if "inprocess" in tries:
+                    r.paired = statistics.median(
+                        x.tok_s / ref.tok_s for x, ref in zip(tries[t], tries["inprocess"],
+                                                               strict=True))
+                rounds.append(r)
+                print(f"{t:14s} c={c:3d} {r.tok_s:9.1f} tok/s, paired ratio {r.paired:.2f}, "
+                      f"first text p50 {pct(r.ttft, .5):.3f} s", flush=True)
+    finally:
+        for server, _, _ in servers.values():
             server.stop()
     return rounds
 
@@ -369,6 +416,12 @@ def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
                      f"{_secs(r.engine_ttft)} | "
                      f"{'' if r.engine_cap is None else f'{r.engine_cap} ({r.engine_peak})'} | "
                      f"{r.errors} |")
+    if args.interleave:
+        lines += ["", f"Interleaved: each of the {args.repeat} repetitions ran every target in "
+                  "turn (the order rotating); paired ratio = median over repetitions of the "
+                  "round's tok/s / the in-process round's of the same repetition:", ""]
+        lines += [f"- {r.target} at {r.concurrency}: {r.paired:.2f}" for r in rounds
+                  if r.target != "inprocess"]
     table = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table)
@@ -409,6 +462,9 @@ def main() -> None:
                     help="max: servers get --batch / --decode-concurrency of the highest "
                     "concurrency; default: their own defaults (mlxd --batch auto)")
     ap.add_argument("--repeat", type=int, default=1, help="measured rounds per level (median)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every server first and alternate the targets round by round "
+                         "(paired ratios, robust to a drifting machine)")
     ap.add_argument("--mlxd-args", default="", help="extra `mlxd serve` flags, e.g. "
                     "'--ssd-cache off --prompt-cache 0'")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput"))
