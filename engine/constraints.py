@@ -137,8 +137,8 @@ class GrammarProcessor:
         return self._calls
 
     def skip_call(self) -> None:
-        """The step masked this row with the whole batch (`StepPlan.masked_model`) instead of
-        calling it."""
+        """The step masked this row with the whole batch (`constraints_overlap.WholeBatchMask`)
+        instead of calling it."""
         self._calls += 1
         self.plan = None
 

@@ -20,6 +20,10 @@ whose processor is called (`StepPlan.allowed`):
    the packed bits travel; by numpy on the CPU backend); each row's processor then applies
    its own row of it where the step samples.
 
+When every processor of the batch is one of these grammars (the usual case: constrained rows
+beside free ones), mlx-lm's per-row processor loop is skipped as well: the forward pass's logits
+are masked for the whole batch in one op (`WholeBatchMask`; free rows' mask rows allow all).
+
 The tokens and masks are exactly those of the per-row path, so greedy and seeded outputs do not
 change. Free rows of the batch wait for no more than they did (less: one wait instead of one per
 constrained row). Rows the hook did not see (a row's first step, processors wrapped by another,
