@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import PROMPTS, SHAPES, model_for, pct, run_inprocess, start_target
+from throughput import PROMPTS, SHAPES, model_for, pct, run_inprocess, salted, start_target
 
 STAGES = [  # (row label, the stamp's name, whose clock)
     ("proxy in (parsed, checked)", "proxy_in", "proxy"),
@@ -74,8 +74,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
 
 async def burst(base: str, model: str, streams: int, tokens: int) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
+    prompts = salted(PROMPTS[:streams])  # no round is served from an earlier one's cache
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        await asyncio.gather(*(_stream(s, base + "/v1/chat/completions", model, PROMPTS[i],
+        await asyncio.gather(*(_stream(s, base + "/v1/chat/completions", model, prompts[i],
                                        tokens, out) for i in range(streams)))
     return out
 

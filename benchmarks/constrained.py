@@ -43,7 +43,8 @@ async def round_(base: str, model: str, n: int, max_tokens: int, constrained: bo
                  rep: int) -> float:
     async def one(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": f"rep {rep} list {i}: numbers"}]}
+                "messages": [{"role": "user", "content":  # no cache hit on the other kind's
+                              f"rep {rep} {'json' if constrained else 'free'} list {i}: numbers"}]}
         if constrained:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "v", "schema": SCHEMA}}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -46,6 +47,15 @@ SHAPES = {
 }
 PROMPTS = [f"Request {i}: write a long and detailed story about a lighthouse keeper, "
            f"the sea, and the number {i}." for i in range(256)]
+_ROUNDS = itertools.count()
+
+
+def salted(prompts: list[str]) -> list[str]:
+    """The prompts of one round, made its own: a server's prefix cache must not serve a round
+    the prompts an earlier round (or the warm-up) sent, which the in-process reference would
+    prefill (mlxd's RAM cache held 83 of their 84 tokens from one round to the next)."""
+    n = next(_ROUNDS)
+    return [f"Round {n}. {p}" for p in prompts]
 
 
 @dataclass
@@ -90,7 +100,7 @@ def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str)
         _LOADED = (model_dir, model, tok)
     _, model, tok = _LOADED
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in PROMPTS[:concurrency]]
+               for p in salted(PROMPTS[:concurrency])]
     gen = BatchGenerator(model, completion_batch_size=max(concurrency, 1),
                          prefill_batch_size=max(concurrency, 1), prefill_step_size=512,
                          stream=mx.new_stream(mx.default_device()))
@@ -179,10 +189,11 @@ async def run_http(name: str, base: str, model: str, concurrency: int, max_token
     ttft: list[float] = []
     itl: list[float] = []
     errors: list[str] = []
+    prompts = salted(PROMPTS[:concurrency])
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(
-            _one_stream(session, base + "/v1/chat/completions", model, PROMPTS[i], max_tokens,
+            _one_stream(session, base + "/v1/chat/completions", model, prompts[i], max_tokens,
                         t0, ttft, itl, errors)
             for i in range(concurrency)))
         seconds = time.perf_counter() - t0
