@@ -126,13 +126,18 @@ class DaemonCollector(Collector):
             st = rec.status
             if st is None:
                 continue
-            active.add_metric([m], st.active)
-            cap.add_metric([m], st.batch_cap)
-            waiting.add_metric([m], st.waiting)
-            gen.add_metric([m], st.generated_tokens_total)
+            # an engine stopped (unloaded) or failed holds no rows, memory or share: its last
+            # status is kept for its counters, not shown as what it holds now
+            live = rec.state not in ("stopped", "failed")
             x = st.stats
-            budget.add_metric([m], x.kv_budget_bytes)
-            share.add_metric([m], x.memory_share)
+            if live:
+                active.add_metric([m], st.active)
+                cap.add_metric([m], st.batch_cap)
+                waiting.add_metric([m], st.waiting)
+                budget.add_metric([m], x.kv_budget_bytes)
+                share.add_metric([m], x.memory_share)
+                size.add_metric([m, "ram"], x.ram_bytes)
+            gen.add_metric([m], st.generated_tokens_total)
             if x.spec_mode:
                 for kind, value in (("drafted", x.spec_drafted), ("accepted", x.spec_accepted),
                                     ("produced", x.spec_tokens)):
@@ -146,7 +151,6 @@ class DaemonCollector(Collector):
                     ("ssd", "misses", x.ssd_misses), ("ssd", "evictions", x.ssd_evicted)):
                 if tier == "ram" or x.ssd_state != "off":
                     hits.add_metric([m, tier, event], value)
-            size.add_metric([m, "ram"], x.ram_bytes)
             if x.ssd_state != "off":
                 size.add_metric([m, "ssd"], x.ssd_bytes)
                 restored.add_metric([m], x.ssd_restored_tokens)
@@ -157,7 +161,8 @@ class DaemonCollector(Collector):
                                        ("skipped_degraded", x.ssd_skipped_degraded)):
                     writes.add_metric([m, outcome], value)
                 written.add_metric([m], x.ssd_bytes_written)
-                queue.add_metric([m], x.ssd_write_queue)
+                if live:
+                    queue.add_metric([m], x.ssd_write_queue)
         yield from (state, active, cap, budget, share, waiting, gen, hits, size, restored, writes,
                     written, queue, spec, spec_steps, spec_rate, spec_per)
 

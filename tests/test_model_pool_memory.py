@@ -119,7 +119,13 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
         assert back["cache"]["kv_budget_bytes"] == alone["cache"]["kv_budget_bytes"]
         assert back["batch_cap"] == 21 and "0 other engine(s)" in back["batch_why"]
         with d.http() as c:
-            assert 'mlxd_engine_memory_share{model="tiny-llama"} 1.0' in c.get("/metrics").text
+            metrics = c.get("/metrics").text
+        assert 'mlxd_engine_memory_share{model="tiny-llama"} 1.0' in metrics
+        # the unloaded engine is listed as stopped, holding no share, budget or rows any more
+        assert 'mlxd_engine_memory_share{model="tiny-wide"}' not in metrics, metrics
+        assert 'mlxd_engine_kv_budget_bytes{model="tiny-wide"}' not in metrics
+        assert 'mlxd_engine_active_requests{model="tiny-wide"}' not in metrics
+        assert 'state="stopped"} 1.0' in metrics
         chat("tiny-llama")  # and it serves on
         log = d.log()
         assert "memory share 100% -> 50% (1 other engine(s))" in log
