@@ -127,15 +127,8 @@ class PrefixCache:
             node.entry = entry
             self._lru[key] = entry
             self.nbytes += nbytes
-            victims = []
-            while self.nbytes > self.max_bytes and len(self._lru) > 1:
-                _, victim = self._lru.popitem(last=False)
-                self._unlink(victim)
-                victims.append(victim)
-        for v in victims:
-            self.stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(v)
+            victims = self._evict_beyond(keep=1)  # the entry just inserted stays
+        self._evicted(victims)
         return entry
 
     def resize(self, max_bytes: int) -> None:
@@ -143,11 +136,21 @@ class PrefixCache:
         at once, least recently used first, each offered to `on_evict` as an insert's are."""
         with self._lock:
             self.max_bytes = max_bytes
-            victims = []
-            while self.nbytes > self.max_bytes and self._lru:
-                _, victim = self._lru.popitem(last=False)
-                self._unlink(victim)
-                victims.append(victim)
+            victims = self._evict_beyond(keep=0)
+        self._evicted(victims)
+
+    def _evict_beyond(self, keep: int) -> list[Entry]:
+        """Under the lock: least recently used entries unlinked until the cache is within its
+        capacity (at least `keep` entries stay)."""
+        victims = []
+        while self.nbytes > self.max_bytes and len(self._lru) > keep:
+            _, victim = self._lru.popitem(last=False)
+            self._unlink(victim)
+            victims.append(victim)
+        return victims
+
+    def _evicted(self, victims: list[Entry]) -> None:
+        """Outside the lock: each evicted entry counted and offered to `on_evict`."""
         for v in victims:
             self.stats.evictions += 1
             if self.on_evict is not None:

@@ -20,6 +20,7 @@ from mlxd.engine.batch_budget import CEILING, Budget
 from mlxd.engine.batch_sizing import MEMORY_ENV, measure_budget
 from mlxd.engine.model_loader import load_model
 from mlxd.engine.runner import AbortRequest, AddRequest, RequestStarted, Runner, StepTokens
+from support.runner_drive import turn
 
 TINY_KV_PER_TOKEN = 2 * 2 * (16 + 16) * 4  # layers x kv heads x (k + v head dims) x float32
 
@@ -37,10 +38,7 @@ def _drive(r: Runner, outq: queue.Queue, rids: set[str]) -> tuple[list[str], int
     tokens: dict[str, list[int]] = {}
     peak = 0
     while len(order) < len(rids):
-        r._handle_commands(block=False)
-        r._step()
-        if r._held and r._room_changed:
-            r._admit(r._through_gate([]))
+        turn(r)
         while not outq.empty():
             item = outq.get()
             if isinstance(item, StepTokens):

@@ -14,6 +14,7 @@ from mlxd.engine.batch_budget import CEILING, KvShape, budget, rebudget
 from mlxd.engine.model_loader import load_model
 from mlxd.engine.runner import AddRequest, Call, Runner, StepTokens
 from mlxd.protocol.settings import PoolShare
+from support.runner_drive import turn
 
 ONE_BYTE = KvShape(layers=1, kv_heads=1, k_head_dim=1, v_head_dim=0, bytes_per_element=1)
 
@@ -30,11 +31,7 @@ def _share(fraction: float) -> PoolShare:
 
 def _step(r: Runner, outq: queue.Queue, rows: list[set[str]], done: list[str]) -> None:
     """One turn of the runner's loop; each step's rows and the requests that finished."""
-    r._handle_commands(block=False)
-    if r._uid_to_rid:
-        r._step()
-    if r._held and r._room_changed:
-        r._admit(r._through_gate([]))
+    turn(r)
     while not outq.empty():
         item = outq.get()
         if isinstance(item, StepTokens):

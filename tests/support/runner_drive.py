@@ -8,6 +8,16 @@ from typing import Any
 from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
 
 
+def turn(runner: Runner) -> None:
+    """One turn of the runner's loop: commands, a step if rows run, held requests admitted
+    once rows finished (what `Runner.run` does between steps)."""
+    runner._handle_commands(block=False)
+    if runner._uid_to_rid:
+        runner._step()
+    if runner._held and runner._room_changed:
+        runner._admit(runner._through_gate([]))
+
+
 def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
             ) -> tuple[list[int], RequestStarted]:
     """Admit `add`, step until it finishes; its tokens and its `RequestStarted`."""
