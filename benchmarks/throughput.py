@@ -15,7 +15,9 @@ percentiles. Writes a markdown table, a JSON file and (with matplotlib) a PNG pl
 The servers get a batch as large as the highest concurrency (`--server-batch max`, the
 default) or are left at their own defaults (`--server-batch default`: mlxd `--batch auto`,
 mlx_lm.server's decode and prompt concurrency). `--repeat N` measures each level N times and
-keeps the median round.
+keeps the median round. A target may carry environment variables for its server, to compare
+settings side by side: `--targets inprocess,mlxd-isolate,mlxd-isolate:--speculative=off`
+(environment variables and `mlxd serve` flags after the colon, separated by `;`).
 """
 
 from __future__ import annotations
@@ -253,7 +255,13 @@ def free_port() -> int:
 def start_target(target: str, model_dir: str, batch: int | None, dtype: str,
                  extra: list[str] | None = None, env: dict | None = None
                  ) -> tuple[Server, str, str]:
-    """`batch` None: the server's own default batch."""
+    """`batch` None: the server's own default batch. A target may name environment variables
+    and `mlxd serve` flags for its server after a colon:
+    `mlxd-isolate:MLXD_GIL_SWITCH_US=5000;--speculative=off`."""
+    target, _, variant = target.partition(":")
+    items = [a.split("=", 1) for a in variant.split(";") if a]
+    env = {**(env or {}), **{k: v for k, v in items if not k.startswith("--")}}
+    extra = [*(extra or []), *(x for k, v in items if k.startswith("--") for x in (k, v))]
     port = free_port()
     if target == "mlx_lm.server":
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port),
@@ -372,10 +380,23 @@ async def interleaved(args: argparse.Namespace, model_dir: str, levels: list[int
                 rounds.append(r)
                 print(f"{t:14s} c={c:3d} {r.tok_s:9.1f} tok/s, paired ratio {r.paired:.2f}, "
                       f"first text p50 {pct(r.ttft, .5):.3f} s", flush=True)
+        for t, (_, base, _) in servers.items():
+            if t.startswith("mlxd"):
+                print(f"{t}: engine counters {engine_counters(await engine_figures(base))}",
+                      flush=True)
     finally:
         for server, _, _ in servers.values():
             server.stop()
     return rounds
+
+
+def engine_counters(figures: dict) -> dict:
+    """What an mlxd engine did over the whole run: steps, cache tiers, speculation."""
+    c = figures.get("cache", {})
+    keys = ("prompt_tokens", "prefilled_tokens", "cached_tokens", "ram_hits", "ram_misses",
+            "ram_evictions", "spec_steps", "spec_acceptance", "spec_tokens_per_step",
+            "spec_skipped", "bursts", "step_s")
+    return {"steps": figures.get("steps"), **{k: c[k] for k in keys if k in c}}
 
 
 def median_round(tries: list[Round]) -> Round:

@@ -345,3 +345,21 @@ def test_bad_batch_values_are_clear_errors(tmp_path, argv, env, toml, message):
     extra = ("--config", str(_toml(tmp_path, toml))) if toml else ()
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(_args(*argv, *extra), env)
+
+
+def test_the_engine_gil_switch_interval_and_its_override(monkeypatch):
+    """The engine's process hands the GIL back within 200 µs, not CPython's 5 ms (a thread
+    returning from a device wait would otherwise queue behind a busy one); MLXD_GIL_SWITCH_US
+    is a known variable, and a bad value falls back to the default rather than failing."""
+    from mlxd.engine import gil_switch
+    assert gil_switch.interval_s(None) == pytest.approx(200e-6)
+    assert gil_switch.interval_s("5000") == pytest.approx(5e-3)
+    assert gil_switch.interval_s("fast") == gil_switch.interval_s("-3") == pytest.approx(200e-6)
+    resolve(_args(), {"MLXD_GIL_SWITCH_US": "5000"})  # not refused as an unknown MLXD_* name
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv(gil_switch.ENV, raising=False)
+        gil_switch.apply()
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+    finally:
+        sys.setswitchinterval(before)
