@@ -17,10 +17,10 @@ from mlxd.engine.prefix_cache import RestoredPrefix
 from mlxd.protocol.block_format import (
     BadBlock,
     Layout,
-    block_key,
+    block_name,
     block_path,
     chain_keys,
-    parse_name,
+    prefix_keys,
     read_block,
 )
 
@@ -79,23 +79,23 @@ class SsdReader:
 
     def _best_tail(self, parent: bytes,
                    rest: list[int]) -> tuple[bytes, int, bytes, list[int]] | None:
-        """The longest tail block (a partial span) after `parent` that matches `rest`."""
+        """The longest tail block (a partial span) after `parent` that matches `rest`: the
+        name each length would have is computed and looked up, longest first. At most
+        `block_tokens - 1` lookups, however many blocks the disk holds (listing the directory
+        instead cost admission milliseconds per request once thousands of prompts had been
+        stored, and grew with every one)."""
         if not rest:
             return None
-        try:
-            names = os.listdir(self.ns_dir / parent.hex()[:2])
-        except OSError:  # gone, not a directory, unreadable: no tails
+        folder = self.ns_dir / parent.hex()[:2]
+        if not folder.is_dir():
             return None
-        best = None
-        prefix = parent.hex() + "-"
-        for name in names:
-            parsed = parse_name(name) if name.startswith(prefix) else None
-            if parsed is None or parsed[1] >= self.block_tokens or parsed[1] > len(rest):
-                continue
-            t = parsed[1]
-            if (best is None or t > best[1]) and block_key(parent, rest[:t]).hex() == parsed[2]:
-                best = (parent, t, bytes.fromhex(parsed[2]), rest[:t])
-        return best
+        keys = prefix_keys(parent, rest)
+        base = str(folder) + os.sep
+        for t in range(len(rest), 0, -1):
+            key = keys[t - 1]
+            if os.path.exists(base + block_name(parent, t, key)):
+                return parent, t, key, rest[:t]
+        return None
 
     def _read(self, found: Found, better_than: int) -> RestoredPrefix | None:
         """Per-layer (k, v) host arrays (1, kv_heads, n, head_dim) for the verified blocks;

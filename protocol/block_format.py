@@ -81,6 +81,18 @@ def block_key(parent: bytes, tokens: list[int] | np.ndarray) -> bytes:
     return blake3.blake3(parent + np.asarray(tokens, dtype="<u4").tobytes()).digest()
 
 
+def prefix_keys(parent: bytes, tokens: list[int]) -> list[bytes]:
+    """`block_key(parent, tokens[:t])` for t = 1 .. len(tokens), in one pass of the hash (a
+    BLAKE3 digest does not end the hashing): every tail block `tokens` could start with."""
+    hasher = blake3.blake3(parent)
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    keys = []
+    for i in range(0, len(data), 4):
+        hasher.update(data[i:i + 4])
+        keys.append(hasher.digest())
+    return keys
+
+
 def chain_keys(root: bytes, tokens: list[int], block_tokens: int) -> list[bytes]:
     """Keys of the full blocks covering `tokens` (a trailing partial span is not included)."""
     keys = []

@@ -1,11 +1,23 @@
 """KV block files (protocol/block_format.py): a verified read returns the payload, and every
-kind of damage is a `BadBlock`, never wrong bytes."""
+kind of damage is a `BadBlock`, never wrong bytes; the engine's reader finds a prompt's tail
+block by name."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
-from mlxd.protocol.block_format import BadBlock, read_block
+from mlxd.engine.ssd_restore import SsdReader
+from mlxd.engine.ssd_tier import SsdStats
+from mlxd.protocol.block_format import (
+    BadBlock,
+    block_key,
+    namespace_key,
+    prefix_keys,
+    read_block,
+)
 from support.blocks import write_block
 
 
@@ -28,3 +40,39 @@ def test_block_round_trip_and_every_kind_of_damage(tmp_path):
     path.unlink()
     with pytest.raises(BadBlock):
         read_block(path, lay, ns, parent, key, tokens)
+
+
+def test_prefix_keys_are_the_block_keys_of_every_prefix():
+    parent = namespace_key("test")
+    tokens = [5, 70000, 3, 3, 2**31, 0, 9]
+    assert prefix_keys(parent, tokens) == [block_key(parent, tokens[:t])
+                                           for t in range(1, len(tokens) + 1)]
+    assert prefix_keys(parent, []) == []
+
+
+def test_the_ssd_reader_finds_the_longest_tail_among_other_prompts_tails(tmp_path,
+                                                                         monkeypatch):
+    """A prompt's stored tails are found by name: the longest that matches wins, tails of
+    other prompts under the same parent (thousands, on a daemon that ran for months) and
+    longer tails that diverge from the prompt are not taken. The folder is never listed: a
+    lookup's cost must not grow with what the disk holds."""
+    prompt = list(range(100, 140))
+    for i in range(300):  # other conversations' tails, in the same folder
+        write_block(tmp_path, [7, i % 50, i, 1 + i % 13][: 1 + i % 4])
+    short = write_block(tmp_path, prompt[:5])
+    longest = write_block(tmp_path, prompt[:12])
+    write_block(tmp_path, prompt[:20] + [1])  # longer, but not this prompt's
+    def no_listing(*_):
+        raise AssertionError("the SSD lookup listed a folder")
+    monkeypatch.setattr(os, "listdir", no_listing)
+    monkeypatch.setattr(os, "scandir", no_listing)
+    stats = SsdStats()
+    reader = SsdReader(short.namespace, tmp_path / "ns", short.layout, 16, True, stats,
+                       lambda names: None)
+    got = reader.better_than_ram(prompt, 0)
+    assert got is not None and got.tokens == 12 and stats.hits == 1
+    lay = longest.layout
+    k0 = np.frombuffer(longest.payload, np.float32, lay.kv_heads * 12 * lay.k_head_dim)
+    assert np.array_equal(got.layers[0][0].reshape(-1), k0)
+    assert reader.better_than_ram(prompt, 12) is None  # RAM holds as much: files not read
+    assert reader.better_than_ram([1, 2, 3, 4], 0) is None and stats.misses == 1
