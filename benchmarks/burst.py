@@ -157,10 +157,12 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
     variants = args.variants.split(";") if args.variants else [""]
     servers = {}
     for v in variants:
-        env = {"MLXD_STAGE_TRACE": str(trace_root / (v or "default"))}
-        if v:
-            env["MLXD_BURST_WINDOW"] = v
-        servers[v or "default"] = (start_target("mlxd-isolate", model_dir, None, args.dtype,
+        window, *settings = v.split("+")  # "3,30+--ssd-cache=off+MLXD_X=1"
+        env = {"MLXD_STAGE_TRACE": str(trace_root / str(len(servers)))}
+        if window:
+            env["MLXD_BURST_WINDOW"] = window
+        target = "mlxd-isolate" + (":" + ";".join(settings) if settings else "")
+        servers[v or "default"] = (start_target(target, model_dir, None, args.dtype,
                                                 extra, env=env), env["MLXD_STAGE_TRACE"])
     out = []
     try:
@@ -210,8 +212,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--mlxd-args", default="", help="extra `mlxd serve` flags")
     ap.add_argument("--variants", default="",
-                    help="mlxd daemons side by side, one per MLXD_BURST_WINDOW value "
-                         "('QUIET_MS,WINDOW_MS'), ';'-separated; empty: one, the defaults")
+                    help="mlxd daemons side by side, ';'-separated, each a MLXD_BURST_WINDOW "
+                         "value ('QUIET_MS,WINDOW_MS', or empty) then '+'-joined settings: "
+                         "'3,30;3,30+--ssd-cache=off'; empty: one, the defaults")
     ap.add_argument("--out", default=None, help="write the tables here too")
     args = ap.parse_args()
     model_dir = model_for(args)
