@@ -36,7 +36,16 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import PROMPTS, SHAPES, model_for, pct, run_inprocess, salted, start_target
+from throughput import (
+    PROMPTS,
+    SHAPES,
+    Server,
+    model_for,
+    pct,
+    run_inprocess,
+    salted,
+    start_target,
+)
 
 STAGES = [  # (row label, the stamp's name, whose clock)
     ("proxy in (parsed, checked)", "proxy_in", "proxy"),
@@ -155,7 +164,7 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
     trace_root = Path(tempfile.mkdtemp(prefix="mlxd-burst-"))
     extra = args.mlxd_args.split() if args.mlxd_args else []
     variants = args.variants.split(";") if args.variants else [""]
-    servers = {}
+    servers: dict[str, tuple[tuple[Server, str, str], str]] = {}
     for v in variants:
         window, *settings = v.split("+")  # "3,30+--ssd-cache=off+MLXD_X=1"
         env = {"MLXD_STAGE_TRACE": str(trace_root / str(len(servers)))}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -43,11 +43,13 @@ class RestoredPrefix:
     dtype: str
 
 
-@dataclass
 class _Node:
-    children: dict[int, _Node] = field(default_factory=dict)
-    entry: Entry | None = None
-    any_entry: Entry | None = None  # some entry in this subtree: it can be trimmed to here
+    __slots__ = ("children", "entry", "any_entry")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.entry: Entry | None = None
+        self.any_entry: Entry | None = None  # some entry in this subtree: trimmable to here
 
 
 @dataclass
@@ -121,8 +123,11 @@ class PrefixCache:
             entry = Entry(key, layers, nbytes)
             node = self._root
             node.any_entry = entry
-            for t in key:
-                node = node.children.setdefault(t, _Node())
+            for t in key:  # one node a token, made only where the path is new
+                nxt = node.children.get(t)
+                if nxt is None:
+                    nxt = node.children[t] = _Node()
+                node = nxt
                 node.any_entry = entry
             node.entry = entry
             self._lru[key] = entry

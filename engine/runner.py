@@ -144,16 +144,16 @@ class RunnerCounters:
 class Runner:
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
                  outbox: queue.Queue[Any], stream: Any = None, cache_bytes: int = 0,
-                 on_entry: Callable[[Entry], None] | None = None,
+                 persist: Callable[[list[Entry]], Any] | None = None,
                  on_evict: Callable[[Entry], None] | None = None,
                  checkpoint_every: int = 0,
-                 on_checkpoint: Callable[[Entry], None] | None = None,
                  budget: Budget | None = None, context: int = 0,
                  preparing: Callable[[], int] | None = None,
                  speculator: Speculator | None = None) -> None:
         """`batch_size`: the most rows the generator holds; `budget` (None: no memory rule)
         decides which requests join the running rows; `preparing()` counts requests still
-        being prepared for this runner (burst admission waits for them)."""
+        being prepared for this runner (burst admission waits for them); `persist(entries)`
+        queues KV entries' blocks for the SSD tier (new RAM entries, checkpoints)."""
         self._model = model
         self.spec = speculator  # speculative steps for a row decoding alone
         self._grammar = GrammarSteps()  # constrained rows: masks computed together
@@ -179,9 +179,9 @@ class Runner:
         cacheable = kv_quant.cacheable(model)  # plain or quantized KV (--kv-bits)
         self._kv_quant = kv_quant.config_of(model)
         self.cache = PrefixCache(cache_bytes if cacheable else 0, on_evict=on_evict)
-        self._on_entry = on_entry  # a new RAM entry: queue its blocks for the SSD tier
-        self._checkpoint_every = checkpoint_every if on_checkpoint else 0
-        self._on_checkpoint = on_checkpoint
+        self._persist = persist
+        self._to_persist: list[Entry] = []  # this step's new RAM entries, persisted at its end
+        self._checkpoint_every = checkpoint_every if persist else 0
         self._generated: dict[int, int] = {}  # uid -> tokens generated, for checkpoints
         self._prompt_len: dict[int, int] = {}  # uid -> prompt tokens, for the prompt boundary
         self._awaiting_first: dict[int, tuple[float, float]] = {}  # uid -> (received, admitted)
@@ -491,6 +491,7 @@ class Runner:
                     cache, tokens = caches[uid]
                     self._publish(tokens, cache, prompt_len)
         self._outbox.put(RequestsRemoved(rids))
+        self._persist_new_entries()
 
     def _release_followers(self, uid: int) -> None:
         self._prefilling.pop(uid, None)
@@ -504,6 +505,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             self._step_inner()
+            self._persist_new_entries()  # after the step's tokens went out
         finally:
             self.counters.step_s += time.perf_counter() - t0
 
@@ -576,6 +578,13 @@ class Runner:
         c.busy = bool(self._uid_to_rid)
         self._outbox.put(StepTokens(rows, logprobs))
 
+    def _persist_new_entries(self) -> None:
+        """The step's new RAM entries to the SSD tier in one call, after its tokens are out."""
+        if self._to_persist:
+            entries, self._to_persist = self._to_persist, []
+            assert self._persist is not None
+            self._persist(entries)
+
     def _logprobs_of(self, responses: list[Any]) -> dict[str, tuple[float, list]]:
         """Chosen-token and top-k log-probabilities for the rows that asked, in one evaluation
         (the vectors are already computed; this reads a few numbers of each)."""
@@ -604,15 +613,16 @@ class Runner:
         """--generation-checkpoint: a running request's boundary (prompt and generated so far)
         goes to the SSD tier only (not RAM: it is still live here). Only blocks the disk lacks
         are copied."""
-        publish = self._on_checkpoint
-        assert publish is not None  # without it, checkpoint_every is 0 and this is never called
+        assert self._persist is not None  # without it checkpoint_every is 0, never called
+        entries = []
         for cache, tokens in self._gen.extract_cache(uids).values():
             held = kv_quant.cache_layers(cache, len(tokens))
             if held is None:
                 continue
             layers, n = held
-            publish(Entry(tuple(tokens[:n]), layers, 0))
-            self.counters.checkpoints += 1
+            entries.append(Entry(tuple(tokens[:n]), layers, 0))
+        self._persist(entries)
+        self.counters.checkpoints += len(entries)
 
     def _publish_prompt(self, uid: int) -> None:
         """A leader's prompt is in its cache: store that boundary, admit its followers."""
@@ -631,17 +641,17 @@ class Runner:
             return
         layers, n = held
         entry = self.cache.insert(list(tokens[:n]), layers, kv_quant.kv_nbytes(layers))
-        if self._on_entry is None:
+        if self._persist is None:
             return
         if entry is not None and not entry.persisted:
-            self._on_entry(entry)
+            self._to_persist.append(entry)
         # One token short of the prompt: a lookup uses at most len(prompt) - 1 tokens (one is
         # always fed), so this is the boundary the same prompt, repeated, can use whole.
         cut = prompt_len - 1
         if 0 < cut < n:
             boundary = [(kv_quant.kv_slice(k, cut), kv_quant.kv_slice(v, cut))
                         for k, v in layers]
-            self._on_entry(Entry(tuple(tokens[:cut]), boundary, 0))
+            self._to_persist.append(Entry(tuple(tokens[:cut]), boundary, 0))
 
     def _fail_all(self, message: str, held: bool = True) -> None:
         """Every request ends with `message`; those held back for room too unless `held` is

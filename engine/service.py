@@ -191,7 +191,7 @@ class EngineService:
         warm_s = self._warm_up(model, loaded, stream) if warm_up else 0.0
         probe = model if self.group is None else self.group.probe_model(model, loaded)
         self.ssd = open_ssd_tier(launch, probe, self.ctx, self.eps.storage)
-        persist = self.ssd.persist if self.ssd is not None else None
+        persist = self.ssd.persist_all if self.ssd is not None else None
         cache_bytes = int(settings.prompt_cache * 2**30)
         budget = measure_budget(probe, settings.batch, stream, cache_bytes, launch.pool_share)
         log.info("batch: %s", budget.why)
@@ -200,11 +200,11 @@ class EngineService:
                              prefill_step=settings.prefill_step, outbox=self.ch.outq,
                              stream=stream, budget=budget, context=loaded.context_length,
                              preparing=self.lanes.preparing, cache_bytes=cache_bytes,
-                             on_entry=persist,
-                             on_evict=(lambda e: None if e.persisted else persist(e))
+                             persist=persist,
+                             on_evict=(lambda e: None if e.persisted else persist([e]))
                              if persist else None,
                              checkpoint_every=settings.generation_checkpoint,
-                             on_checkpoint=persist, speculator=self._speculator(draft))
+                             speculator=self._speculator(draft))
         if not self._outbox.eager:
             self.runner.inbox = ReleasingInbox(self._outbox)  # idle: held tokens go out
         self.budget = budget

@@ -165,22 +165,43 @@ class SsdTier:
                 if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
 
     def persist(self, entry: Entry) -> int:
-        """Queue `entry`'s missing blocks for the storage worker; return how many were queued.
-        On the MLX thread this only builds one contiguous array per block (just the block's
-        span) and starts its evaluation (`async_eval`); the storage thread waits for it and
-        copies it into the shared-memory slot, so decoding never waits for the copy.
-        While the disk refuses writes, nothing is queued but one probe block per backoff."""
+        """`persist_all([entry])`."""
+        return self.persist_all([entry])
+
+    def persist_all(self, entries: list[Entry]) -> int:
+        """Queue the entries' missing blocks for the storage worker; return how many were
+        queued. On the MLX thread this only builds one contiguous array per block (just the
+        block's span) and starts the evaluation of all of them at once (one `async_eval`: on
+        a GPU each call costs milliseconds, and a step that ends 64 requests publishes 128
+        entries); the storage thread waits for them and copies them into the shared-memory
+        slots, so decoding never waits for the copy. While the disk refuses writes, nothing
+        is queued but one probe block per backoff."""
         import mlx.core as mx
+        blocks: list[_Block] = []
+        for entry in entries:
+            blocks += self._stage(entry)
+        if not blocks:
+            return 0
+        mx.async_eval([b.data for b in blocks])
+        self.stats.blocks_queued += len(blocks)
+        with self._idle:
+            for b in blocks:
+                self._pending[b.slot] = _Pending(time.monotonic(), [b.write.key])
+        self._out.put(blocks)
+        return len(blocks)
+
+    def _stage(self, entry: Entry) -> list[_Block]:
+        """The entry's missing blocks that get a slot now, their arrays built (not evaluated)."""
         todo = self._missing(entry)
         if not todo:
             entry.persisted = True
-            return 0
+            return []
         with self._idle:
             admit = self.health.admit(time.monotonic())
         if admit is Admit.SKIP:
             self.stats.skipped_degraded += len(todo)
             entry.persisted = False
-            return 0
+            return []
         chosen = todo if admit is Admit.WRITE else todo[:1]
         self.stats.skipped_degraded += len(todo) - len(chosen)
         blocks = []
@@ -197,15 +218,8 @@ class SsdTier:
         if admit is Admit.PROBE and blocks:
             with self._idle:
                 self.health.probing(blocks[0].slot)
-        if blocks:
-            mx.async_eval([b.data for b in blocks])
-            self.stats.blocks_queued += len(blocks)
-            with self._idle:
-                for b in blocks:
-                    self._pending[b.slot] = _Pending(time.monotonic(), [b.write.key])
-            self._out.put(blocks)
         entry.persisted = len(blocks) == len(todo)
-        return len(blocks)
+        return blocks
 
     def _flatten(self, entry: Entry, start: int, end: int) -> Any:
         """The block as the slot holds it: per layer, keys then values, each
@@ -244,11 +258,9 @@ class SsdTier:
             self.health.retry_now(time.monotonic())
 
         def copy_round() -> int:
-            missing = 0
-            for entry in entries():
-                self.persist(entry)
-                missing += len(self._missing(entry))
-            return missing
+            held = entries()
+            self.persist_all(held)
+            return sum(len(self._missing(entry)) for entry in held)
 
         missing: int | None = None
         while time.monotonic() < deadline:

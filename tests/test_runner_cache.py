@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, Runner
+from mlxd.engine.runner import AddRequest, Runner, StepTokens
 from support.runner_drive import run_one
 
 
@@ -52,3 +52,28 @@ def test_logits_after_restore_equal_live_logits(model):
     a = m(nxt, cache=live)[:, -1]
     b = m(nxt, cache=restored)[:, -1]
     assert mx.array_equal(a, b).item()
+
+
+def test_a_steps_new_entries_go_to_the_ssd_tier_together_after_its_tokens(model):
+    """Requests ending in one step hand their RAM entries (history and prompt boundary) to the
+    SSD tier in one call, made after the step's tokens are in the outbox: on a GPU each call
+    costs milliseconds of the MLX thread, and a step can end dozens of requests."""
+    m, tok = model
+    outq: queue.Queue = queue.Queue()
+    calls: list[tuple[list, bool]] = []
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30,
+               persist=lambda entries: calls.append(
+                   (entries, any(isinstance(x, StepTokens) and any(f for *_, f in x.rows)
+                                 for x in list(outq.queue)))))
+    prompts = [tok.encode(f"Prompt number {i} is about the sea") for i in range(3)]
+    for i, p in enumerate(prompts):
+        r.inbox.put(AddRequest(f"r{i}", p, 6, greedy_sampler, []))
+    r._handle_commands(block=False)
+    while r._uid_to_rid:
+        r._step()
+    assert len(calls) == 1, [len(e) for e, _ in calls]
+    entries, tokens_out_first = calls[0]
+    assert tokens_out_first
+    # each request's history (prompt and generated) and its prompt boundary (one token short)
+    assert sorted(len(e.tokens) for e in entries) == sorted(
+        [len(p) + 6 for p in prompts] + [len(p) - 1 for p in prompts])
