@@ -1,0 +1,109 @@
+"""The engine's write-behind into shared memory (engine/ssd_tier.py), without a storage worker:
+a block's slot holds, layer after layer, its span of the keys then the values (each
+(kv_heads, tokens, width) in C order; quantized, each triplet part in turn), the layout the
+storage worker writes and `ssd_restore` reads, read from the entry's arrays as they are (views
+of a longer cache, bfloat16)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import zmq
+
+from mlxd.engine.prefix_cache import Entry
+from mlxd.engine.ssd_tier import SsdTier
+from mlxd.protocol.block_format import Layout
+from mlxd.protocol.messages import StoreBlocks
+
+BLOCK = 16
+
+
+def _tier(tmp_path: Path, layout: Layout, ctx: zmq.Context) -> SsdTier:
+    return SsdTier(root=tmp_path / "kv", layout=layout, description=f"test {layout}",
+                   block_tokens=BLOCK, run_dir=tmp_path, engine_id="t", epoch=0, slots=8,
+                   verify=False, ctx=ctx, endpoint=f"ipc://{tmp_path}/nobody")
+
+
+def _copied(tier: SsdTier, entries: list[Entry]) -> tuple[int, StoreBlocks]:
+    """Persist `entries`; the storage thread's StoreBlocks once it has copied them."""
+    done = threading.Event()
+    got: list[StoreBlocks] = []
+    copy = tier._copy
+
+    def watched(blocks: list) -> StoreBlocks:
+        got.append(copy(blocks))
+        done.set()
+        return got[-1]
+    tier._copy = watched  # type: ignore[method-assign]
+    queued = tier.persist_all(entries)
+    assert done.wait(30), "the storage thread never copied the blocks"
+    return queued, got[0]
+
+
+def _bytes(a: mx.array) -> bytes:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.asarray(a)).tobytes()
+
+
+def _expected(layers: list[tuple[Any, Any]], start: int, end: int) -> bytes:
+    parts = [a for k, v in layers
+             for a in ((*k, *v) if isinstance(k, tuple) else (k, v))]
+    return b"".join(_bytes(a[0, :, start:end, :]) for a in parts)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits):
+    ctx = zmq.Context()
+    heads, dim, tokens = 2, 64, 24  # a full block and a tail of 8
+    layout = Layout(2, heads, dim, dim, "bfloat16", bits, 64 if bits else 0)
+    tier = _tier(tmp_path, layout, ctx)
+    try:
+        layers: list[tuple[Any, Any]] = []
+        for _ in range(2):  # views of a longer cache, as a finished row's are
+            k, v = (mx.random.normal((1, heads, 40, dim)).astype(mx.bfloat16)
+                    for _ in range(2))
+            if bits:
+                layers.append((tuple(x[..., :tokens, :] for x in mx.quantize(k, 64, bits)),
+                               tuple(x[..., :tokens, :] for x in mx.quantize(v, 64, bits))))
+            else:
+                layers.append((k[..., :tokens, :], v[..., :tokens, :]))
+        entry = Entry(tuple(range(100, 100 + tokens)), layers, 0)
+        queued, msg = _copied(tier, [entry])
+        assert queued == 2 and entry.persisted
+        spans = {len(w.tokens): w for w in msg.blocks}
+        assert sorted(spans) == [8, BLOCK] and spans[8].tail and not spans[BLOCK].tail
+        for n, start in ((BLOCK, 0), (8, BLOCK)):
+            want = _expected(layers, start, start + n)
+            assert len(want) == layout.payload_bytes(n)
+            off = spans[n].slot * tier.slot_bytes
+            buf = tier._shm.buf
+            assert buf is not None
+            with buf[off:off + len(want)] as view:  # released before the segment closes
+                held = bytes(view)
+            assert held == want
+    finally:
+        tier.close()
+        ctx.term()
+
+
+def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_path):
+    ctx = zmq.Context()
+    layout = Layout(1, 1, 8, 8, "float32")
+    tier = _tier(tmp_path, layout, ctx)
+    try:
+        def entry(first: int, n: int) -> Entry:
+            kv = mx.arange(n * 8, dtype=mx.float32).reshape(1, 1, n, 8) + first
+            return Entry(tuple(range(first, first + n)), [(kv, kv + 0.5)], 0)
+        a, b = entry(0, 20), entry(1000, 5)
+        queued, msg = _copied(tier, [a, b])
+        assert queued == 3 and len(msg.blocks) == 3  # a: block + tail; b: a tail
+        assert tier.persist_all([a]) == 0  # already queued: nothing again
+    finally:
+        tier.close()
+        ctx.term()
