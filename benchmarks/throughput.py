@@ -259,9 +259,13 @@ def start_target(target: str, model_dir: str, batch: int | None, dtype: str,
     and `mlxd serve` flags for its server after a colon:
     `mlxd-isolate:MLXD_GIL_SWITCH_US=5000;--speculative=off`."""
     target, _, variant = target.partition(":")
-    items = [a.split("=", 1) for a in variant.split(";") if a]
-    env = {**(env or {}), **{k: v for k, v in items if not k.startswith("--")}}
-    extra = [*(extra or []), *(x for k, v in items if k.startswith("--") for x in (k, v))]
+    env, extra = dict(env or {}), list(extra or [])
+    for item in filter(None, variant.split(";")):
+        key, eq, value = item.partition("=")
+        if key.startswith("--"):
+            extra += [key, value] if eq else [key]
+        else:
+            env[key] = value
     port = free_port()
     if target == "mlx_lm.server":
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port),

@@ -167,19 +167,16 @@ class SsdTier:
         return [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
                 if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
 
-    def persist(self, entry: Entry) -> int:
-        """`persist_all([entry])`."""
-        return self.persist_all([entry])
-
     def persist_all(self, entries: list[Entry]) -> int:
         """Queue the entries' missing blocks for the storage worker; return how many were
         queued. The MLX thread runs no kernel for it: it only makes sure the entries' arrays
         are evaluated (one `async_eval` for all, usually nothing left to do); the storage
         thread reads each block's span of them as host memory (unified memory: no copy) and
         copies it into its shared-memory slot, so decoding never waits for a copy. Building a
-        contiguous array per block on the device instead took ~64 kernels a block, about
-        4 ms of the MLX thread on the H200 and 7 on the CPU backend. While the disk refuses
-        writes, nothing is queued but one probe block per backoff."""
+        contiguous array per block on the device instead took ~64 kernels a block: about 4 ms
+        of the MLX thread per finished request on the H200, 7 ms a block on the CPU backend
+        (`benchmarks/ssd_persist.py`). While the disk refuses writes, nothing is queued but
+        one probe block per backoff."""
         import mlx.core as mx
         blocks: list[_Block] = []
         for entry in entries:
@@ -195,7 +192,7 @@ class SsdTier:
         return len(blocks)
 
     def _stage(self, entry: Entry) -> list[_Block]:
-        """The entry's missing blocks that get a slot now, their arrays built (not evaluated)."""
+        """The entry's missing blocks that get a slot now (marks it persisted if all do)."""
         todo = self._missing(entry)
         if not todo:
             entry.persisted = True
