@@ -18,6 +18,7 @@ versions are compared on one machine; run once per tree.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,6 +97,7 @@ def main() -> None:
           f"(min {min(mlx_s) * 1e3:.3f}); storage thread's copy per block: median "
           f"{statistics.median(copy_s) * 1e3:.3f} ms")
     ctx.term()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

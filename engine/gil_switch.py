@@ -5,8 +5,9 @@ llguidance's mask fills. Taking it back, a thread must wait for whichever thread
 let go: a thread busy in Python (the output thread detokenizing a step's tokens, the I/O thread
 encoding messages, the proxy's event loop in the in-process mode) is only asked to after the
 interpreter's switch interval, 5 ms by default, longer than a whole decode step on a GPU. On
-this project's CPU machine, a 1 ms evaluation beside a busy thread took 10 ms at 5 ms and 1 ms
-at 0.2 ms; a 25 µs grammar mask fill took 4.5 ms and 0.15 ms.
+this project's CPU machine (`benchmarks/gil_handback.py`), a 2.7 ms evaluation beside a busy
+thread took 7.9 ms at 5 ms and 3.0 ms at 0.2 ms; a 22 µs grammar mask fill took 5.3 ms and
+22 µs.
 
 So the engine's process runs with a short interval. MLXD_GIL_SWITCH_US sets another (in
 microseconds), for the benchmarks' comparisons.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -164,8 +165,10 @@ class SsdTier:
     # ------------------------------------------------------------------ write-behind (MLX thread)
 
     def _missing(self, entry: Entry) -> list[tuple[int, int, bytes, bytes]]:
+        # os.path.exists: False on any OSError (an unreadable folder: the write then fails in
+        # the worker and the tier degrades), where Path.exists raises on some, on the MLX thread
         return [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
-                if k not in self._queued_keys and not self._path(p, e - s, k).exists()]
+                if k not in self._queued_keys and not os.path.exists(self._path(p, e - s, k))]
 
     def persist_all(self, entries: list[Entry]) -> int:
         """Queue the entries' missing blocks for the storage worker; return how many were
