@@ -174,6 +174,7 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
         servers[v or "default"] = (start_target(target, model_dir, None, args.dtype,
                                                 extra, env=env), env["MLXD_STAGE_TRACE"])
     out = []
+    dump: list[dict[str, object]] = []
     try:
         for (server, _, _), _ in servers.values():
             await server.wait()
@@ -195,7 +196,12 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
                     # each daemon appends to its own directory for the whole run: a round's
                     # records are told apart by their request ids (the client's)
                     client = await burst(base, model, s, args.max_tokens)
-                    r, g = relative(join(Path(trace), client))
+                    rows = join(Path(trace), client)
+                    r, g = relative(rows)
+                    t0 = min(row["client_sent"] for row in rows)
+                    dump.append({"streams": s, "round": i, "variant": name, "requests": [
+                        {k: round((v - t0) / 1e6, 2) for k, v in row.items()}
+                        for row in sorted(rows, key=lambda row: row["client_sent"])]})
                     for k, v in r.items():
                         rels[name][k] += v
                     groups[name].append(g)
@@ -206,6 +212,8 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
     finally:
         for (server, _, _), _ in servers.values():
             server.stop()
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(dump, indent=1))
     return "\n\n".join(out)
 
 
@@ -225,6 +233,9 @@ def main() -> None:
                          "value ('QUIET_MS,WINDOW_MS', or empty) then '+'-joined settings: "
                          "'3,30;3,30+--ssd-cache=off'; empty: one, the defaults")
     ap.add_argument("--out", default=None, help="write the tables here too")
+    ap.add_argument("--dump", default=None,
+                    help="write every request's stamps (ms after its round's first send) "
+                         "here, as JSON")
     args = ap.parse_args()
     model_dir = model_for(args)
     report = asyncio.run(main_async(args, model_dir))

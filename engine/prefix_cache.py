@@ -3,8 +3,8 @@ byte-capped LRU. A hit lends the stored arrays (MLX arrays are immutable, so new
 over the same buffers leave the donor intact); nothing is deep-copied per hit, unlike mlx-lm's
 LRUPromptCache.
 
-The index (a token trie) is guarded by a lock so that the I/O thread may ask how much a prompt
-would hit while the MLX thread inserts and evicts.
+The index (a radix tree of tokens) is guarded by a lock so that the I/O thread may ask how
+much a prompt would hit while the MLX thread inserts and evicts.
 """
 
 from __future__ import annotations
@@ -44,12 +44,36 @@ class RestoredPrefix:
 
 
 class _Node:
-    __slots__ = ("children", "entry", "any_entry")
+    """A radix-tree node: `edge` is the run of tokens from its parent to it, so a path of
+    thousands of tokens that no other entry shares is one node, matched by one slice
+    comparison at C speed (a node per token cost ~0.8 us a token to insert on the CPU this
+    was measured on: 8.5 ms of the MLX thread for a 10,000-token conversation)."""
+    __slots__ = ("edge", "children", "entry", "any_entry")
 
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.entry: Entry | None = None
-        self.any_entry: Entry | None = None  # some entry in this subtree: trimmable to here
+    def __init__(self, edge: tuple[int, ...], any_entry: Entry | None) -> None:
+        self.edge = edge
+        self.children: dict[int, _Node] = {}  # by their edge's first token
+        self.entry: Entry | None = None  # the entry whose tokens end exactly here
+        self.any_entry = any_entry  # some entry in this subtree: trimmable to any depth in it
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the common prefix of `a` and `b`: slices compared at C speed, doubling
+    from the start, then halving (a mismatch early in a long run costs little)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, 1  # a[:lo] == b[:lo]; a[:hi] != b[:hi] once found
+    while hi < n and a[:hi] == b[:hi]:
+        lo, hi = hi, hi * 2
+    hi = min(hi, n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -64,7 +88,7 @@ class PrefixCache:
                  on_evict: Callable[[Entry], None] | None = None) -> None:
         self.max_bytes = max_bytes
         self.on_evict = on_evict  # called before an entry is dropped (persist it first)
-        self._root = _Node()
+        self._root = _Node((), None)
         self._lru: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
         self.nbytes = 0
         self.stats = CacheStats()
@@ -75,21 +99,25 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ lookup
 
-    def _match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+    def _match(self, prompt: list[int] | tuple[int, ...]) -> tuple[Entry | None, int]:
         """Longest usable prefix: at most len(prompt) - 1 tokens, so one is left to feed."""
+        key = tuple(prompt)
+        limit = len(key) - 1
         node = self._root
         best: Entry | None = None
         depth = 0
-        limit = len(prompt) - 1
         while depth < limit:
-            nxt = node.children.get(prompt[depth])
-            if nxt is None:
+            child = node.children.get(key[depth])
+            if child is None:
                 break
-            node = nxt
-            depth += 1
-        if depth and node.any_entry is not None:
-            best = node.any_entry
-        return best, depth if best is not None else 0
+            edge = child.edge
+            n = min(common_prefix(key[depth:depth + len(edge)], edge), limit - depth)
+            depth += n
+            best = child.any_entry  # every entry below shares the tokens matched so far
+            if n < len(edge):
+                break
+            node = child
+        return (best, depth) if best is not None else (None, 0)
 
     def peek(self, prompt: list[int]) -> int:
         """How many prompt tokens a lookup would serve now (no LRU update)."""
@@ -121,15 +149,7 @@ class PrefixCache:
                 self._lru.move_to_end(key)
                 return old
             entry = Entry(key, layers, nbytes)
-            node = self._root
-            node.any_entry = entry
-            for t in key:  # one node a token, made only where the path is new
-                nxt = node.children.get(t)
-                if nxt is None:
-                    nxt = node.children[t] = _Node()
-                node = nxt
-                node.any_entry = entry
-            node.entry = entry
+            self._link(entry)
             self._lru[key] = entry
             self.nbytes += nbytes
             victims = self._evict_beyond(keep=1)  # the entry just inserted stays
@@ -165,18 +185,53 @@ class PrefixCache:
         with self._lock:
             return list(self._lru.values())
 
+    def _link(self, entry: Entry) -> None:
+        """Under the lock: the entry's path made (an edge split where it leaves one), and the
+        entry recorded as one to trim for every node on it."""
+        key = entry.tokens
+        node = self._root
+        node.any_entry = entry
+        depth = 0
+        while depth < len(key):
+            child = node.children.get(key[depth])
+            if child is None:
+                child = node.children[key[depth]] = _Node(key[depth:], entry)
+                node, depth = child, len(key)
+                break
+            edge = child.edge
+            n = common_prefix(key[depth:depth + len(edge)], edge)
+            if n < len(edge):  # the key leaves (or ends inside) this edge: split it there
+                head = _Node(edge[:n], child.any_entry)
+                child.edge = edge[n:]
+                head.children[child.edge[0]] = child
+                node.children[key[depth]] = child = head
+            child.any_entry = entry
+            node, depth = child, depth + n
+        node.entry = entry
+
     def _unlink(self, entry: Entry) -> None:
+        """Under the lock: the entry's node cleared, emptied nodes removed, and a node left
+        with no entry and one child merged with it (the tree stays compressed)."""
         self.nbytes -= entry.nbytes
+        key = entry.tokens
         path = [self._root]
         node = self._root
-        for t in entry.tokens:
-            node = node.children[t]
+        depth = 0
+        while depth < len(key):
+            node = node.children[key[depth]]
             path.append(node)
+            depth += len(node.edge)
         node.entry = None
-        for depth in range(len(path) - 1, -1, -1):
-            n = path[depth]
+        for i in range(len(path) - 1, -1, -1):
+            n = path[i]
             if n.any_entry is entry:
                 n.any_entry = n.entry or next(
-                    (c.any_entry for c in n.children.values() if c.any_entry is not None), None)
-            if depth and n.any_entry is None and not n.children:
-                del path[depth - 1].children[entry.tokens[depth - 1]]
+                    (c.any_entry for c in n.children.values()), None)
+            if i == 0 or n.entry is not None:
+                continue
+            if not n.children:
+                del path[i - 1].children[n.edge[0]]
+            elif len(n.children) == 1:
+                (only,) = n.children.values()
+                n.edge += only.edge
+                n.children, n.entry, n.any_entry = only.children, only.entry, only.any_entry

@@ -27,7 +27,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlxd.engine import kv_quant
 from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
 from mlxd.engine.constraints_overlap import GrammarSteps
-from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix
+from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix, common_prefix
 from mlxd.engine.speculative_step import Speculator
 from mlxd.protocol import faults, stage_trace
 
@@ -419,9 +419,7 @@ class Runner:
         hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
         if shared is not None:
             # as much as the prompts share, and one token at least is always fed
-            common = next((i for i, (a, b) in enumerate(zip(shared[1], prompt, strict=False))
-                           if a != b), min(len(shared[1]), len(prompt)))
-            common = min(common, len(prompt) - 1)
+            common = min(common_prefix(tuple(shared[1]), tuple(prompt)), len(prompt) - 1)
             if common > 0 and (hit is None or common > hit[1]):
                 hit = (shared[0], common)
         restored = add.restored
