@@ -1,7 +1,9 @@
 """Where requests are prepared (chat template, tokenization, checks, SSD restore): two threads
 of their own, never the I/O thread, which must keep answering aborts, flushes and heartbeats.
 Small prompts go to one lane and large ones to the other, so a request with a 12 MiB prompt
-never holds up a small one (tokenizers release the GIL while they work).
+never holds up a small one. The small lane has up to four threads where the machine has the
+cores: a burst of requests is then prepared side by side (tokenizers and the SSD tier's file
+checks release the GIL), not one after the other.
 
 A request cancelled while it waits or is being prepared never reaches the MLX thread: the
 handover to the runner and a cancellation are decided under one lock.
@@ -9,8 +11,11 @@ handover to the runner and a cancellation are decided under one lock.
 
 from __future__ import annotations
 
+import math
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from mlxd.engine.admission import Admitted, Answered, prompt_chars
@@ -18,6 +23,7 @@ from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Generate
 
 LARGE_PROMPT_CHARS = 64 * 1024
+SMALL_LANE_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # a core left to the MLX thread
 
 
 class AdmissionLanes:
@@ -26,24 +32,27 @@ class AdmissionLanes:
 
     def __init__(self, prepare: Callable[[Generate], Admitted | Answered],
                  deliver: Callable[[Admitted | Answered], None],
-                 dropped: Callable[[Generate], None]) -> None:
+                 dropped: Callable[[Generate], None],
+                 small_threads: int = SMALL_LANE_THREADS) -> None:
         self._prepare = prepare
         self._deliver = deliver
         self._dropped = dropped
         self._lock = threading.Lock()
-        self._pending: set[str] = set()
+        self._pending: dict[str, float] = {}  # request id -> when it reached the engine
         self._cancelled: set[str] = set()
         self._queues: dict[str, queue.Queue[Generate | None]] = {
             "small": queue.Queue(), "large": queue.Queue()}
+        self._threads = {"small": small_threads, "large": 1}
         for lane, q in self._queues.items():
-            threading.Thread(target=self._lane, args=(q,), name=f"engine-admit-{lane}",
-                             daemon=True).start()
+            for i in range(self._threads[lane]):
+                threading.Thread(target=self._lane, args=(q,), daemon=True,
+                                 name=f"engine-admit-{lane}" + (f"-{i}" if i else "")).start()
 
     def submit(self, msg: Generate) -> None:
         if stage_trace.ON:
             stage_trace.stamp_request(msg.request_id, "engine_in", "engine")
         with self._lock:
-            self._pending.add(msg.request_id)
+            self._pending[msg.request_id] = time.monotonic()
         lane = "large" if prompt_chars(msg) > LARGE_PROMPT_CHARS else "small"
         self._queues[lane].put(msg)
 
@@ -54,21 +63,25 @@ class AdmissionLanes:
             ids = self._pending if "*" in request_ids else request_ids
             self._cancelled.update(r for r in ids if r in self._pending)
 
-    def preparing(self) -> int:
-        """Requests submitted and not yet handed over (read by the MLX thread's burst
-        admission; a set's length is read whole)."""
-        return len(self._pending)
+    def preparing(self, submitted_by: float = math.inf) -> int:
+        """Requests submitted (by monotonic time `submitted_by`) and not yet handed over:
+        the MLX thread's burst admission waits for them."""
+        with self._lock:
+            if submitted_by == math.inf:
+                return len(self._pending)
+            return sum(1 for t in self._pending.values() if t <= submitted_by)
 
     def stop(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
+        for lane, q in self._queues.items():
+            for _ in range(self._threads[lane]):
+                q.put(None)
 
     def _lane(self, q: queue.Queue[Generate | None]) -> None:
         while (msg := q.get()) is not None:
             rid = msg.request_id
             result = None if rid in self._cancelled else self._prepare(msg)
             with self._lock:
-                self._pending.discard(rid)
+                self._pending.pop(rid, None)
                 cancelled = rid in self._cancelled
                 self._cancelled.discard(rid)
                 if result is not None and not cancelled:

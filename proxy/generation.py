@@ -132,10 +132,13 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
             gens.append(Generation(state.client, engine, one, resume=state.resume,
                                    load_wait=router.load_wait, stats=state.resume_stats,
                                    metrics=None if req.count_only else state.metrics))
-        started = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
-        for outcome in started:
-            if isinstance(outcome, BaseException):
-                raise outcome
+        if len(gens) == 1:  # sent before this loop turns to the next request: no task
+            await gens[0].start()  # (in a burst, each engine gets its requests as they come)
+        else:
+            started = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+            for outcome in started:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         yield gens
     finally:
         for gen in gens:

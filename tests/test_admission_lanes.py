@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -51,7 +52,7 @@ class Recorder:
 @pytest.fixture
 def lanes():
     r = Recorder()
-    lanes = AdmissionLanes(r.prepare, r.deliver, r.dropped)
+    lanes = AdmissionLanes(r.prepare, r.deliver, r.dropped, small_threads=1)
     yield lanes, r
     for g in r.gates.values():
         g.set()
@@ -93,6 +94,32 @@ def test_cancel_all_drops_waiting_and_running_requests_only(lanes):
     lanes.cancel(["unknown"])  # nothing pending: nothing to drop later
     lanes.submit(gen("later"))
     assert r.next() == ("delivered", "later")
+
+
+def test_a_burst_is_prepared_side_by_side_and_counted_by_arrival():
+    """With two threads on the small lane, a small request being prepared does not hold up
+    the next; `preparing(t)` counts the requests that reached the engine by t."""
+    r = Recorder()
+    lanes = AdmissionLanes(r.prepare, r.deliver, r.dropped, small_threads=2)
+    try:
+        gate = r.gate("a")
+        lanes.submit(gen("a"))
+        assert r.started["a"].wait(10)
+        between = time.monotonic()
+        gate_b = r.gate("b")
+        lanes.submit(gen("b"))
+        assert r.started["b"].wait(10)  # beside "a", not after it
+        assert lanes.preparing(between) == 1 and lanes.preparing() == 2
+        gate_b.set()
+        assert r.next() == ("delivered", "b")
+        assert lanes.preparing() == 1
+        gate.set()
+        assert r.next() == ("delivered", "a")
+        assert lanes.preparing() == 0
+    finally:
+        for g in r.gates.values():
+            g.set()
+        lanes.stop()
 
 
 @pytest.mark.parametrize("models,draining,ssd,expected", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 import mlx.core as mx
 import openai
@@ -117,7 +118,7 @@ def test_a_burst_reaching_an_idle_engine_is_prefilled_as_one_batch(model, monkey
     adds = [_add(f"b{i}", tok.encode(f"Story number {i} begins"), 4) for i in range(4)]
     later = adds[1:]
 
-    def preparing() -> int:
+    def preparing(submitted_by: float) -> int:
         """The admission lanes: one more request is delivered each time the runner looks."""
         if later:
             r.inbox.put(later.pop(0))
@@ -141,7 +142,8 @@ def test_a_lone_request_is_not_held_for_the_window(model, monkeypatch):
     m, tok = model
     monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 5.0)
     outq: queue.Queue = queue.Queue()
-    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, preparing=lambda: 0)
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
+               preparing=lambda submitted_by: 0)
     r.inbox.put(_add("solo", tok.encode("Hi"), 2))
     done = threading.Event()
 
@@ -151,6 +153,63 @@ def test_a_lone_request_is_not_held_for_the_window(model, monkeypatch):
 
     threading.Thread(target=handle).start()
     assert done.wait(1.0)  # returned after the quiet gap, not the 5 s window
+    assert len(r._uid_to_rid) == 1
+
+
+class SlowLanes:
+    """Admission lanes that prepare requests more slowly than the burst window: each request
+    has the time it reached the engine; each look of the runner hands one more over."""
+
+    def __init__(self, inbox: queue.Queue, arrivals: list[tuple[float, AddRequest]]) -> None:
+        self.inbox = inbox
+        self.arrivals = arrivals
+
+    def preparing(self, submitted_by: float) -> int:
+        due = [a for a in self.arrivals if a[0] <= submitted_by]
+        if due:
+            self.arrivals.remove(due[0])
+            self.inbox.put(due[0][1])  # handed over, no longer counted
+        return len(due) - 1 if due else 0
+
+
+def test_a_burst_still_being_prepared_when_the_window_closes_is_waited_for(model, monkeypatch):
+    """Requests that reached the engine within the window join the burst even when their
+    preparation ends after it; one that reached it after the window does not."""
+    m, tok = model
+    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 0.0)  # closed at once: preparing only
+    monkeypatch.setattr(runner_mod, "BURST_PREPARE_S", 30.0)
+    outq: queue.Queue = queue.Queue()
+    now = time.monotonic()
+    arrived = [(now, _add(f"w{i}", tok.encode(f"Story number {i} begins"), 2))
+               for i in range(4)]
+    late = (now + 3600, _add("late", tok.encode("A later story"), 2))
+    lanes = SlowLanes(queue.Queue(), [*arrived, late])
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
+               preparing=lanes.preparing)
+    lanes.inbox = r.inbox
+    r.inbox.put(_add("first", tok.encode("The first story"), 2))
+    r._handle_commands(block=False)
+    started = {x.request_id for x in list(outq.queue) if isinstance(x, RequestStarted)}
+    assert started == {"first", "w0", "w1", "w2", "w3"} and r.counters.bursts == 1
+    assert lanes.arrivals == [late]
+
+
+def test_a_request_prepared_for_too_long_does_not_hold_the_burst(model, monkeypatch):
+    m, tok = model
+    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 0.0)
+    monkeypatch.setattr(runner_mod, "BURST_PREPARE_S", 0.05)
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
+               preparing=lambda submitted_by: 1)  # a prompt that never finishes
+    r.inbox.put(_add("solo", tok.encode("Hi"), 2))
+    done = threading.Event()
+
+    def handle() -> None:
+        r._handle_commands(False)
+        done.set()
+
+    threading.Thread(target=handle).start()
+    assert done.wait(5.0)
     assert len(r._uid_to_rid) == 1
 
 
