@@ -17,6 +17,7 @@ from mlxd.engine.prefix_cache import RestoredPrefix
 from mlxd.protocol.block_format import (
     BadBlock,
     Layout,
+    block_file,
     block_name,
     block_path,
     chain_keys,
@@ -65,8 +66,9 @@ class SsdReader:
         found: Found = []
         parent = self.namespace
         B = self.block_tokens
+        ns_dir = str(self.ns_dir)
         for i, key in enumerate(chain_keys(self.namespace, usable, B)):
-            if not self._path(parent, B, key).exists():
+            if not os.path.exists(block_file(ns_dir, parent, B, key)):
                 break
             found.append((parent, B, key, usable[i * B:(i + 1) * B]))
             parent = key

@@ -35,7 +35,13 @@ from mlxd.engine.prefix_cache import Entry
 from mlxd.engine.ssd_health import Admit, Change, Refusal, WriteHealth
 from mlxd.engine.ssd_restore import SsdReader
 from mlxd.protocol import codec, shm
-from mlxd.protocol.block_format import KvDtype, Layout, block_key, block_path, namespace_key
+from mlxd.protocol.block_format import (
+    KvDtype,
+    Layout,
+    block_file,
+    block_spans,
+    namespace_key,
+)
 from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
 
 log = logging.getLogger("mlxd.engine")
@@ -147,28 +153,17 @@ class SsdTier:
     def _blocks_of(self,
                    tokens: tuple[int, ...] | list[int]) -> list[tuple[int, int, bytes, bytes]]:
         """(start, end, parent, key) for every full block and the tail of `tokens`."""
-        out = []
-        parent = self.namespace
-        B = self.block_tokens
-        full = len(tokens) // B
-        for i in range(full):
-            key = block_key(parent, list(tokens[i * B:(i + 1) * B]))
-            out.append((i * B, (i + 1) * B, parent, key))
-            parent = key
-        if len(tokens) % B:
-            out.append((full * B, len(tokens), parent, block_key(parent, list(tokens[full * B:]))))
-        return out
-
-    def _path(self, parent: bytes, n: int, key: bytes) -> Path:
-        return block_path(self.ns_dir, parent, n, key)
+        return block_spans(self.namespace, tokens, self.block_tokens)
 
     # ------------------------------------------------------------------ write-behind (MLX thread)
 
     def _missing(self, entry: Entry) -> list[tuple[int, int, bytes, bytes]]:
         # os.path.exists: False on any OSError (an unreadable folder: the write then fails in
         # the worker and the tier degrades), where Path.exists raises on some, on the MLX thread
+        ns_dir = str(self.ns_dir)
         return [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
-                if k not in self._queued_keys and not os.path.exists(self._path(p, e - s, k))]
+                if k not in self._queued_keys
+                and not os.path.exists(block_file(ns_dir, p, e - s, k))]
 
     def persist_all(self, entries: list[Entry]) -> int:
         """Queue the entries' missing blocks for the storage worker; return how many were

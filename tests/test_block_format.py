@@ -14,6 +14,8 @@ from mlxd.engine.ssd_tier import SsdStats
 from mlxd.protocol.block_format import (
     BadBlock,
     block_key,
+    block_spans,
+    chain_keys,
     namespace_key,
     prefix_keys,
     read_block,
@@ -48,6 +50,23 @@ def test_prefix_keys_are_the_block_keys_of_every_prefix():
     assert prefix_keys(parent, tokens) == [block_key(parent, tokens[:t])
                                            for t in range(1, len(tokens) + 1)]
     assert prefix_keys(parent, []) == []
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 16, 23])
+def test_block_spans_chain_the_block_keys_from_one_conversion(n):
+    """The keys the write-behind names blocks by are the chained `block_key`s of each span,
+    whatever the ids' container (list, tuple, numpy), ids up to 2**32 - 1 included."""
+    root = namespace_key("test")
+    tokens = [(i * 2654435761) % 2**32 for i in range(n)]
+    want, parent = [], root
+    for start in range(0, n, 8):
+        span = tokens[start:start + 8]
+        key = block_key(parent, np.array(span, dtype=np.int64))
+        want.append((start, start + len(span), parent, key))
+        parent = key
+    assert block_spans(root, tokens, 8) == want
+    assert block_spans(root, tuple(tokens), 8) == want
+    assert chain_keys(root, tokens, 8) == [k for s, e, _, k in want if e - s == 8]
 
 
 def test_the_ssd_reader_finds_the_longest_tail_among_other_prompts_tails(tmp_path,
