@@ -3,8 +3,11 @@
 - Write-behind: the MLX thread picks a new RAM entry's blocks that the disk lacks and a free
   slot of this engine's shared-memory arena for each (with none free the block is skipped,
   counted, rather than stall decoding); the storage thread copies each block's span of the
-  entry's arrays into its slot, and a `StoreBlocks` message names the slots. No kernel, copy,
-  hashing, writing or fsync on the MLX thread, and no waiting.
+  entry's arrays into its slot, and a `StoreBlocks` message names the slots. No hashing of
+  payloads, writing or fsync on the MLX thread, and no waiting. Where the host reads device
+  memory for free (Apple silicon's unified memory, the CPU backend) the storage thread reads
+  the entry's own arrays and the MLX thread runs no kernel; where it does not (CUDA), the
+  MLX thread gathers the blocks into one staging array on the device (`DEVICE_STAGING`).
 - A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
   is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
   one probe block decides whether it recovers. A flush probes at once and answers promptly with
@@ -49,6 +52,20 @@ log = logging.getLogger("mlxd.engine")
 RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead worker is assumed
 
 
+def device_staging() -> bool:
+    """Whether blocks are gathered on the device before the host reads them. MLX on CUDA keeps
+    arrays in device memory, and a host read of one (numpy's view) moves its whole buffer to
+    managed memory for good, with a synchronous copy made while the GIL is held: reading the
+    RAM tier's arrays there would stall the MLX thread and leave every later cache hit on
+    managed pages. On unified memory (Metal) and the CPU backend the read is free.
+    MLXD_SSD_STAGING=device|views overrides (comparisons, tests)."""
+    import mlx.core as mx
+    forced = os.environ.get("MLXD_SSD_STAGING", "")
+    if forced in ("device", "views"):
+        return forced == "device"
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
 @dataclass
 class SsdStats:
     hits: int = 0
@@ -84,6 +101,9 @@ class _Block:
     start: int  # the block's token span in them
     end: int
     write: BlockWrite
+    staged: Any = None  # device staging: the call's staging array, this block's bytes at
+    offset: int = 0  # `offset` (`parts` is then None)
+    nbytes: int = 0
 
 
 @dataclass
@@ -136,6 +156,7 @@ class SsdTier:
         self._ctx = ctx
         self._endpoint = endpoint
         self._stop = threading.Event()
+        self.device_staging = device_staging()
         self.reader = SsdReader(self.namespace, self.ns_dir, layout, block_tokens, verify,
                                 self.stats, lambda names: self._out.put(
                                     TouchBlocks(self.namespace, names)))
@@ -181,7 +202,10 @@ class SsdTier:
             blocks += self._stage(entry)
         if not blocks:
             return 0
-        mx.async_eval(list({id(a): a for b in blocks for a in b.parts}.values()))
+        if self.device_staging:
+            mx.async_eval(self._stage_on_device(blocks))
+        else:
+            mx.async_eval(list({id(a): a for b in blocks for a in b.parts}.values()))
         self.stats.blocks_queued += len(blocks)
         with self._idle:
             for b in blocks:
@@ -230,12 +254,57 @@ class SsdTier:
                   for a in ((*k, *v) if self.layout.kv_bits else (k, v))]
         return [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
 
+    def _stage_on_device(self, blocks: list[_Block]) -> Any:
+        """One uint8 array holding every block's slot bytes, one block after the other, built
+        by the device (each block's spans of its entry's arrays, in slot order); each block
+        records where its bytes start. An entry whose arrays share shape and dtype (unquantized
+        KV, keys and values alike) is stacked once, so a block costs three ops whatever the
+        layer count; otherwise each array's span is taken on its own."""
+        import mlx.core as mx
+        pieces: list[Any] = []
+        offset = 0
+        by_entry: dict[int, list[_Block]] = {}
+        for b in blocks:
+            by_entry.setdefault(id(b.parts), []).append(b)
+        for group in by_entry.values():
+            parts = group[0].parts
+            lo, hi = min(b.start for b in group), max(b.end for b in group)
+            uniform = len({(a.shape, a.dtype) for a in parts}) == 1
+            if uniform:
+                if lo > 0 or hi < parts[0].shape[2]:  # only the blocks' span is copied
+                    parts = [a[:, :, lo:hi, :] for a in parts]
+                stacked = mx.concatenate(parts, axis=0)  # (arrays, kv_heads, T, width)
+            for b in group:
+                if uniform:
+                    spans = [stacked[:, :, b.start - lo:b.end - lo, :]]
+                else:
+                    spans = [a[0, :, b.start:b.end, :] for a in parts]
+                b.offset, b.nbytes = offset, 0
+                for span in spans:
+                    piece = mx.flatten(span).view(mx.uint8)
+                    pieces.append(piece)
+                    b.nbytes += piece.size
+                offset += b.nbytes
+                b.parts = None
+        staged = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        for b in blocks:
+            b.staged = staged
+        return staged
+
     def _copy(self, blocks: list[_Block]) -> StoreBlocks:
         """Storage thread: each block's span of its entry's arrays (read as host memory once
         evaluated; each array once for all the blocks of its entry) into its slot, array after
         array, each (kv_heads, tokens, width) in C order."""
         host: dict[int, list[np.ndarray]] = {}
         for b in blocks:
+            if b.staged is not None:  # device staging: the block's bytes, as they go
+                staged = host.get(id(b.staged))
+                if staged is None:
+                    staged = host[id(b.staged)] = [np.asarray(b.staged)]
+                off = b.slot * self.slot_bytes
+                self._shm.buf[off:off + b.nbytes] = staged[0][b.offset:b.offset + b.nbytes]
+                b.staged = None
+                continue
             views = host.get(id(b.parts))
             if views is None:
                 views = host[id(b.parts)] = [np.asarray(a) for a in b.parts]

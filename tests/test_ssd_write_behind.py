@@ -2,7 +2,8 @@
 a block's slot holds, layer after layer, its span of the keys then the values (each
 (kv_heads, tokens, width) in C order; quantized, each triplet part in turn), the layout the
 storage worker writes and `ssd_restore` reads, read from the entry's arrays as they are (views
-of a longer cache, bfloat16)."""
+of a longer cache, bfloat16) or, where the host may not read device memory (CUDA), gathered on
+the device into one staging array first; both ways are run here."""
 
 from __future__ import annotations
 
@@ -57,12 +58,26 @@ def _expected(layers: list[tuple[Any, Any]], start: int, end: int) -> bytes:
     return b"".join(_bytes(a[0, :, start:end, :]) for a in parts)
 
 
+def _held(tier: SsdTier, slot: int, n: int) -> bytes:
+    off = slot * tier.slot_bytes
+    buf = tier._shm.buf
+    assert buf is not None
+    with buf[off:off + n] as view:  # released before the segment closes
+        return bytes(view)
+
+
+STAGINGS = ["views", "device"]
+
+
+@pytest.mark.parametrize("staging", STAGINGS)
 @pytest.mark.parametrize("bits", [0, 4])
-def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits):
+def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits, staging, monkeypatch):
+    monkeypatch.setenv("MLXD_SSD_STAGING", staging)
     ctx = zmq.Context()
     heads, dim, tokens = 2, 64, 24  # a full block and a tail of 8
     layout = Layout(2, heads, dim, dim, "bfloat16", bits, 64 if bits else 0)
     tier = _tier(tmp_path, layout, ctx)
+    assert tier.device_staging == (staging == "device")
     try:
         layers: list[tuple[Any, Any]] = []
         for _ in range(2):  # views of a longer cache, as a finished row's are
@@ -81,29 +96,43 @@ def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits):
         for n, start in ((BLOCK, 0), (8, BLOCK)):
             want = _expected(layers, start, start + n)
             assert len(want) == layout.payload_bytes(n)
-            off = spans[n].slot * tier.slot_bytes
-            buf = tier._shm.buf
-            assert buf is not None
-            with buf[off:off + len(want)] as view:  # released before the segment closes
-                held = bytes(view)
-            assert held == want
+            assert _held(tier, spans[n].slot, len(want)) == want
     finally:
         tier.close()
         ctx.term()
 
 
-def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_path):
+@pytest.mark.parametrize("staging", STAGINGS)
+def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_path, staging,
+                                                                          monkeypatch):
+    """Several entries in one call, each block's bytes in its own slot; a longer entry whose
+    first block is already queued sends only the rest (on the device: only that span)."""
+    monkeypatch.setenv("MLXD_SSD_STAGING", staging)
     ctx = zmq.Context()
-    layout = Layout(1, 1, 8, 8, "float32")
+    layout = Layout(2, 1, 8, 8, "float32")
     tier = _tier(tmp_path, layout, ctx)
     try:
         def entry(first: int, n: int) -> Entry:
-            kv = mx.arange(n * 8, dtype=mx.float32).reshape(1, 1, n, 8) + first
-            return Entry(tuple(range(first, first + n)), [(kv, kv + 0.5)], 0)
+            kv = mx.arange(40 * 8, dtype=mx.float32).reshape(1, 1, 40, 8) + first
+            return Entry(tuple(range(first, first + n)),
+                         [(kv[..., :n, :], kv[..., :n, :] + 0.5),
+                          (kv[..., :n, :] * 2, kv[..., :n, :] - 3)], 0)
+
+        def check(writes: list, e: Entry) -> None:
+            for w in writes:
+                start = w.tokens[0] - e.tokens[0]
+                want = _expected(e.layers, start, start + len(w.tokens))
+                assert _held(tier, w.slot, len(want)) == want
         a, b = entry(0, 20), entry(1000, 5)
         queued, msg = _copied(tier, [a, b])
         assert queued == 3 and len(msg.blocks) == 3  # a: block + tail; b: a tail
+        check(msg.blocks[:2], a)
+        check(msg.blocks[2:], b)
         assert tier.persist_all([a]) == 0  # already queued: nothing again
+        longer = entry(0, 40)  # its first block is a's: queued already
+        queued, msg = _copied(tier, [longer])
+        assert queued == 2 and [len(w.tokens) for w in msg.blocks] == [BLOCK, 8]
+        check(msg.blocks, longer)
     finally:
         tier.close()
         ctx.term()
