@@ -159,8 +159,8 @@ class Runner:
         """`batch_size`: the most rows the generator holds; `budget` (None: no memory rule)
         decides which requests join the running rows; `preparing(t)` counts requests that
         reached the engine by monotonic time t and are still being prepared for this runner
-        (burst admission waits for them); `persist(entries)`
-        queues KV entries' blocks for the SSD tier (new RAM entries, checkpoints)."""
+        (burst admission waits for them); `persist(entries)` queues KV entries' blocks for
+        the SSD tier (new RAM entries, checkpoints)."""
         self._model = model
         self.spec = speculator  # speculative steps for a row decoding alone
         self._grammar = GrammarSteps()  # constrained rows: masks computed together

@@ -301,8 +301,9 @@ class SsdTier:
                 staged = host.get(id(b.staged))
                 if staged is None:
                     staged = host[id(b.staged)] = [np.asarray(b.staged)]
-                off = b.slot * self.slot_bytes
-                self._shm.buf[off:off + b.nbytes] = staged[0][b.offset:b.offset + b.nbytes]
+                np.ndarray((b.nbytes,), dtype=np.uint8, buffer=self._shm.buf,
+                           offset=b.slot * self.slot_bytes)[...] = \
+                    staged[0][b.offset:b.offset + b.nbytes]
                 b.staged = None
                 continue
             views = host.get(id(b.parts))
