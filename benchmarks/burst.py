@@ -14,7 +14,8 @@ requests of all measured rounds:
     the client's first content
 
 and, per round, how the burst reached the generator: the sizes of the groups inserted
-together (one group per MLX-thread step).
+together (one group per MLX-thread step) and of the groups whose first tokens came out of one
+step (prefilled together).
 
     python benchmarks/burst.py --shape tiny --streams 32 --rounds 3
     python benchmarks/burst.py --shape 1b --model-dtype bfloat16 --streams 32,64
@@ -103,27 +104,35 @@ def join(trace_dir: Path, client: dict[str, dict[str, int]]) -> list[dict[str, i
     return [{**reqs.get(rid, {}), **st} for rid, st in client.items()]
 
 
-def relative(rows: list[dict[str, int]]) -> tuple[dict[str, list[float]], list[int]]:
-    """ms from the round's first client send, per stage; and the sizes of the groups of
-    requests inserted together (stamps within 1 ms: one MLX-thread step)."""
+def _runs(times: list[float], gap: float) -> list[int]:
+    """Sizes of the runs of sorted `times` whose neighbours are at most `gap` ms apart."""
+    sizes: list[int] = []
+    last = None
+    for t in sorted(times):
+        if last is None or t - last > gap:
+            sizes.append(0)
+        sizes[-1] += 1
+        last = t
+    return sizes
+
+
+def relative(rows: list[dict[str, int]]) -> tuple[dict[str, list[float]], list[list[int]]]:
+    """ms from the round's first client send, per stage; the sizes of the groups of requests
+    inserted together (stamps within 1 ms: one MLX-thread step, though a busy CPU spreads one
+    insert loop wider), and of those whose first tokens came out of the same step (the same
+    read-back stamp: prefilled together)."""
     t0 = min(r["client_sent"] for r in rows)
     rel: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         for _, stage, _ in [("", "client_sent", ""), *STAGES]:
             if stage in r:
                 rel[stage].append((r[stage] - t0) / 1e6)
-    groups: list[int] = []
-    last = None
-    for t in sorted(rel["inserted"]):
-        if last is None or t - last > 1.0:
-            groups.append(0)
-        groups[-1] += 1
-        last = t
-    return rel, groups
+    return rel, [_runs(rel["inserted"], 1.0), _runs(rel["read_back"], 0.05)]
 
 
 def table(streams: int, rels: dict[str, dict[str, list[float]]],
-          groups: dict[str, list[list[int]]], ref_first: list[float], ref_text: list[float]
+          groups: dict[str, list[list[list[int]]]], ref_first: list[float],
+          ref_text: list[float]
           ) -> str:
     names = list(rels)
     lines = [f"### {streams} streams at once", "",
@@ -148,7 +157,9 @@ def table(streams: int, rels: dict[str, dict[str, list[float]]],
             lines.append(f"- {n}: first content median {statistics.median(cf):.1f} ms against "
                          f"in-process first text {statistics.median(ref_text):.1f} ms: "
                          f"**{statistics.median(cf) / statistics.median(ref_text):.2f}x**; "
-                         f"groups inserted together per round {groups[n]}")
+                         f"per round, groups inserted together "
+                         f"{[g[0] for g in groups[n]]}, first tokens per step "
+                         f"{[g[1] for g in groups[n]]}")
     return "\n".join(lines)
 
 
@@ -184,7 +195,7 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
             inprocess_first(model_dir, s, args.max_tokens, args.dtype)
         for s in levels:
             rels: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in servers}
-            groups: dict[str, list[list[int]]] = {n: [] for n in servers}
+            groups: dict[str, list[list[list[int]]]] = {n: [] for n in servers}
             ref_first: list[float] = []
             ref_text: list[float] = []
             for i in range(args.rounds):
@@ -206,7 +217,7 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
                         rels[name][k] += v
                     groups[name].append(g)
                     line.append(f"{name} {statistics.median(r.get('client_first', [0])):.1f} "
-                                f"groups {g}")
+                                f"inserted {g[0]} first tokens per step {g[1]}")
                 print("; ".join(line), flush=True)
             out.append(table(s, rels, groups, ref_first, ref_text))
     finally:
