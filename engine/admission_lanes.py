@@ -38,7 +38,8 @@ class AdmissionLanes:
         self._deliver = deliver
         self._dropped = dropped
         self._lock = threading.Lock()
-        self._pending: dict[str, float] = {}  # request id -> when it reached the engine
+        self._pending: dict[str, tuple[float, bool]] = {}  # request id -> (when it reached
+        #                                                    the engine, on the large lane)
         self._cancelled: set[str] = set()
         self._queues: dict[str, queue.Queue[Generate | None]] = {
             "small": queue.Queue(), "large": queue.Queue()}
@@ -51,10 +52,10 @@ class AdmissionLanes:
     def submit(self, msg: Generate) -> None:
         if stage_trace.ON:
             stage_trace.stamp_request(msg.request_id, "engine_in", "engine")
+        large = prompt_chars(msg) > LARGE_PROMPT_CHARS
         with self._lock:
-            self._pending[msg.request_id] = time.monotonic()
-        lane = "large" if prompt_chars(msg) > LARGE_PROMPT_CHARS else "small"
-        self._queues[lane].put(msg)
+            self._pending[msg.request_id] = (time.monotonic(), large)
+        self._queues["large" if large else "small"].put(msg)
 
     def cancel(self, request_ids: list[str]) -> None:
         """Requests still waiting or being prepared are dropped before they reach the MLX
@@ -64,12 +65,13 @@ class AdmissionLanes:
             self._cancelled.update(r for r in ids if r in self._pending)
 
     def preparing(self, submitted_by: float = math.inf) -> int:
-        """Requests submitted (by monotonic time `submitted_by`) and not yet handed over:
-        the MLX thread's burst admission waits for them."""
+        """Small requests submitted (by monotonic time `submitted_by`) and not yet handed
+        over: the MLX thread's burst admission waits for them. A large prompt is not waited
+        for: it takes longer to tokenize than any burst window, and its prefill alone longer
+        than the small ones' together."""
         with self._lock:
-            if submitted_by == math.inf:
-                return len(self._pending)
-            return sum(1 for t in self._pending.values() if t <= submitted_by)
+            return sum(1 for t, large in self._pending.values()
+                       if not large and t <= submitted_by)
 
     def stop(self) -> None:
         for lane, q in self._queues.items():

@@ -36,7 +36,7 @@ log = logging.getLogger("mlxd.engine")
 MIN_SHARED_PREFIX = 32  # tokens two simultaneous prompts must share to prefill them once
 # Burst admission: an idle engine that just got a request keeps gathering arrivals while they
 # come within BURST_QUIET_S of each other or more are being prepared (template, tokens) on the
-# admission lanes, for BURST_WINDOW_S of arrivals at most; requests that reached the engine
+# small admission lane, for BURST_WINDOW_S of arrivals at most; requests that reached the engine
 # within that window and are still being prepared are waited for up to BURST_PREPARE_S more
 # (a small CPU prepares a burst of 32 more slowly than the window: it came out in up to 13
 # groups, each one more prefill pass). Then they are prefilled as one batch.

@@ -60,10 +60,13 @@ def lanes():
 
 
 def test_a_large_prompt_never_holds_up_a_small_one(lanes):
+    """Not on its lane, nor in a burst: the runner's burst admission is not told to wait
+    for it."""
     lanes, r = lanes
     gate = r.gate("big")
     lanes.submit(gen("big", LARGE_PROMPT_CHARS + 1))
     assert r.started["big"].wait(10)
+    assert lanes.preparing() == 0
     lanes.submit(gen("small"))
     assert r.next() == ("delivered", "small")
     gate.set()
