@@ -202,16 +202,29 @@ class SsdTier:
             blocks += self._stage(entry)
         if not blocks:
             return 0
-        if self.device_staging:
-            mx.async_eval(self._stage_on_device(blocks))
-        else:
-            mx.async_eval(list({id(a): a for b in blocks for a in b.parts}.values()))
+        try:
+            if self.device_staging:
+                mx.async_eval(self._stage_on_device(blocks))
+            else:
+                mx.async_eval(list({id(a): a for b in blocks for a in b.parts}.values()))
+        except Exception as e:  # e.g. no device memory left: these blocks fail, not the step
+            log.exception("staging KV blocks for the SSD tier failed")
+            for entry in entries:
+                entry.persisted = False  # an eviction tries it again
+            self._register(blocks)
+            self._done(StoreDone([b.slot for b in blocks], failed=len(blocks),
+                                 error=f"staging the blocks failed: {e}",
+                                 error_code="copy_failed"))
+            return 0
         self.stats.blocks_queued += len(blocks)
+        self._register(blocks)
+        self._out.put(blocks)
+        return len(blocks)
+
+    def _register(self, blocks: list[_Block]) -> None:
         with self._idle:
             for b in blocks:
                 self._pending[b.slot] = _Pending(time.monotonic(), [b.write.key])
-        self._out.put(blocks)
-        return len(blocks)
 
     def _stage(self, entry: Entry) -> list[_Block]:
         """The entry's missing blocks that get a slot now (marks it persisted if all do)."""

@@ -136,3 +136,24 @@ def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_pa
     finally:
         tier.close()
         ctx.term()
+
+
+def test_a_staging_failure_fails_its_blocks_not_the_step(tmp_path, monkeypatch):
+    """The device may run out of memory while it gathers blocks: the MLX thread goes on, the
+    slots come back, the tier backs off, and the entry stays marked as not on disk."""
+    monkeypatch.setenv("MLXD_SSD_STAGING", "device")
+    ctx = zmq.Context()
+    tier = _tier(tmp_path, Layout(1, 1, 8, 8, "float32"), ctx)
+    try:
+        def out_of_memory(blocks: list) -> Any:
+            raise RuntimeError("[malloc_async] Unable to allocate 4194304 bytes.")
+        monkeypatch.setattr(tier, "_stage_on_device", out_of_memory)
+        kv = mx.zeros((1, 1, 20, 8))
+        entry = Entry(tuple(range(20)), [(kv, kv)], 0)
+        assert tier.persist_all([entry]) == 0
+        assert not entry.persisted and tier._free.qsize() == 8 and not tier._pending
+        assert tier.stats.write_failures == 2 and tier.health.refusal is not None
+        assert tier.health.refusal.code == "copy_failed"
+    finally:
+        tier.close()
+        ctx.term()
