@@ -7,7 +7,7 @@
   payloads, writing or fsync on the MLX thread, and no waiting. Where the host reads device
   memory for free (Apple silicon's unified memory, the CPU backend) the storage thread reads
   the entry's own arrays and the MLX thread runs no kernel; where it does not (CUDA), the
-  MLX thread gathers the blocks into one staging array on the device (`DEVICE_STAGING`).
+  MLX thread gathers the blocks into one staging array on the device (`device_staging`).
 - A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
   is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
   one probe block decides whether it recovers. A flush probes at once and answers promptly with
