@@ -155,7 +155,7 @@ class Daemon:
         tag = shm.segment_name(self.run_dir, "", 0)[:8]  # "mlxd" + this run dir's hash
         segments = [n for n in os.listdir("/dev/shm") if n.startswith(tag)] \
             if os.path.isdir("/dev/shm") else []
-        assert not segments, f"shared-memory segments left: {segments}"
+        assert not segments, f"shared-memory segments left: {segments}\n{self.log()}"
 
     def cleanup(self, keep_run_dir: bool = False) -> None:
         """Kill whatever is left. Unless the run dir is kept for a restart to find, the
