@@ -266,7 +266,8 @@ class CacheFlushed(_Msg, tag="flushed"):
     pending: int
     error: str | None = None
     # set when the cache is not durable: a StoreDone code (disk_full, read_only, ...), or
-    # timeout, or no_answer (the proxy heard nothing); None when durable (or no SSD tier)
+    # timeout, no_answer (the proxy heard nothing) or engine_restarted (the engine died or
+    # was replaced before answering); None when durable (or no SSD tier)
     error_code: str | None = None
     unwritten: int = 0  # blocks of cached entries still not on disk when the flush answered
 

@@ -65,6 +65,10 @@ class EngineRecord:
     async def changed(self, timeout: float) -> None:
         await asyncio.wait_for(self._changed.wait(), timeout)
 
+    async def next_change(self) -> None:
+        """Until the next `notify`."""
+        await self._changed.wait()
+
     @property
     def state(self) -> str:
         if self.failed_at is not None:
@@ -277,20 +281,48 @@ class EngineClient:
             rec.ready.clear()
 
     async def flush(self, rec: EngineRecord, timeout: float) -> CacheFlushed:
-        """Ask one engine to make its cache durable; wait for its answer."""
+        """Ask one engine to make its cache durable; wait for its answer, or until that engine
+        dies or is replaced (its unwritten blocks died with its memory: no answer will come)."""
         import uuid
         token = uuid.uuid4().hex
+        epoch = rec.epoch
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._flushes[token] = fut
+        deadline = time.monotonic() + timeout + 5
         try:
             await self._requests.send_multipart(
                 [rec.identity, self._enc.encode(FlushCache(token, timeout))])
-            return await asyncio.wait_for(fut, timeout + 5)
+            while not fut.done():
+                if self._replaced(rec, epoch):
+                    return CacheFlushed(rec.engine_id, epoch, token, 0, 0, 0,
+                                        f"the engine serving {rec.model_id} stopped or restarted "
+                                        "before it answered; what it had not written is lost",
+                                        "engine_restarted")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no answer within {timeout + 5:g} s")
+                change = asyncio.ensure_future(rec.next_change())
+                try:
+                    await asyncio.wait((fut, change), timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
+            return cast(CacheFlushed, fut.result())
         except (TimeoutError, zmq.ZMQError) as e:
             return CacheFlushed(rec.engine_id, rec.epoch, token, 0, 0, 0,
                                 f"no answer from the engine: {e!r}")
         finally:
             self._flushes.pop(token, None)
+
+    def _replaced(self, rec: EngineRecord, epoch: int) -> bool:
+        """Whether the engine process that had `epoch` is gone or going without answering:
+        exited, another epoch seen, or its record dropped. A stopping engine still answers
+        (it flushes on its way out)."""
+        if rec.epoch != epoch or self.engines.get(rec.engine_id) is not rec:
+            return True
+        child = rec.child
+        return child is not None and (child.epoch > epoch or
+                                      child.state in ("backoff", "failed", "stopped"))
 
     def _abort_all_now(self, rec: EngineRecord) -> None:
         assert self._requests is not None

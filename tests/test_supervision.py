@@ -173,6 +173,32 @@ def test_hung_engine_is_killed_and_restarted_within_hang_timeout(tiny_model):
         finish(d)
 
 
+def test_a_flush_waiting_on_an_engine_that_hangs_ends_when_it_is_replaced(tiny_model):
+    """The engine is stopped (SIGSTOP) before the flush reaches it: no answer will come. The
+    flush answers 503 `engine_restarted` once the watchdog replaced it, not after its own
+    120 s timeout; a flush of the new engine is durable."""
+    d = start_daemon(tiny_model, *NO_RESUME, "--hang-timeout", "2", isolate=True)
+    try:
+        with d.http() as c:
+            assert c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}
+                          ).status_code == 200
+        pid = engine(d)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        with d.unix_http() as c:
+            r = c.post("/admin/cache/flush", timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"]
+        body = r.json()
+        assert body["durable"] is False
+        assert [e["error_code"] for e in body["engines"]] == ["engine_restarted"], body
+        wait_engine_ready(d, 1)
+        with d.unix_http() as c:
+            r = c.post("/admin/cache/flush", timeout=60)
+        assert r.status_code == 200 and r.json()["durable"] is True, r.text
+    finally:
+        finish(d)
+
+
 def test_supervisor_sigkill_children_follow_and_next_start_cleans_up(tiny_model):
     d = start_daemon(tiny_model, isolate=True)
     run_dir = d.run_dir
