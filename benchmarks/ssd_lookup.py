@@ -4,7 +4,8 @@ Every prompt shorter than a block is stored as a tail block under the namespace'
 folder holds every short conversation ever stored. This writes N stored prompts' tails (each
 prompt's boundary and its history, as the engine does) with the real block writer, then times
 `SsdReader.better_than_ram` for fresh prompts (misses: the usual case for a new chat) and for
-stored ones (hits, the files read and verified), at each N.
+stored ones (hits, the files read and verified), at each N: asking the disk for each tail name,
+and through the tail index an engine builds at start (engine/tail_index.py).
 
     python benchmarks/ssd_lookup.py --stored 0,2000,10000
     python benchmarks/ssd_lookup.py --tree /tmp/old-checkout   # another tree's reader, same run
@@ -49,6 +50,10 @@ def main() -> None:
         probe = write_block(root, [1])
         reader = SsdReader(probe.namespace, root / "ns", probe.layout, 256, True, SsdStats(),
                            lambda names: None)
+        try:
+            from mlxd.engine.tail_index import TailIndex
+        except ImportError:  # an older tree: no tail index
+            TailIndex = None  # type: ignore[assignment,misc]
         for target in (int(x) for x in args.stored.split(",")):
             while len(stored) < target:
                 toks = [rnd.randrange(49_000) for _ in range(n_tok + 1)]
@@ -56,12 +61,23 @@ def main() -> None:
                 write_block(root, toks)  # the history
                 stored.append(toks)
             fresh = [[rnd.randrange(49_000) for _ in range(n_tok)] for _ in range(args.lookups)]
-            miss = _times(reader, fresh)
-            hit = _times(reader, [s[:n_tok] for s in rnd.sample(stored, min(len(stored),
-                                                                            args.lookups))])
-            print(f"{len(stored):6d} stored prompts: miss {statistics.median(miss) * 1e3:.3f} ms"
-                  + (f", hit {statistics.median(hit) * 1e3:.3f} ms" if hit else "")
-                  + " a lookup (median)", flush=True)
+            again = [s[:n_tok] for s in rnd.sample(stored, min(len(stored), args.lookups))]
+            readers = [("on disk", reader)]
+            if TailIndex is not None:  # the tail index, as an engine has it after its scan
+                tails = TailIndex(256)
+                t0 = time.perf_counter()
+                tails.scan(root / "ns")
+                scan_ms = (time.perf_counter() - t0) * 1e3
+                indexed = SsdReader(probe.namespace, root / "ns", probe.layout, 256, True,
+                                    SsdStats(), lambda names: None, tails)
+                readers.append((f"tail index ({tails.count} tails, scanned in {scan_ms:.0f} ms)",
+                                indexed))
+            for label, r in readers:
+                miss, hit = _times(r, fresh), _times(r, again)
+                print(f"{len(stored):6d} stored prompts, {label}: miss "
+                      f"{statistics.median(miss) * 1e3:.3f} ms"
+                      + (f", hit {statistics.median(hit) * 1e3:.3f} ms" if hit else "")
+                      + " a lookup (median)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.engine.prefix_cache import RestoredPrefix
+from mlxd.engine.tail_index import TailIndex
 from mlxd.protocol.block_format import (
     BadBlock,
     Layout,
@@ -34,11 +35,13 @@ Found = list[tuple[bytes, int, bytes, list[int]]]  # (parent, n_tokens, key, tok
 
 class SsdReader:
     def __init__(self, namespace: bytes, ns_dir: Path, layout: Layout, block_tokens: int,
-                 verify: bool, stats: Any, touch: Callable[[list[str]], None]) -> None:
+                 verify: bool, stats: Any, touch: Callable[[list[str]], None],
+                 tails: TailIndex | None = None) -> None:
         self.namespace, self.ns_dir = namespace, ns_dir
         self.layout, self.block_tokens, self.verify = layout, block_tokens, verify
         self.stats = stats  # ssd_tier.SsdStats: hits, misses, restored_tokens, bad_blocks
         self.touch = touch  # the blocks just read are the most recently used
+        self.tails = tails  # consulted once its start-up scan has ended (see tail_index.py)
 
     def better_than_ram(self, prompt: list[int], in_ram: int) -> RestoredPrefix | None:
         """KV for the prompt's longest prefix on SSD, if it beats the `in_ram` tokens the RAM
@@ -82,12 +85,16 @@ class SsdReader:
     def _best_tail(self, parent: bytes,
                    rest: list[int]) -> tuple[bytes, int, bytes, list[int]] | None:
         """The longest tail block (a partial span) after `parent` that matches `rest`: the
-        name each length would have is computed and looked up, longest first. At most
-        `block_tokens - 1` lookups, however many blocks the disk holds (listing the directory
+        name each length would have is computed and looked up, longest first: in the tail
+        index once it is ready, else on disk, at most `block_tokens - 1` lookups however many
+        blocks the disk holds (listing the directory
         instead cost admission milliseconds per request once thousands of prompts had been
         stored, and grew with every one)."""
         if not rest:
             return None
+        if self.tails is not None and self.tails.ready.is_set():
+            best = self.tails.best(parent, rest)
+            return None if best is None else (parent, best[0], best[1], rest[:best[0]])
         folder = self.ns_dir / parent.hex()[:2]
         if not folder.is_dir():
             return None
@@ -112,6 +119,10 @@ class SsdReader:
             try:
                 payload = read_block(path, lay, self.namespace, parent, key, tokens, self.verify)
             except BadBlock as e:
+                if e.missing:  # evicted since it was found: what came before serves
+                    if self.tails is not None:
+                        self.tails.discard(parent, t, key)
+                    break
                 log.warning("SSD block unusable, removed: %s", e)
                 self.stats.bad_blocks += 1
                 path.unlink(missing_ok=True)

@@ -14,7 +14,9 @@
   the refusal's code instead of retrying until its deadline.
 - The storage thread owns the DEALER to the storage worker: it sends, frees slots on
   `StoreDone`, and reclaims slots a dead worker never answered for.
-- Restore: `ssd_restore.SsdReader` (`self.reader`), on the admission lanes.
+- Restore: `ssd_restore.SsdReader` (`self.reader`), on the admission lanes; it finds tails
+  through `self.tails` (`tail_index.TailIndex`), which the storage thread's confirmed
+  writes keep current.
 - Wiring: `open_ssd_tier` derives the block layout and the namespace from the loaded model.
 """
 
@@ -37,6 +39,7 @@ import zmq
 from mlxd.engine.prefix_cache import Entry
 from mlxd.engine.ssd_health import Admit, Change, Refusal, WriteHealth
 from mlxd.engine.ssd_restore import SsdReader
+from mlxd.engine.tail_index import TailIndex
 from mlxd.protocol import codec, shm
 from mlxd.protocol.block_format import (
     KvDtype,
@@ -110,6 +113,7 @@ class _Block:
 class _Pending:
     sent_at: float
     keys: list[bytes] = field(default_factory=list)
+    tail: tuple[bytes, int, bytes] | None = None  # (parent, tokens, key) of a tail block
 
 
 def weights_digest(model_dir: Path) -> str:
@@ -157,9 +161,11 @@ class SsdTier:
         self._endpoint = endpoint
         self._stop = threading.Event()
         self.device_staging = device_staging()
+        self.tails = TailIndex(block_tokens)
+        self.tails.scan_in_background(self.ns_dir)
         self.reader = SsdReader(self.namespace, self.ns_dir, layout, block_tokens, verify,
                                 self.stats, lambda names: self._out.put(
-                                    TouchBlocks(self.namespace, names)))
+                                    TouchBlocks(self.namespace, names)), self.tails)
         self._thread = threading.Thread(target=self._client_loop, name="engine-ssd", daemon=True)
         self._thread.start()
 
@@ -224,7 +230,10 @@ class SsdTier:
     def _register(self, blocks: list[_Block]) -> None:
         with self._idle:
             for b in blocks:
-                self._pending[b.slot] = _Pending(time.monotonic(), [b.write.key])
+                w = b.write
+                self._pending[b.slot] = _Pending(
+                    time.monotonic(), [w.key],
+                    (w.parent, len(w.tokens), w.key) if w.tail else None)
 
     def _stage(self, entry: Entry) -> list[_Block]:
         """The entry's missing blocks that get a slot now (marks it persisted if all do)."""
@@ -478,6 +487,8 @@ class SsdTier:
                 if p is not None:
                     self._queued_keys.difference_update(p.keys)
                     self._free.put(slot)
+                    if p.tail is not None and not done.failed:  # on disk now (or already)
+                        self.tails.add(*p.tail)
             self._idle.notify_all()
         s.error = f"{current.code}: {current.message}" if current else None
         if change is Change.DEGRADED and current:

@@ -40,7 +40,12 @@ STORED_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16
 
 
 class BadBlock(Exception):
-    """A missing, torn or corrupt block file: a cache miss, never a wrong answer."""
+    """A missing, torn or corrupt block file: a cache miss, never a wrong answer. `missing`:
+    the file is not there (evicted since it was found), nothing wrong with the disk."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 KvDtype = Literal["float32", "float16", "bfloat16"]
@@ -166,6 +171,8 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
     can be checked."""
     try:
         data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise BadBlock(f"{path.name}: {e}", missing=True) from e
     except OSError as e:
         raise BadBlock(f"{path.name}: {e}") from e
     if len(data) < HEADER.size:

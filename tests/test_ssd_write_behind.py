@@ -157,3 +157,51 @@ def test_a_staging_failure_fails_its_blocks_not_the_step(tmp_path, monkeypatch):
     finally:
         tier.close()
         ctx.term()
+
+
+def test_a_tail_the_worker_confirms_is_indexed_and_one_it_fails_is_not(tmp_path):
+    """The tail index (engine/tail_index.py) learns the engine's own tails from the storage
+    worker's answers; here a ROUTER on the tier's endpoint answers as the worker would."""
+    from mlxd.protocol import codec
+    from mlxd.protocol.block_format import block_key
+    from mlxd.protocol.messages import StoreDone
+    ctx = zmq.Context()
+    worker = ctx.socket(zmq.ROUTER)
+    worker.bind(f"ipc://{tmp_path}/worker")
+    tier = SsdTier(root=tmp_path / "kv", layout=Layout(1, 1, 8, 8, "float32"),
+                   description="test tails", block_tokens=BLOCK, run_dir=tmp_path, engine_id="t",
+                   epoch=0, slots=8, verify=False, ctx=ctx, endpoint=f"ipc://{tmp_path}/worker")
+    dec, enc = codec.to_storage(), codec.from_storage()
+    try:
+        assert tier.tails.ready.wait(10)
+        kv = mx.zeros((1, 1, 40, 8))
+
+        def answer(tokens: tuple[int, ...], failed: bool) -> None:
+            tier.persist_all([Entry(tokens, [(kv, kv)], 0)])
+            assert worker.poll(10_000), "no StoreBlocks"
+            ident, raw = worker.recv_multipart()
+            msg = dec.decode(raw)
+            assert isinstance(msg, StoreBlocks)
+            n = len(msg.blocks)
+            done = StoreDone([b.slot for b in msg.blocks], written=0 if failed else n,
+                             failed=n if failed else 0, error_code="io_error" if failed else None,
+                             error="refused" if failed else None)
+            with tier._idle:
+                worker.send_multipart([ident, enc.encode(done)])
+                assert tier._idle.wait_for(lambda: not tier._pending, 10)
+
+        written = tuple(range(100, 120))  # a full block and a 4-token tail after it
+        answer(written, failed=False)
+        after = block_key(tier.namespace, list(written[:BLOCK]))
+        assert tier.tails.best(after, list(written[BLOCK:]) + [7]) == \
+            (4, block_key(after, list(written[BLOCK:])))
+        assert tier.tails.count == 1  # the full block is not a tail
+        tier.health.retry_now(0.0)
+        refused = tuple(range(200, 205))
+        answer(refused, failed=True)
+        assert tier.tails.best(tier.namespace, list(refused)) is None
+        assert tier.tails.count == 1
+    finally:
+        tier.close()
+        worker.close(0)
+        ctx.term()

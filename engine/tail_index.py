@@ -1,0 +1,100 @@
+"""Which tail blocks (a prompt's last, partial block) the SSD tier holds, in memory, so that
+looking a prompt up costs the admission lane no file-system call for its tail (runs in the
+engine, on the admission lanes and the storage thread).
+
+A tail is found by the key each length of the prompt's rest would have: up to
+`block_tokens - 1` names, each an `os.path.exists` (~4 us here, more on a busy disk) when asked
+of the disk. Every short conversation is a tail under the namespace's root, so a miss, the
+usual case for a new chat, asked them all: a burst of 32 new chats spent ~30 ms of admission on
+it. The index answers with set lookups.
+
+It is filled by a scan of the namespace's folders at start (on a thread: until it ends, the
+reader asks the disk as before) and by the engine's own writes as the storage worker confirms
+them. The storage worker evicts blocks without telling the engine, so an entry may name a file
+that is gone: the read finds out, and `discard` forgets it. A block written by another process
+after the scan is not seen until the next start (one engine writes a namespace at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from mlxd.protocol.block_format import parse_name, prefix_keys
+
+log = logging.getLogger("mlxd.engine")
+
+
+class TailIndex:
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._lock = threading.Lock()
+        self._tails: dict[bytes, dict[int, set[bytes]]] = {}  # parent -> length -> keys
+        self.ready = threading.Event()  # set once the start-up scan has ended
+        self.count = 0
+
+    def add(self, parent: bytes, n_tokens: int, key: bytes) -> None:
+        if not 0 < n_tokens < self.block_tokens:
+            return  # a full block: the chain walk asks the disk for those
+        with self._lock:
+            keys = self._tails.setdefault(parent, {}).setdefault(n_tokens, set())
+            if key not in keys:
+                keys.add(key)
+                self.count += 1
+
+    def discard(self, parent: bytes, n_tokens: int, key: bytes) -> None:
+        with self._lock:
+            by_len = self._tails.get(parent)
+            keys = by_len.get(n_tokens) if by_len else None
+            if keys is None or key not in keys:
+                return
+            keys.discard(key)
+            self.count -= 1
+            if not keys:
+                del by_len[n_tokens]  # type: ignore[union-attr]
+                if not by_len:
+                    del self._tails[parent]
+
+    def best(self, parent: bytes, rest: list[int]) -> tuple[int, bytes] | None:
+        """(length, key) of the longest indexed tail after `parent` that `rest` starts with."""
+        with self._lock:
+            by_len = self._tails.get(parent)
+            longest = max((t for t in by_len if t <= len(rest)), default=0) if by_len else 0
+        if not longest:
+            return None
+        keys = prefix_keys(parent, rest[:longest])
+        with self._lock:
+            by_len = self._tails.get(parent) or {}
+            for t in sorted(by_len, reverse=True):
+                if t <= longest and keys[t - 1] in by_len[t]:
+                    return t, keys[t - 1]
+        return None
+
+    def scan(self, ns_dir: Path) -> None:
+        """Index every tail file under `ns_dir` (its two-hex-digit folders); sets `ready`."""
+        try:
+            with os.scandir(ns_dir) as folders:
+                subdirs = [f.path for f in folders if len(f.name) == 2 and f.is_dir()]
+            for folder in subdirs:
+                for name in os.listdir(folder):
+                    parsed = parse_name(name)
+                    if parsed is None or not 0 < parsed[1] < self.block_tokens:
+                        continue
+                    try:
+                        self.add(bytes.fromhex(parsed[0]), parsed[1], bytes.fromhex(parsed[2]))
+                    except ValueError:
+                        continue  # not a block of ours
+        except FileNotFoundError:
+            pass  # nothing stored yet
+        except OSError as e:  # an unreadable cache: the reader keeps asking the disk
+            log.warning("indexing the SSD tier's tail blocks failed: %s", e)
+            return
+        self.ready.set()
+
+    def scan_in_background(self, ns_dir: Path) -> threading.Thread:
+        t = threading.Thread(target=self.scan, args=(ns_dir,), name="engine-ssd-index",
+                             daemon=True)
+        t.start()
+        return t
