@@ -4,10 +4,9 @@
   slot of this engine's shared-memory arena for each (with none free the block is skipped,
   counted, rather than stall decoding); the storage thread copies each block's span of the
   entry's arrays into its slot, and a `StoreBlocks` message names the slots. No hashing of
-  payloads, writing or fsync on the MLX thread, and no waiting. Where the host reads device
-  memory for free (Apple silicon's unified memory, the CPU backend) the storage thread reads
-  the entry's own arrays and the MLX thread runs no kernel; where it does not (CUDA), the
-  MLX thread gathers the blocks into one staging array on the device (`device_staging`).
+  payloads, writing or fsync on the MLX thread, and no waiting. The storage thread reads the
+  entry's own arrays and the MLX thread runs no kernel (`MLXD_SSD_STAGING=device`: the MLX
+  thread gathers the blocks into one staging array on the device first; `device_staging`).
 - A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
   is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
   one probe block decides whether it recovers. A flush probes at once and answers promptly with
@@ -56,17 +55,11 @@ RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead wo
 
 
 def device_staging() -> bool:
-    """Whether blocks are gathered on the device before the host reads them. MLX on CUDA keeps
-    arrays in device memory, and a host read of one (numpy's view) moves its whole buffer to
-    managed memory for good, with a synchronous copy made while the GIL is held: reading the
-    RAM tier's arrays there would stall the MLX thread and leave every later cache hit on
-    managed pages. On unified memory (Metal) and the CPU backend the read is free.
-    MLXD_SSD_STAGING=device|views overrides (comparisons, tests)."""
-    import mlx.core as mx
-    forced = os.environ.get("MLXD_SSD_STAGING", "")
-    if forced in ("device", "views"):
-        return forced == "device"
-    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+    """Whether blocks are gathered on the device before the host reads them
+    (`MLXD_SSD_STAGING=device`; default `views`: the storage thread reads the entries' arrays
+    themselves). On CUDA a host read moves an array's buffer to managed memory; staging was
+    meant to avoid that, and measured no better on the H200 (benchmarks/RESULTS.md section 18)."""
+    return os.environ.get("MLXD_SSD_STAGING", "") == "device"
 
 
 @dataclass
