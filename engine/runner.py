@@ -57,6 +57,20 @@ BURST_QUIET_S, BURST_WINDOW_S, BURST_PREPARE_S = _burst_window(
     os.environ.get("MLXD_BURST_WINDOW", ""))
 
 
+def _min_cached(value: str) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
+# A cached prefix shorter than this is not used (the row is prefilled whole). 0, the default:
+# any hit is used. MLXD_MIN_CACHED_TOKENS sets it, for benchmarks/burst.py: on the H200 a burst
+# of fresh chats, each with a ~7-token hit (the template's start), prefilled twice as slowly as
+# with the KV tiers off, for a cause not yet found (benchmarks/RESULTS.md section 18).
+MIN_CACHED_TOKENS = _min_cached(os.environ.get("MLXD_MIN_CACHED_TOKENS", ""))
+
+
 @dataclass
 class AddRequest:
     request_id: str
@@ -433,12 +447,16 @@ class Runner:
         prompt = add.prompt
         cache, cached, source = None, 0, "none"
         hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
+        if hit is not None and hit[1] < MIN_CACHED_TOKENS:
+            hit = None
         if shared is not None:
             # as much as the prompts share, and one token at least is always fed
             common = min(common_prefix(tuple(shared[1]), tuple(prompt)), len(prompt) - 1)
             if common > 0 and (hit is None or common > hit[1]):
                 hit = (shared[0], common)
         restored = add.restored
+        if restored is not None and restored.tokens < MIN_CACHED_TOKENS:
+            restored = None
         if restored is not None and (hit is None or restored.tokens > hit[1]):
             n, dtype = restored.tokens, restored.dtype
             layers = [(kv_quant.to_mx(k, dtype), kv_quant.to_mx(v, dtype))

@@ -39,6 +39,26 @@ def test_a_finished_history_is_reused_token_exactly(model):
     assert s3.cached_tokens == 0 and gen_cold == gen2
 
 
+def test_a_hit_shorter_than_the_minimum_is_prefilled_whole(model, monkeypatch):
+    """MLXD_MIN_CACHED_TOKENS (engine/runner.py): a shorter hit is not lent, a longer one is,
+    and the answer is the same either way."""
+    from mlxd.engine import runner as runner_module
+    m, tok = model
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
+    prompt = tok.encode("Hello, how are you today? The quick brown fox")
+    gen1, _ = run_one(r, outq, AddRequest("a", prompt, 4, greedy_sampler, []))
+    follow = prompt + gen1 + tok.encode(" and then")
+    held = len(prompt) + len(gen1)
+    monkeypatch.setattr(runner_module, "MIN_CACHED_TOKENS", held + 1)
+    gen_whole, whole = run_one(r, outq, AddRequest("b", follow, 5, greedy_sampler, []))
+    assert whole.cached_tokens == 0 and whole.source == "none"
+    monkeypatch.setattr(runner_module, "MIN_CACHED_TOKENS", held)
+    gen_hit, hit = run_one(r, outq, AddRequest("c", follow, 5, greedy_sampler, []))
+    assert hit.cached_tokens >= held and hit.source == "ram"
+    assert gen_hit == gen_whole
+
+
 def test_logits_after_restore_equal_live_logits(model):
     m, tok = model
     prompt = tok.encode("What is the capital of France? The capital of France is")
