@@ -85,11 +85,10 @@ class SsdReader:
     def _best_tail(self, parent: bytes,
                    rest: list[int]) -> tuple[bytes, int, bytes, list[int]] | None:
         """The longest tail block (a partial span) after `parent` that matches `rest`: the
-        name each length would have is computed and looked up, longest first: in the tail
-        index once it is ready, else on disk, at most `block_tokens - 1` lookups however many
-        blocks the disk holds (listing the directory
-        instead cost admission milliseconds per request once thousands of prompts had been
-        stored, and grew with every one)."""
+        name each length would have is computed and looked up, longest first, in the tail
+        index once its scan has ended, else on disk (at most `block_tokens - 1` lookups however
+        many blocks the disk holds; listing the directory instead cost admission milliseconds
+        per request once thousands of prompts had been stored, and grew with every one)."""
         if not rest:
             return None
         if self.tails is not None and self.tails.ready.is_set():
