@@ -470,6 +470,7 @@ class SsdTier:
         s.evicted += done.evicted
         if done.disk_blocks or done.disk_bytes:
             s.disk_bytes, s.disk_blocks = done.disk_bytes, done.disk_blocks
+            self.tails.rebuild_if_stale(self.ns_dir, done.disk_blocks)
         refusal = Refusal(done.error_code or "io_error", done.error or "the write failed") \
             if done.failed else None
         with self._idle:

@@ -11,8 +11,11 @@ it. The index answers with set lookups.
 It is filled by a scan of the namespace's folders at start (on a thread: until it ends, the
 reader asks the disk as before) and by the engine's own writes as the storage worker confirms
 them. The storage worker evicts blocks without telling the engine, so an entry may name a file
-that is gone: the read finds out, and `discard` forgets it. A block written by another process
-after the scan is not seen until the next start (one engine writes a namespace at a time).
+that is gone: the read finds out, and `discard` forgets it. Names no lookup meets again would
+stay for good, so once the index holds far more tails than the disk holds blocks (the worker
+reports its count with every answer) it is rebuilt by a new scan, on a thread. A block written
+by another process after a scan is not seen until the next one (one engine writes a namespace
+at a time).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from mlxd.protocol.block_format import parse_name, prefix_keys
 
 log = logging.getLogger("mlxd.engine")
 
+# The index is rebuilt once it holds more than twice the disk's blocks plus this many tails.
+STALE_SLACK = 10_000
+
 
 class TailIndex:
     def __init__(self, block_tokens: int) -> None:
@@ -34,11 +40,15 @@ class TailIndex:
         self._tails: dict[bytes, dict[int, set[bytes]]] = {}  # parent -> length -> keys
         self.ready = threading.Event()  # set once the start-up scan has ended
         self.count = 0
+        self.slack = STALE_SLACK
+        self._meanwhile: list[tuple[bytes, int, bytes]] | None = None  # adds during a rebuild
 
     def add(self, parent: bytes, n_tokens: int, key: bytes) -> None:
         if not 0 < n_tokens < self.block_tokens:
             return  # a full block: the chain walk asks the disk for those
         with self._lock:
+            if self._meanwhile is not None:
+                self._meanwhile.append((parent, n_tokens, key))
             keys = self._tails.setdefault(parent, {}).setdefault(n_tokens, set())
             if key not in keys:
                 keys.add(key)
@@ -92,6 +102,31 @@ class TailIndex:
             log.warning("indexing the SSD tier's tail blocks failed: %s", e)
             return
         self.ready.set()
+
+    def rebuild_if_stale(self, ns_dir: Path, blocks_on_disk: int) -> threading.Thread | None:
+        """Rescan on a thread when the index holds more than twice `blocks_on_disk` tails plus
+        `slack` (evicted tails no lookup met); the thread, or None when nothing is done."""
+        with self._lock:
+            if self._meanwhile is not None or not self.ready.is_set() \
+                    or self.count <= 2 * blocks_on_disk + self.slack:
+                return None
+            self._meanwhile = []
+        t = threading.Thread(target=self._rebuild, args=(ns_dir,), name="engine-ssd-index",
+                             daemon=True)
+        t.start()
+        return t
+
+    def _rebuild(self, ns_dir: Path) -> None:
+        fresh = TailIndex(self.block_tokens)
+        fresh.scan(ns_dir)
+        with self._lock:
+            added, self._meanwhile = self._meanwhile or [], None
+            if fresh.ready.is_set():  # else (an unreadable folder) the old index stays
+                stale = self.count
+                self._tails, self.count = fresh._tails, fresh.count
+                log.info("SSD tail index rebuilt: %d tails, was %d", self.count, stale)
+        for tail in added:  # written while the folders were being read
+            self.add(*tail)
 
     def scan_in_background(self, ns_dir: Path) -> threading.Thread:
         t = threading.Thread(target=self.scan, args=(ns_dir,), name="engine-ssd-index",

@@ -113,3 +113,25 @@ def test_before_its_scan_ends_the_reader_asks_the_disk(tmp_path):
     idx = TailIndex(B)  # not scanned yet: empty and not ready
     got = _reader(tmp_path, block, idx).better_than_ram(prompt, 0)
     assert got is not None and got.tokens == 3
+
+
+def test_tails_evicted_unseen_are_dropped_by_a_rebuild(tmp_path):
+    """Evicted tails that no lookup meets would stay in the index for good: once it holds
+    far more than the disk reports, a rescan rebuilds it from the files."""
+    kept = [write_block(tmp_path, [2, 7, 1, 8][:n]) for n in (1, 2, 3)]
+    idx = TailIndex(B)
+    idx.slack = 10
+    idx.scan(tmp_path / "ns")
+    ns = kept[0].namespace
+    for i in range(12):  # tails since evicted by the worker: no file
+        idx.add(ns, 4, block_key(ns, [i, i, i, i]))
+    assert idx.count == 15
+    assert idx.rebuild_if_stale(tmp_path / "ns", blocks_on_disk=3) is None  # 15 <= 2 * 3 + 10
+    idx.add(ns, 4, block_key(ns, [98, 98, 98, 98]))
+    idx.add(ns, 4, block_key(ns, [99, 99, 99, 99]))  # 17 > 16
+    rebuild = idx.rebuild_if_stale(tmp_path / "ns", blocks_on_disk=3)
+    assert rebuild is not None
+    rebuild.join(10)
+    assert idx.count == 3
+    assert idx.best(ns, [2, 7, 1, 8, 2]) == (3, kept[2].key)
+    assert idx.best(ns, [5, 5, 5, 5, 5]) is None
