@@ -181,6 +181,21 @@ def test_bad_env_values_name_the_variable(env, message):
         resolve(_args(), env)
 
 
+def test_every_mlxd_variable_the_product_reads_is_accepted_by_the_config():
+    """An MLXD_* variable the code reads but the config check does not know would make
+    `mlxd serve` refuse to start when a user sets it (as MLXD_MIN_CACHED_TOKENS once did)."""
+    from mlxd.daemon.settings import ENV_NAMES, OTHER_ENV
+    root = Path(__file__).resolve().parent.parent
+    read = set()
+    for folder in ("daemon", "engine", "proxy", "protocol", "storage_worker"):
+        for path in (root / folder).rglob("*.py"):
+            read |= set(re.findall(r'"(MLXD_[A-Z0-9_]+)"', path.read_text()))
+    assert "MLXD_BURST_WINDOW" in read and "MLXD_BATCH" not in read  # the scan finds names
+    assert read - set(ENV_NAMES) - OTHER_ENV == set()
+    env = {name: "1" for name in OTHER_ENV} | {"MLXD_CONFIG": os.devnull}
+    resolve(_args(), env)  # accepted, not "unknown setting"
+
+
 def test_missing_explicit_config_file_fails(tmp_path):
     with pytest.raises(ConfigError, match="config file"):
         resolve(_args("--config", str(tmp_path / "nope.toml")), {})
