@@ -153,11 +153,12 @@ ENV_NAMES = {s.env: s for s in SETTINGS}
 # (protocol/stage_trace.py), the eager step hand-off and the burst window for comparisons
 # (engine/step_handoff.py, engine/runner.py), the engine's GIL switch interval
 # (engine/gil_switch.py), how the SSD write-behind reads KV (engine/ssd_tier.py), the shortest
-# cached prefix lent (engine/runner.py), the lifeline every child inherits (protocol/lifeline.py).
+# cached prefix lent (engine/runner.py), the MLX stream the engine decodes on (engine/service.py),
+# the lifeline every child inherits (protocol/lifeline.py).
 OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON", "MLXD_ENGINE_MEMORY",
              "MLXD_STAGE_TRACE", "MLXD_EAGER_HANDOFF", "MLXD_BURST_WINDOW",
              "MLXD_GIL_SWITCH_US", "MLXD_SSD_STAGING", "MLXD_MIN_CACHED_TOKENS",
-             "MLXD_LIFELINE_FD"}
+             "MLXD_GEN_STREAM", "MLXD_LIFELINE_FD"}
 
 TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}

@@ -8,6 +8,7 @@ serving process over inproc:// endpoints.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -186,7 +187,7 @@ class EngineService:
             return exit_codes.CONFIG_ERROR
         loaded = _loaded(tokenizer, config)
         loaded_s = time.monotonic() - t0
-        stream = mx.new_stream(mx.default_device())
+        stream = generation_stream()
         warm_up = settings.warm_up and self.group is None  # a group: no lone forward
         warm_s = self._warm_up(model, loaded, stream) if warm_up else 0.0
         probe = model if self.group is None else self.group.probe_model(model, loaded)
@@ -567,3 +568,13 @@ def _loaded(tokenizer: Any, config: dict) -> LoadedModel:
                        grammar_tokenizer=TokenizerCache(
                            tokenizer._tokenizer, int(config.get("vocab_size") or len(tokenizer)),
                            sorted(eos)))
+
+
+def generation_stream() -> Any:
+    """The stream the engine decodes on: one of its own (the default), or with
+    MLXD_GEN_STREAM=default the device's default stream, as mlx_lm.server decodes on (a
+    comparison for benchmarks/decode_stream.py, RESULTS.md section 19)."""
+    import mlx.core as mx
+    if os.environ.get("MLXD_GEN_STREAM", "") == "default":
+        return mx.default_stream(mx.default_device())
+    return mx.new_stream(mx.default_device())
