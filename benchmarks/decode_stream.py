@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import PROMPTS, SHAPES, model_for, pct  # noqa: E402
+from throughput import PROMPTS, SHAPES, model_for, pct
 
 KINDS = ["new-per-round", "new-reused", "default", "thread-local"]
 
