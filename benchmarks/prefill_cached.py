@@ -3,7 +3,14 @@ mlx-lm's BatchGenerator in this process, N prompts sharing a head of --prefix to
 at once: without caches, and with the head's KV lent to every row (or half of them) as the
 runner lends a RAM-tier hit (`kv_quant.lend`); time until every row's first token.
 
+--where says where the lent arrays were before the burst, as the KV tiers leave them:
+`device` (computed there, never read by the host), `host-read` (then read through numpy by the
+host, as the SSD write-behind reads a RAM entry: on CUDA that moves managed memory to the
+host), `numpy` (made from host arrays, as an SSD restore makes them).
+
     python benchmarks/prefill_cached.py --shape 1b --model-dtype bfloat16 --prefix 30 --reps 5
+    python benchmarks/prefill_cached.py --shape 1b --model-dtype bfloat16 --prefix 7 \
+        --suffix 20,40 --n 32,64 --where device,host-read,numpy
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput
@@ -29,10 +38,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", choices=sorted(throughput.SHAPES))
     ap.add_argument("--model-dtype", default="float32")
-    ap.add_argument("--n", type=int, default=32, help="prompts in the burst")
+    ap.add_argument("--n", default="32", help="prompts in the burst (comma-separated)")
     ap.add_argument("--prefix", type=int, default=30, help="tokens of the shared head")
+    ap.add_argument("--suffix", default="60,120", help="each prompt's own tokens: LO,HI")
+    ap.add_argument("--where", default="device", help="device,host-read,numpy")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    lo, hi = (int(x) for x in args.suffix.split(","))
     model = load(throughput.model_for(argparse.Namespace(
         model=None, shape=args.shape, model_dtype=args.model_dtype)))[0]
     rnd = random.Random(0)
@@ -40,48 +52,68 @@ def main() -> None:
     head = [rnd.randrange(1, vocab) for _ in range(args.prefix)]
     held = make_prompt_cache(model)  # the head's KV, as a RAM-tier entry holds it
     model(mx.array([head]), cache=held)
-    layers = [(c.keys[..., :args.prefix, :], c.values[..., :args.prefix, :]) for c in held]
+    layers = [(mx.contiguous(c.keys[..., :args.prefix, :]),
+               mx.contiguous(c.values[..., :args.prefix, :])) for c in held]
     mx.eval(layers)
 
-    def lend(n: int) -> list[Any]:
-        return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in layers], n, None)
+    def placed(where: str) -> list[tuple[Any, Any]]:
+        """Fresh copies of the head's KV, left where `where` says (see the module text)."""
+        out = [(k + 0, v + 0) for k, v in layers]
+        mx.eval(out)
+        if where == "host-read":
+            for k, v in out:
+                for a in (k, v):
+                    np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).sum()
+        elif where == "numpy":
+            out = [tuple(mx.array(np.asarray(a.view(mx.uint16))).view(mx.bfloat16)
+                         if a.dtype == mx.bfloat16 else mx.array(np.asarray(a)) for a in kv)
+                   for kv in out]
+            mx.eval(out)
+        return out
 
-    def run(cached_tokens: int, share: float) -> float:
+    def lend(n: int, where: str) -> list[Any]:
+        return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in placed(where)],
+                             n, None)
+
+    def run(cached_tokens: int, share: float, n_rows: int, where: str) -> float:
         from mlx_lm.generate import BatchGenerator
         gen = BatchGenerator(model, max_tokens=1, completion_batch_size=128,
                              prefill_batch_size=128)
-        prompts = [head + [rnd.randrange(1, vocab) for _ in range(rnd.randrange(60, 120))]
-                   for _ in range(args.n)]
-        cached = [bool(cached_tokens) and i < share * args.n for i in range(args.n)]
+        prompts = [head + [rnd.randrange(1, vocab) for _ in range(rnd.randrange(lo, hi))]
+                   for _ in range(n_rows)]
+        cached = [bool(cached_tokens) and i < share * n_rows for i in range(n_rows)]
         # a row without a cache is None, as the runner inserts it
-        caches: Any = [lend(cached_tokens) if c else None for c in cached]
+        caches: Any = [lend(cached_tokens, where) if c else None for c in cached]
         t0 = time.perf_counter()
         gen.insert([p[cached_tokens:] if c else p for p, c in zip(prompts, cached, strict=True)],
-                   max_tokens=[1] * args.n,
+                   max_tokens=[1] * n_rows,
                    caches=caches if cached_tokens else None,
                    all_tokens=[p[:cached_tokens] if c else []
                                for p, c in zip(prompts, cached, strict=True)]
                    if cached_tokens else None)
         firsts = 0
-        while firsts < args.n:
+        while firsts < n_rows:
             firsts += len(gen.next()[1])
         seconds = time.perf_counter() - t0
         gen.close()
         return seconds
 
-    cases = [c for c in [(0, 1.0), (7, 1.0), (30, 1.0), (7, 0.5), (200, 1.0)]
-             if c[0] <= args.prefix]
-    for case in cases:
-        run(*case)  # warm-up: kernels and buffers of each shape
-    times: dict[tuple[int, float], list[float]] = {c: [] for c in cases}
-    for _ in range(args.reps):
+    heads = [c for c in [7, 30, 200] if c <= args.prefix]
+    wheres = args.where.split(",")
+    for n_rows in [int(x) for x in args.n.split(",")]:
+        cases = [(0, 1.0, "-")] + [(c, 1.0, w) for c in heads for w in wheres] + \
+            [(heads[0], 0.5, w) for w in wheres]
         for case in cases:
-            times[case].append(run(*case))
-    for (n, share), ts in times.items():
-        label = "no cache" if not n else f"{int(share * 100)}% rows cached {n}"
-        print(f"{label:24s} first tokens of {args.n}: median "
-              f"{statistics.median(ts) * 1e3:7.1f} ms  {[round(x * 1e3) for x in ts]}",
-              flush=True)
+            run(case[0], case[1], n_rows, case[2])  # warm-up: kernels and buffers of each shape
+        times: dict[tuple[int, float, str], list[float]] = {c: [] for c in cases}
+        for rep in range(args.reps):
+            for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
+                times[case].append(run(case[0], case[1], n_rows, case[2]))
+        for (n, share, where), ts in times.items():
+            label = "no cache" if not n else f"{int(share * 100)}% rows cached {n}, {where}"
+            print(f"{label:34s} first tokens of {n_rows}: median "
+                  f"{statistics.median(ts) * 1e3:7.1f} ms  {[round(x * 1e3) for x in ts]}",
+                  flush=True)
 
 
 if __name__ == "__main__":
