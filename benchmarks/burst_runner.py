@@ -7,7 +7,8 @@ prefixes to a bare BatchGenerator cost nothing (benchmarks/prefill_cached.py). T
 engine's `Runner` (engine/runner.py) on this thread, without processes, HTTP or ZeroMQ: rounds
 of S chats ("Round N. Request i: ...", so that only the template's start is cached from one
 round to the next) put in its inbox at once, each round run until every request ended; the
-time from the put to each request's first token. Variants, interleaved round by round:
+time from the put to each request's first token. Each runner runs its own loop
+(`Runner.run`) on a thread, as in the engine. Variants, interleaved round by round:
 
     off         no RAM prefix cache (cache_bytes 0)
     cache       a 1 GiB RAM prefix cache: each round's rows are lent the template's start
@@ -24,33 +25,42 @@ import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # model_for
 from throughput import PROMPTS, SHAPES, model_for, salted
 
 VARIANTS = ["off", "cache", "cache-eval", "cache-min"]
 
 
 def make_runner(model: Any, eos: list[int], variant: str) -> tuple[Any, queue.Queue]:
+    """A Runner on a thread of its own, running its real loop (`Runner.run`); its stream is
+    made on that thread, as the engine's is (MLX streams belong to the thread that made them)."""
     import mlx.core as mx
 
     from mlxd.engine.runner import Runner
     outq: queue.Queue = queue.Queue()
-    runner = Runner(model, eos, batch_size=128, prefill_step=2048, outbox=outq,
-                    stream=mx.new_stream(mx.default_device()),
-                    cache_bytes=0 if variant == "off" else 1 << 30)
-    if variant == "cache-eval":
-        insert = runner.cache.insert
+    made: queue.Queue = queue.Queue()
 
-        def insert_evaluated(tokens: list[int], layers: list, nbytes: int) -> Any:
-            mx.eval(layers)
-            return insert(tokens, layers, nbytes)
-        runner.cache.insert = insert_evaluated  # type: ignore[method-assign]
-    return runner, outq
+    def serve() -> None:
+        runner = Runner(model, eos, batch_size=128, prefill_step=2048, outbox=outq,
+                        stream=mx.new_stream(mx.default_device()),
+                        cache_bytes=0 if variant == "off" else 1 << 30)
+        if variant == "cache-eval":
+            insert = runner.cache.insert
+
+            def insert_evaluated(tokens: list[int], layers: list, nbytes: int) -> Any:
+                mx.eval(layers)
+                return insert(tokens, layers, nbytes)
+            runner.cache.insert = insert_evaluated  # type: ignore[method-assign]
+        made.put(runner)
+        runner.run()
+    threading.Thread(target=serve, name=f"runner-{variant}", daemon=True).start()
+    return made.get(timeout=60), outq
 
 
 def one_round(runner: Any, outq: queue.Queue, prompts: list[list[int]], tokens: int,
@@ -60,22 +70,19 @@ def one_round(runner: Any, outq: queue.Queue, prompts: list[list[int]], tokens: 
 
     from mlxd.engine import runner as runner_module
     from mlxd.engine.runner import AddRequest, StepTokens
-    from support.runner_drive import turn
-    runner_module.MIN_CACHED_TOKENS = 64 if variant == "cache-min" else 0
+    runner_module.MIN_CACHED_TOKENS = 64 if variant == "cache-min" else 0  # read per insert
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         runner.inbox.put(AddRequest(f"r{i}", p, tokens, greedy_sampler, []))
     first: dict[str, float] = {}
     done = 0
     while done < len(prompts):
-        turn(runner)
-        while not outq.empty():
-            item = outq.get()
-            if isinstance(item, StepTokens):
-                now = time.perf_counter()
-                for rid, _tok, fin in item.rows:
-                    first.setdefault(rid, (now - t0) * 1e3)
-                    done += fin is not None
+        item = outq.get(timeout=120)
+        if isinstance(item, StepTokens):
+            now = time.perf_counter()
+            for rid, _tok, fin in item.rows:
+                first.setdefault(rid, (now - t0) * 1e3)
+                done += fin is not None
     return list(first.values())
 
 
@@ -92,6 +99,7 @@ def main() -> None:
     import mlx.core as mx
 
     from mlxd.engine.model_loader import load_model
+    from mlxd.engine.runner import StopRunner
     model, tok, _ = load_model(model_for(args), Path(tempfile.gettempdir()) / "mlxd-bench-cache",
                                args.model_dtype)
     eos = sorted(tok.eos_token_ids)
@@ -112,6 +120,7 @@ def main() -> None:
               "median first token (ms after the put), per round")
         for v in variants:
             c = runners[v][0].counters
+            runners[v][0].inbox.put(StopRunner())
             print(f"  {v:11s} {statistics.median(got[v]):7.1f}  {[round(x) for x in got[v]]}"
                   f"  cached tokens {c.cached_tokens}")
 

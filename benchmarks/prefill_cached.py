@@ -6,11 +6,13 @@ runner lends a RAM-tier hit (`kv_quant.lend`); time until every row's first toke
 --where says where the lent arrays were before the burst, as the KV tiers leave them:
 `device` (computed there, never read by the host), `host-read` (then read through numpy by the
 host, as the SSD write-behind reads a RAM entry: on CUDA that moves managed memory to the
-host), `numpy` (made from host arrays, as an SSD restore makes them).
+host), `numpy` (made from host arrays, as an SSD restore makes them); `views-default` and
+`views-gen`: views of the head in an entry 40 tokens longer, made on the thread's default
+stream (as the engine's runner made them before RESULTS.md section 19) or in the generator's.
 
     python benchmarks/prefill_cached.py --shape 1b --model-dtype bfloat16 --prefix 30 --reps 5
     python benchmarks/prefill_cached.py --shape 1b --model-dtype bfloat16 --prefix 7 \
-        --suffix 20,40 --n 32,64 --where device,host-read,numpy
+        --suffix 20,40 --n 32,64 --where device,host-read,numpy,views-default,views-gen
 """
 
 from __future__ import annotations
@@ -72,8 +74,23 @@ def main() -> None:
         return out
 
     def lend(n: int, where: str) -> list[Any]:
+        if where.startswith("views"):
+            return lend_views(n, where == "views-gen")
         return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in placed(where)],
                              n, None)
+
+    def lend_views(n: int, in_gen_stream: bool) -> list[Any]:
+        """Views of the first n tokens of an entry holding 40 more (a RAM entry of a whole
+        history), made on this thread's default stream or in the generator's."""
+        from mlx_lm.generate import generation_stream
+        longer = [tuple(mx.concatenate([a, mx.zeros((*a.shape[:2], 40, a.shape[3]), a.dtype)],
+                                       axis=2) for a in kv) for kv in placed("device")]
+        mx.eval(longer)
+        if in_gen_stream:
+            with mx.stream(generation_stream):
+                return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in longer],
+                                     n, None)
+        return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in longer], n, None)
 
     def run(cached_tokens: int, share: float, n_rows: int, where: str) -> float:
         from mlx_lm.generate import BatchGenerator

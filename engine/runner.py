@@ -222,6 +222,13 @@ class Runner:
         )
 
     def run(self) -> None:
+        # Every MLX op of the loop in the generator's stream: made on the thread's default
+        # stream, the cache tiers' views of a lent prefix were each a cross-stream input of
+        # the prefill (benchmarks/burst_runner.py, RESULTS.md section 19).
+        with mx.stream(self._gen.stream):
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while self._handle_commands(block=not self._uid_to_rid):
                 if self._uid_to_rid:
