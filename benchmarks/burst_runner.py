@@ -1,7 +1,7 @@
 """A burst's first tokens through the engine's own Runner, in this process (issue 14 item 3).
 
 On the H200 a burst of 32 fresh chats reached its first tokens in 1.6-3.2x the in-process
-reference's time with the RAM prefix cache on, and 1.0-1.1x with it off or with short hits not
+reference's time with the RAM prefix cache on, and 1.0-1.7x with it off or with short hits not
 lent (`MLXD_MIN_CACHED_TOKENS=64`; RESULTS.md section 19), while lending the same short
 prefixes to a bare BatchGenerator cost nothing (benchmarks/prefill_cached.py). This drives the
 engine's `Runner` (engine/runner.py) on this thread, without processes, HTTP or ZeroMQ: rounds
@@ -11,9 +11,11 @@ time from the put to each request's first token. Each runner runs its own loop
 (`Runner.run`) on a thread, as in the engine. Variants, interleaved round by round:
 
     off         no RAM prefix cache (cache_bytes 0)
-    cache       a 1 GiB RAM prefix cache: each round's rows are lent the template's start
-    cache-eval  the same, with every RAM entry evaluated when it is stored
-    cache-min   the same as `cache`, with hits shorter than 64 tokens not lent
+    cache       a 1 GiB RAM prefix cache, as the engine runs it (on a GPU, rows admitted
+                together are not lent hits shorter than GROUP_MIN_CACHED_GPU)
+    cache-all   the same, with every hit lent: each round's rows are lent the template's
+                start (the engine's rule before RESULTS.md section 19)
+    cache-eval  as cache-all, with every RAM entry evaluated when it is stored
 
     python benchmarks/burst_runner.py --shape 1b --model-dtype bfloat16 --streams 32,64
 """
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # model_for
 from throughput import PROMPTS, SHAPES, model_for, salted
 
-VARIANTS = ["off", "cache", "cache-eval", "cache-min"]
+VARIANTS = ["off", "cache", "cache-all", "cache-eval"]
 
 
 def make_runner(model: Any, eos: list[int], variant: str) -> tuple[Any, queue.Queue]:
@@ -70,7 +72,7 @@ def one_round(runner: Any, outq: queue.Queue, prompts: list[list[int]], tokens: 
 
     from mlxd.engine import runner as runner_module
     from mlxd.engine.runner import AddRequest, StepTokens
-    runner_module.MIN_CACHED_TOKENS = 64 if variant == "cache-min" else 0  # read per insert
+    runner_module.GROUP_MIN_CACHED_GPU = 0 if variant in ("cache-all", "cache-eval") else 64
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         runner.inbox.put(AddRequest(f"r{i}", p, tokens, greedy_sampler, []))

@@ -65,10 +65,24 @@ def _min_cached(value: str) -> int:
 
 
 # A cached prefix shorter than this is not used (the row is prefilled whole). 0, the default:
-# any hit is used. MLXD_MIN_CACHED_TOKENS sets it, for benchmarks/burst.py: on the H200 a burst
-# of fresh chats, each with a ~7-token hit (the template's start), prefilled twice as slowly as
-# with the KV tiers off, for a cause not yet found (benchmarks/RESULTS.md section 18).
+# any hit is used. MLXD_MIN_CACHED_TOKENS sets it, for comparisons (benchmarks/burst.py).
 MIN_CACHED_TOKENS = _min_cached(os.environ.get("MLXD_MIN_CACHED_TOKENS", ""))
+# Rows admitted together prefill as one padded batch. On a GPU that prefill of short prompts is
+# bound by kernel launches more than by the tokens it computes, while a lent prefix costs a
+# per-row, per-layer merge into the batch's cache: on the H200, bursts of 32-64 fresh chats,
+# each lent the chat template's first ~7 tokens, reached their first tokens 50-110 ms later
+# than with those hits not lent, and as late as 3x the in-process reference (RESULTS.md
+# section 19). So a GPU lends rows admitted together only hits of this many tokens or more. A
+# lone request gets any hit (its merge is one row's), and so does every row on a CPU, whose
+# prefill is bound by the tokens it computes.
+GROUP_MIN_CACHED_GPU = 64
+
+
+def lend_floor(rows_admitted: int, gpu: bool) -> int:
+    """The shortest cached prefix lent to a row admitted with `rows_admitted - 1` others."""
+    if gpu and rows_admitted > 1:
+        return max(MIN_CACHED_TOKENS, GROUP_MIN_CACHED_GPU)
+    return MIN_CACHED_TOKENS
 
 
 @dataclass
@@ -199,6 +213,7 @@ class Runner:
         self.counters = RunnerCounters()
         cacheable = kv_quant.cacheable(model)  # plain or quantized KV (--kv-bits)
         self._kv_quant = kv_quant.config_of(model)
+        self._gpu = mx.default_device() == mx.gpu  # see GROUP_MIN_CACHED_GPU
         self.cache = PrefixCache(cache_bytes if cacheable else 0, on_evict=on_evict)
         self._persist = persist
         self._to_persist: list[Entry] = []  # this step's new RAM entries, persisted at its end
@@ -375,6 +390,7 @@ class Runner:
         wait for it and then hit the cache: N agents with one system prompt prefill it once."""
         if self._groups:
             self._expire_groups()
+        floor = lend_floor(len(adds), self._gpu)
         for add in adds:
             if add.group and add.group_size > 1:
                 self._admit_grouped(add)
@@ -384,7 +400,7 @@ class Runner:
                 if lead is not None:
                     self._followers.setdefault(lead, []).append(add)
                     continue
-            uid = self._insert(add)
+            uid = self._insert(add, floor=floor)
             if self.cache.max_bytes:
                 self._prefilling[uid] = add.prompt
 
@@ -448,13 +464,16 @@ class Runner:
         return next((uid for uid, p in self._prefilling.items() if p[:need] == head), None)
 
     def _insert(self, add: AddRequest,
-                shared: tuple[list[tuple[Any, Any]], list[int]] | None = None) -> int:
+                shared: tuple[list[tuple[Any, Any]], list[int]] | None = None,
+                floor: int | None = None) -> int:
         """Into the batch, from the best prefix at hand: `shared` (a prefill group's KV and
-        its tokens), the SSD tier's restored blocks or the RAM tier's."""
+        its tokens), the SSD tier's restored blocks or the RAM tier's, if of `floor` tokens
+        or more (default: MIN_CACHED_TOKENS)."""
         prompt = add.prompt
+        floor = MIN_CACHED_TOKENS if floor is None else floor
         cache, cached, source = None, 0, "none"
         hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
-        if hit is not None and hit[1] < MIN_CACHED_TOKENS:
+        if hit is not None and hit[1] < floor:
             hit = None
         if shared is not None:
             # as much as the prompts share, and one token at least is always fed
@@ -462,7 +481,7 @@ class Runner:
             if common > 0 and (hit is None or common > hit[1]):
                 hit = (shared[0], common)
         restored = add.restored
-        if restored is not None and restored.tokens < MIN_CACHED_TOKENS:
+        if restored is not None and restored.tokens < floor:
             restored = None
         if restored is not None and (hit is None or restored.tokens > hit[1]):
             n, dtype = restored.tokens, restored.dtype

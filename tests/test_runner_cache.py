@@ -12,8 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, Runner, StepTokens
-from support.runner_drive import run_one
+from mlxd.engine.runner import GROUP_MIN_CACHED_GPU, AddRequest, Runner, StepTokens
+from support.runner_drive import run_one, run_together
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,40 @@ def test_a_hit_shorter_than_the_minimum_is_prefilled_whole(model, monkeypatch):
     gen_hit, hit = run_one(r, outq, AddRequest("c", follow, 5, greedy_sampler, []))
     assert hit.cached_tokens >= held and hit.source == "ram"
     assert gen_hit == gen_whole
+
+
+def test_lend_floor_holds_back_short_hits_only_for_rows_admitted_together_on_a_gpu(
+        monkeypatch):
+    from mlxd.engine import runner as runner_module
+    from mlxd.engine.runner import GROUP_MIN_CACHED_GPU, lend_floor
+    assert lend_floor(1, gpu=True) == 0  # a lone request: any hit
+    assert lend_floor(2, gpu=True) == GROUP_MIN_CACHED_GPU
+    assert lend_floor(32, gpu=False) == 0  # a CPU's prefill is bound by its tokens
+    monkeypatch.setattr(runner_module, "MIN_CACHED_TOKENS", 200)
+    assert lend_floor(1, gpu=False) == 200 and lend_floor(8, gpu=True) == 200
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_rows_admitted_together_on_a_gpu_are_not_lent_short_hits(model, gpu):
+    """Two requests reaching an idle runner together, each with a RAM hit shorter than
+    GROUP_MIN_CACHED_GPU: on a GPU both are prefilled whole, on a CPU both are lent the hit; a
+    lone request is lent it either way, and the answers are the same."""
+    m, tok = model
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
+    r._gpu = gpu  # the device this machine lacks, for the admission rule alone
+    prompt = tok.encode("Hello, how are you today? The quick brown fox")
+    gen1, _ = run_one(r, outq, AddRequest("a", prompt, 4, greedy_sampler, []))
+    held = len(prompt) + len(gen1)
+    assert held < GROUP_MIN_CACHED_GPU
+    follows = [prompt + gen1 + tok.encode(tail) for tail in (" and then", " jumps over")]
+    got = run_together(r, outq, [AddRequest(f"b{i}", f, 5, greedy_sampler, [])
+                                 for i, f in enumerate(follows)])
+    for _, started in got.values():
+        assert (started.cached_tokens, started.source) == ((0, "none") if gpu else (held, "ram"))
+    alone, started = run_one(r, outq, AddRequest("c", follows[0], 5, greedy_sampler, []))
+    assert started.cached_tokens >= held and started.source == "ram"  # b0's history, too
+    assert alone == got["b0"][0]
 
 
 def test_logits_after_restore_equal_live_logits(model):

@@ -37,3 +37,27 @@ def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
                     if fin:
                         assert isinstance(started, RequestStarted)  # sent before any token
                         return tokens, started
+
+
+def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
+                 ) -> dict[str, tuple[list[int], RequestStarted]]:
+    """Admit `adds` in one turn (as a burst reaches the runner), step until all finish; each
+    request's tokens and `RequestStarted`."""
+    for add in adds:
+        runner.inbox.put(add)
+    runner._handle_commands(block=False)
+    tokens: dict[str, list[int]] = {a.request_id: [] for a in adds}
+    started: dict[str, RequestStarted] = {}
+    done: set[str] = set()
+    while len(done) < len(adds):
+        runner._step()
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, RequestStarted):
+                started[item.request_id] = item
+            if isinstance(item, StepTokens):
+                for rid, tok, fin in item.rows:
+                    tokens[rid].append(tok)
+                    if fin:
+                        done.add(rid)
+    return {rid: (tokens[rid], started[rid]) for rid in tokens}
