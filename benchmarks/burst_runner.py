@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ def main() -> None:
                                args.model_dtype)
     eos = sorted(tok.eos_token_ids)
     variants = args.variants.split(",")
-    print(f"device {mx.default_device()}, mlx {mx.__version__}")
+    print(f"device {mx.default_device()}, mlx {version('mlx')}")
     for s in [int(x) for x in args.streams.split(",")]:
         runners = {v: make_runner(model, eos, v) for v in variants}
         got: dict[str, list[float]] = {v: [] for v in variants}

@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def main() -> None:
     streams = {"new-reused": lambda: reused, "default": lambda: mx.default_stream(device),
                "new-per-round": lambda: mx.new_stream(device),
                "thread-local": lambda: generation_stream}
-    print(f"device {device}, mlx {mx.__version__}")
+    print(f"device {device}, mlx {version('mlx')}")
     for n in [int(s) for s in args.streams.split(",")]:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
                                            add_generation_prompt=True) for p in PROMPTS[:n]]

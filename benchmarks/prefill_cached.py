@@ -67,9 +67,11 @@ def main() -> None:
                 for a in (k, v):
                     np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).sum()
         elif where == "numpy":
-            out = [tuple(mx.array(np.asarray(a.view(mx.uint16))).view(mx.bfloat16)
-                         if a.dtype == mx.bfloat16 else mx.array(np.asarray(a)) for a in kv)
-                   for kv in out]
+            def host_made(a: Any) -> Any:
+                if a.dtype == mx.bfloat16:
+                    return mx.array(np.asarray(a.view(mx.uint16))).view(mx.bfloat16)
+                return mx.array(np.asarray(a))
+            out = [(host_made(k), host_made(v)) for k, v in out]
             mx.eval(out)
         return out
 

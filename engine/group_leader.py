@@ -277,10 +277,11 @@ class GroupLeader:
                                  gen.prefill_step_size, leader.eos))
                 return LeaderGenerator(gen, leader.send, leader.broken)
 
-            def _insert(self, add: AddRequest, shared: Any = None) -> int:
+            def _insert(self, add: AddRequest, shared: Any = None,
+                        floor: int | None = None) -> int:
                 gen: Any = self._gen  # a LeaderGenerator (see _new_generator)
                 gen.next_rows = [leader.notes.take(add.request_id)]
-                return super()._insert(add, shared)
+                return super()._insert(add, shared, floor)
 
             def _abort(self, rids: list[str]) -> None:
                 super()._abort(rids)

@@ -216,10 +216,10 @@ def _leader_and_follower(model_dir):
                       gen.prefill_step_size, eos))
             return LeaderGenerator(gen, send)
 
-        def _insert(self, add, shared=None):
+        def _insert(self, add, shared=None, floor=None):
             gen: Any = self._gen  # the LeaderGenerator made above
             gen.next_rows = [notes.take(add.request_id)]
-            return super()._insert(add, shared)
+            return super()._insert(add, shared, floor)
 
     out: queue.Queue = queue.Queue()
     runner = LeaderRunner(model_a, eos, batch_size=4, prefill_step=64, outbox=out,
