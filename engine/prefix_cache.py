@@ -124,11 +124,13 @@ class PrefixCache:
         with self._lock:
             return self._match(prompt)[1]
 
-    def lookup(self, prompt: list[int]) -> tuple[list[tuple[Any, Any]], int] | None:
-        """Views of the cached K/V for the longest usable prefix, and its length."""
+    def lookup(self, prompt: list[int], min_tokens: int = 0
+               ) -> tuple[list[tuple[Any, Any]], int] | None:
+        """Views of the cached K/V for the longest usable prefix, and its length; a prefix
+        shorter than `min_tokens` is a miss (not counted as a hit, its entry not touched)."""
         with self._lock:
             entry, n = self._match(prompt)
-            if entry is None:
+            if entry is None or n < min_tokens:
                 self.stats.misses += 1
                 return None
             self._lru.move_to_end(entry.tokens)

@@ -472,9 +472,7 @@ class Runner:
         prompt = add.prompt
         floor = MIN_CACHED_TOKENS if floor is None else floor
         cache, cached, source = None, 0, "none"
-        hit = self.cache.lookup(prompt) if self.cache.max_bytes else None
-        if hit is not None and hit[1] < floor:
-            hit = None
+        hit = self.cache.lookup(prompt, floor) if self.cache.max_bytes else None
         if shared is not None:
             # as much as the prompts share, and one token at least is always fed
             common = min(common_prefix(tuple(shared[1]), tuple(prompt)), len(prompt) - 1)

@@ -129,6 +129,18 @@ def test_a_lookup_leaves_one_token_to_feed_and_trims_a_longer_entry():
     assert cache.stats.hits == 3 and cache.stats.misses == 2
 
 
+def test_a_prefix_shorter_than_min_tokens_is_a_miss_that_touches_nothing():
+    cache = PrefixCache(10**6)
+    a = cache.insert([1, 2, 3, 4, 5, 6], layers_for((1, 2, 3, 4, 5, 6)), 6)
+    cache.insert([8, 9, 10], layers_for((8, 9, 10)), 3)  # now the most recently used
+    assert cache.lookup([1, 2, 3, 9], min_tokens=4) is None  # a 3-token prefix
+    assert (cache.stats.hits, cache.stats.misses) == (0, 1)
+    assert next(iter(cache._lru.values())) is a  # still the least recently used
+    got = cache.lookup([1, 2, 3, 9], min_tokens=3)
+    assert got is not None and got[1] == 3 and cache.stats.hits == 1
+    assert next(reversed(cache._lru.values())) is a  # a hit touches it
+
+
 def test_evicting_a_branch_merges_the_path_back_into_one_node():
     cache = PrefixCache(10**6)
     long = tuple(range(1000))
