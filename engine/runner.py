@@ -70,7 +70,7 @@ MIN_CACHED_TOKENS = _min_cached(os.environ.get("MLXD_MIN_CACHED_TOKENS", ""))
 # Rows admitted together prefill as one padded batch. On a GPU that prefill of short prompts is
 # bound by kernel launches more than by the tokens it computes, while a lent prefix costs a
 # per-row, per-layer merge into the batch's cache: on the H200, bursts of 32-64 fresh chats,
-# each lent the chat template's first ~7 tokens, reached their first tokens 50-110 ms later
+# each lent the chat template's first ~7 tokens, reached their first tokens 45-100 ms later
 # than with those hits not lent, and as late as 3x the in-process reference (RESULTS.md
 # section 19). So a GPU lends rows admitted together only hits of this many tokens or more. A
 # lone request gets any hit (its merge is one row's), and so does every row on a CPU, whose

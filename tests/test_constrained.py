@@ -238,25 +238,13 @@ def grammars() -> dict[str, str]:
 
 def decode_rows(parts, rows, batch: int = 8) -> dict[str, list[int]]:
     """Run `rows` [(id, prompt, max_tokens, sampler, processors)] through one Runner."""
-    from mlxd.engine.runner import AddRequest, Runner, StepTokens
+    from mlxd.engine.runner import AddRequest, Runner
+    from support.runner_drive import run_together
     m, tok, _ = parts
     outq: queue.Queue = queue.Queue()
     r = Runner(m, sorted(tok.eos_token_ids), batch_size=batch, prefill_step=64, outbox=outq)
-    for rid, prompt, max_tokens, sampler, procs in rows:
-        r.inbox.put(AddRequest(rid, prompt, max_tokens, sampler, procs))
-    r._handle_commands(block=False)
-    out: dict[str, list[int]] = {}
-    done: set[str] = set()
-    while len(done) < len(rows):
-        r._step()
-        while not outq.empty():
-            item = outq.get()
-            if isinstance(item, StepTokens):
-                for rid, t, fin in item.rows:
-                    out.setdefault(rid, []).append(t)
-                    if fin:
-                        done.add(rid)
-    return out
+    return run_together(r, outq, [AddRequest(rid, prompt, max_tokens, sampler, procs)
+                                  for rid, prompt, max_tokens, sampler, procs in rows])[0]
 
 
 def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,

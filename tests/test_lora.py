@@ -19,11 +19,12 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlxd.daemon.settings import ConfigError
 from mlxd.engine.lora import AdapterError, apply_adapters, mark_prompt, unmarked_processors
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
+from mlxd.engine.runner import AddRequest, Runner
 from mlxd.protocol.block_format import chain_keys
 from mlxd.protocol.models import adapter_bytes
 from support.lora_adapters import write_random_adapter
 from support.random_model import write_random_model
+from support.runner_drive import run_together
 
 N = 10  # tokens generated per request
 PROMPTS = ["Hello, how are you today?", "The quick brown fox jumps",
@@ -62,28 +63,6 @@ def served(tiny_model, adapters, tmp_path_factory):
     return model, tok, lset
 
 
-def _run(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
-         ) -> tuple[dict[str, list[int]], dict[str, RequestStarted]]:
-    for add in adds:
-        runner.inbox.put(add)
-    runner._handle_commands(block=False)
-    tokens: dict[str, list[int]] = {a.request_id: [] for a in adds}
-    started: dict[str, RequestStarted] = {}
-    done: set[str] = set()
-    while len(done) < len(adds):
-        runner._step()
-        while not outq.empty():
-            item = outq.get()
-            if isinstance(item, RequestStarted):
-                started[item.request_id] = item
-            elif isinstance(item, StepTokens):
-                for rid, t, finish in item.rows:
-                    tokens[rid].append(t)
-                    if finish:
-                        done.add(rid)
-    return tokens, started
-
-
 def _add(lset, tok, rid: str, name: str, prompt: str, processors=()) -> AddRequest:
     index = lset.index(name) if name else 0
     return AddRequest(rid, mark_prompt(tok.encode(prompt), index, lset.vocab), N,
@@ -98,7 +77,7 @@ def test_rows_of_two_adapters_and_the_base_in_one_batch_equal_mlx_lm(served, ref
     runner = Runner(model, [], batch_size=16, prefill_step=16, outbox=outq, cache_bytes=0)
     adds = [_add(lset, tok, f"{i}-{name}", name, p)
             for i, p in enumerate(PROMPTS) for name in ("", "coder", "writer")]
-    tokens, _ = _run(runner, outq, adds)
+    tokens, _ = run_together(runner, outq, adds)
     assert runner.counters.peak_batch == len(adds)  # all of them in one batch
     for i in range(len(PROMPTS)):
         for name in ("", "coder", "writer"):
@@ -118,7 +97,7 @@ def test_penalties_see_real_token_ids_in_an_adapter_row(served, tiny_model, adap
         logits_processors=penalty), range(N), strict=False)]
     outq: queue.Queue = queue.Queue()
     runner = Runner(model, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=0)
-    tokens, _ = _run(runner, outq, [_add(lset, tok, "p", "writer", PROMPTS[1], penalty)])
+    tokens, _ = run_together(runner, outq, [_add(lset, tok, "p", "writer", PROMPTS[1], penalty)])
     assert tokens["p"] == want
     assert len(set(want)) > 5  # the penalty bites: the writer alone repeats one token
 
@@ -130,7 +109,7 @@ def test_a_cached_prefix_is_never_used_under_another_adapter(served, references)
     p = PROMPTS[2]
     seen = []
     for n, name in enumerate(["coder", "writer", "", "coder", "writer", ""]):
-        tokens, started = _run(runner, outq, [_add(lset, tok, f"r{n}", name, p)])
+        tokens, started = run_together(runner, outq, [_add(lset, tok, f"r{n}", name, p)])
         assert tokens[f"r{n}"] == references[name][2], name
         seen.append((name, started[f"r{n}"].cached_tokens, started[f"r{n}"].source))
     first, again = seen[:3], seen[3:]

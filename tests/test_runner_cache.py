@@ -84,13 +84,14 @@ def test_rows_admitted_together_on_a_gpu_are_not_lent_short_hits(model, gpu):
     held = len(prompt) + len(gen1)
     assert held < GROUP_MIN_CACHED_GPU
     follows = [prompt + gen1 + tok.encode(tail) for tail in (" and then", " jumps over")]
-    got = run_together(r, outq, [AddRequest(f"b{i}", f, 5, greedy_sampler, [])
-                                 for i, f in enumerate(follows)])
-    for _, started in got.values():
+    got, starts = run_together(r, outq, [AddRequest(f"b{i}", f, 5, greedy_sampler, [])
+                                         for i, f in enumerate(follows)])
+    assert len(starts) == 2
+    for started in starts.values():
         assert (started.cached_tokens, started.source) == ((0, "none") if gpu else (held, "ram"))
     alone, started = run_one(r, outq, AddRequest("c", follows[0], 5, greedy_sampler, []))
     assert started.cached_tokens >= held and started.source == "ram"  # b0's history, too
-    assert alone == got["b0"][0]
+    assert alone == got["b0"]
 
 
 def test_logits_after_restore_equal_live_logits(model):

@@ -40,9 +40,9 @@ def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
 
 
 def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
-                 ) -> dict[str, tuple[list[int], RequestStarted]]:
+                 ) -> tuple[dict[str, list[int]], dict[str, RequestStarted]]:
     """Admit `adds` in one turn (as a burst reaches the runner), step until all finish; each
-    request's tokens and `RequestStarted`."""
+    request's tokens and its `RequestStarted`, by request id."""
     for add in adds:
         runner.inbox.put(add)
     runner._handle_commands(block=False)
@@ -55,9 +55,9 @@ def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
             item = outq.get()
             if isinstance(item, RequestStarted):
                 started[item.request_id] = item
-            if isinstance(item, StepTokens):
+            elif isinstance(item, StepTokens):
                 for rid, tok, fin in item.rows:
                     tokens[rid].append(tok)
                     if fin:
                         done.add(rid)
-    return {rid: (tokens[rid], started[rid]) for rid in tokens}
+    return tokens, started
