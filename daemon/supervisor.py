@@ -18,6 +18,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -301,16 +302,21 @@ class Supervisor:
             await self._restart(child)
 
     async def _watch_hangs(self) -> None:
-        """Engines and the proxy, once ready; a stopping child is the stop's business."""
+        """Engines and the proxy: once ready, on heartbeats, progress and the probe; while
+        starting, only on staying stopped (a load may be silent for minutes). A stopping child
+        is the stop's business."""
         while True:
             await asyncio.sleep(0.5)  # the watchdog's tick
             now = time.monotonic()
             for child in list(self.children.values()):
                 proc = child.running
                 if child.role not in ("engine", "proxy") or proc is None \
-                        or child.state != "ready":
+                        or child.state not in ("ready", "starting"):
                     continue
-                action = self.watchdog.check(child.child_id, now)
+                if child.state == "ready":
+                    action = self.watchdog.check(child.child_id, now)
+                else:
+                    action = self.watchdog.stopped(child.child_id, process_stopped(proc.pid), now)
                 if action == "abort":
                     why = self.watchdog.why(child.child_id)
                     log.error("%s %s is hung (%s): SIGABRT (stack dump follows), then SIGKILL",
@@ -504,6 +510,15 @@ def run_supervisor(cfg: ServeConfig) -> int:
     if code == exit_codes.OK:
         log.info("stopped")
     return code
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, SIGTSTP, a debugger's stop)."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED,
+                                                psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def probes_proxy(cfg: ServeConfig) -> bool:

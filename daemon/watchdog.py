@@ -3,10 +3,13 @@ its progress counter has not moved, or (for a probed child: the proxy) when its 
 has gone unanswered, each for `timeout` seconds. A hung child gets "abort" (SIGABRT: a stack
 dump), then "kill" after KILL_GRACE.
 
-The supervisor asks only about children that are ready: a child that is starting, or stopping
-(the proxy draining on shutdown), is never judged here. Any HTTP answer counts as an answer
-(503 while models load included): the probe asks whether the event loop serves, not whether
-the daemon is healthy.
+The supervisor asks these questions only of children that are ready: a child that is stopping
+(the proxy draining on shutdown) is the stop's business, and one that is starting may load a
+model for minutes without a beat (a load can hold the GIL). A starting child is judged on one
+thing only: a process that stays stopped (SIGSTOP, a debugger) for `timeout` seconds is hung,
+whatever it was doing; otherwise a stop during a load would wedge its model for good. Any HTTP
+answer counts as an answer (503 while models load included): the probe asks whether the event
+loop serves, not whether the daemon is healthy.
 """
 
 from __future__ import annotations
@@ -32,13 +35,18 @@ class HangWatchdog:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._beats: dict[str, _Beat] = {}
+        self._stopped: dict[str, tuple[float | None, float | None]] = {}  # since, aborted at
+        self._stop_why: dict[str, str] = {}
 
     def forget(self, child_id: str) -> None:
         self._beats.pop(child_id, None)
+        self._stopped.pop(child_id, None)
+        self._stop_why.pop(child_id, None)
 
     def watch(self, child_id: str, now: float, probed: bool = False) -> None:
         """The child just became ready: every clock starts now."""
         self._beats[child_id] = _Beat(0, False, now, now, probed, now)
+        self._stopped.pop(child_id, None)
 
     def beat(self, child_id: str, progress: int, busy: bool, now: float) -> None:
         b = self._beats.get(child_id)
@@ -74,10 +82,30 @@ class HangWatchdog:
         b.aborted_at = now
         return "abort"
 
+    def stopped(self, child_id: str, is_stopped: bool, now: float) -> str | None:
+        """A child not yet ready, sampled: None, "abort" or "kill" as `check`. Its clock runs
+        only while the process is stopped, and starts over when it runs again."""
+        if self.timeout <= 0:
+            return None
+        since, aborted_at = self._stopped.get(child_id, (None, None))
+        if aborted_at is not None:
+            return "kill" if now - aborted_at >= KILL_GRACE else None
+        if not is_stopped:
+            self._stopped.pop(child_id, None)
+            return None
+        if since is None:
+            self._stopped[child_id] = (now, None)
+            return None
+        if now - since <= self.timeout:
+            return None
+        self._stopped[child_id] = (since, now)
+        self._stop_why[child_id] = f"stopped for {now - since:.0f} s while starting"
+        return "abort"
+
     def why(self, child_id: str) -> str:
         """What the last "abort" of this child was for."""
         b = self._beats.get(child_id)
-        return b.why if b is not None else ""
+        return b.why if b is not None and b.why else self._stop_why.get(child_id, "")
 
 
 def probe_timing(timeout: float) -> tuple[float, float]:

@@ -173,6 +173,37 @@ def test_hung_engine_is_killed_and_restarted_within_hang_timeout(tiny_model):
         finish(d)
 
 
+def test_an_engine_stopped_while_it_loads_is_replaced_and_the_waiting_request_completes(
+        tiny_model):
+    """SIGSTOP reaches a restarted engine before it is ready (it sends no Ready, and a load
+    may be silent for minutes, so heartbeats do not judge it). The watchdog still sees a
+    process that stays stopped, kills it, and a request that waited for the engine gets its
+    answer instead of waiting out --load-wait. (Epoch 1's load is held at its start by a fault,
+    so the stop surely lands before it is ready.)"""
+    d = start_daemon(tiny_model, *FAST, "--hang-timeout", "2", isolate=True,
+                     env={"MLXD_FAULTS": "engine.load=hang#1"})
+    try:
+        body = {"messages": CHAT, "max_tokens": 12, "temperature": 0}
+        with d.http() as c:
+            reference = c.post("/v1/chat/completions", json=body).json()
+        os.kill(engine(d)["pid"], signal.SIGKILL)
+        d.wait_until(lambda s: s["engines"][0]["epoch"] == 1 and s["engines"][0]["pid"],
+                     what="the engine's next epoch to be spawned")
+        starting = engine(d)
+        os.kill(starting["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with d.http() as c:
+            r = c.post("/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == reference["choices"][0]["message"]
+        assert time.monotonic() - t0 < 2 + 3 + 20  # timeout + SIGKILL grace + respawn
+        after = engine(d)
+        assert after["epoch"] == 2 and after["pid"] != starting["pid"]
+        assert any("stopped for" in line and "while starting" in line for line in d.lines)
+    finally:
+        finish(d)
+
+
 def test_a_flush_waiting_on_an_engine_that_hangs_ends_when_it_is_replaced(tiny_model):
     """The engine is stopped (SIGSTOP) before the flush reaches it: no answer will come. The
     flush answers 503 `engine_restarted` once the watchdog replaced it, not after its own

@@ -93,6 +93,34 @@ def test_watchdog_ignores_idle_engines_but_not_silent_ones():
     assert w.check("e", 106) == "abort"  # no heartbeat at all for > 5 s
 
 
+def test_a_starting_child_is_judged_only_on_staying_stopped():
+    w = HangWatchdog(timeout=2)
+    w.beat("e", 0, True, 0.0)  # a load's beats say nothing: no progress is no hang here
+    for t in (0.5, 5.0, 50.0):
+        assert w.stopped("e", False, t) is None
+    assert w.stopped("e", True, 60.0) is None  # stopped: the clock starts
+    assert w.stopped("e", True, 61.5) is None
+    assert w.stopped("e", False, 61.9) is None  # SIGCONT: it runs again, the clock is gone
+    assert w.stopped("e", True, 62.0) is None
+    assert w.stopped("e", True, 64.0) is None  # 2 s is not > 2
+    assert w.stopped("e", True, 64.1) == "abort"
+    assert w.why("e") == "stopped for 2 s while starting"
+    assert w.stopped("e", False, 64.2) is None  # the abort's SIGCONT does not cancel the kill
+    assert w.stopped("e", False, 64.1 + KILL_GRACE) == "kill"
+
+
+def test_ready_or_a_new_epoch_clears_the_stopped_clock_and_zero_disables():
+    w = HangWatchdog(timeout=2)
+    w.stopped("e", True, 0.0)
+    w.watch("e", 1.0)  # it became ready: heartbeats judge it from now on
+    assert w.stopped("e", True, 1.5) is None and w.stopped("e", True, 3.4) is None
+    w.forget("e")  # a new epoch
+    assert w.stopped("e", True, 10.0) is None and w.stopped("e", True, 11.0) is None
+    off = HangWatchdog(timeout=0)
+    off.stopped("p", True, 0.0)
+    assert off.stopped("p", True, 1e6) is None
+
+
 # ------------------------------------------------------------------ bounded lines
 
 
