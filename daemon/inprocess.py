@@ -137,7 +137,7 @@ class StorageWorkerProcess:
     def __init__(self, cfg: ServeConfig) -> None:
         self.launch = codec.encode_launch(storage_launch(cfg, epoch=0, supervised=False))
         self.proc: asyncio.subprocess.Process | None = None
-        self.policy = RestartPolicy(base_delay=cfg.daemon.restart_backoff)
+        self.policy = RestartPolicy(base_delay=cfg.daemon.restart_backoff, breaker=False)
         self.stopping = False
         self.lifeline = Lifeline()
         self._watch: asyncio.Task | None = None
@@ -155,8 +155,8 @@ class StorageWorkerProcess:
         if self.stopping:
             return
         verdict, delay = self.policy.after_exit(code, time.monotonic())
-        if verdict == "failed":
-            log.error("the storage worker keeps crashing; the SSD tier is off")
+        if verdict == "failed":  # only a configuration it cannot work with
+            log.error("the storage worker cannot run; the SSD tier is off")
             return
         await asyncio.sleep(delay)  # the restart backoff
         if not self.stopping:

@@ -1,5 +1,10 @@
 """When to restart a child that exited: exponential backoff with jitter, and a crash-loop
-breaker. Pure logic: no processes here."""
+breaker. Pure logic: no processes here.
+
+The breaker parks what can be broken on its own: a model that dies at every load. A child
+without which the daemon serves nobody (the proxy) or keeps nothing (the storage worker) is
+never parked: a loop of its crashes only stretches its backoff to `max_delay`, since parking
+it for the cool-down would take the whole daemon down with it."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ class RestartPolicy:
     jitter: float = 0.2
     loop_crashes: int = 5
     loop_window: float = 60.0
+    breaker: bool = True  # False: a crash loop is never "failed" (config errors still are)
     _crashes: deque = field(default_factory=deque)
 
     def after_exit(self, code: int | None, now: float,
@@ -27,7 +33,7 @@ class RestartPolicy:
         self._crashes.append(now)
         while self._crashes and now - self._crashes[0] > self.loop_window:
             self._crashes.popleft()
-        if len(self._crashes) >= self.loop_crashes:
+        if self.breaker and len(self._crashes) >= self.loop_crashes:
             return "failed", 0.0
         n = len(self._crashes) - 1
         delay = min(self.base_delay * (2 ** n), self.max_delay)

@@ -81,7 +81,8 @@ class Supervisor:
 
     def _child(self, role: Role, child_id: str, model: str) -> Child:
         return Child(role, child_id, model, command(role),
-                     policy=RestartPolicy(base_delay=self.cfg.daemon.restart_backoff))
+                     policy=RestartPolicy(base_delay=self.cfg.daemon.restart_backoff,
+                                          breaker=role == "engine"))
 
     def _launch(self, child: Child) -> bytes:
         """What the child reads on its stdin, for its current epoch."""

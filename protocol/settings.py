@@ -57,7 +57,7 @@ class DaemonSettings(msgspec.Struct, frozen=True, kw_only=True):
         "with --isolate: seconds a busy engine may make no progress, or the proxy may not "
         "answer, before it is killed and restarted (0 disables)"))] = 60.0
     crash_cooldown: Annotated[float, Meta(ge=0, description=(
-        "seconds a crash-looping child stays failed before one more try"))] = 300.0
+        "seconds a crash-looping engine stays failed before one more try"))] = 300.0
     restart_backoff: Annotated[float, Meta(ge=0, description=(
         "first restart delay after a crash, doubling per crash up to 30 s"))] = 0.5
     ssd_cache: Annotated[str | None, Meta(

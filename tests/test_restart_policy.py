@@ -24,3 +24,12 @@ def test_restart_policy_forgets_old_crashes_and_never_retries_config_errors():
         verdict, delay = p.after_exit(1, t, random.Random(t))
         assert verdict == "restart" and 0.8 <= delay <= 1.2
     assert p.after_exit(exit_codes.CONFIG_ERROR, 61) == ("failed", 0.0)
+
+
+def test_without_the_breaker_a_crash_loop_only_stretches_the_backoff():
+    p = RestartPolicy(base_delay=1, max_delay=8, jitter=0, loop_crashes=3, loop_window=60,
+                      breaker=False)
+    assert [p.after_exit(-9, t) for t in range(6)] == [
+        ("restart", 1), ("restart", 2), ("restart", 4), ("restart", 8), ("restart", 8),
+        ("restart", 8)]
+    assert p.after_exit(exit_codes.CONFIG_ERROR, 7) == ("failed", 0.0)  # it cannot run at all

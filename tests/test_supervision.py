@@ -111,6 +111,26 @@ def test_proxy_killed_is_respawned_and_engines_keep_their_pids(iso):
     assert r.status_code == 200
 
 
+def test_a_proxy_killed_again_and_again_is_never_parked(iso):
+    """Six kills of the proxy within a minute: the crash-loop breaker would mark a model's
+    engine failed for --crash-cooldown, but a parked proxy is a daemon that serves nobody. It
+    is respawned after each (its backoff grows), and the engine keeps its model throughout."""
+    engine_pid = iso.stats()["engines"][0]["pid"]
+    for _ in range(6):
+        proxy_pid = iso.stats()["proxy"]["pid"]
+        os.kill(proxy_pid, signal.SIGKILL)
+        iso.wait_for_line(LISTENING, start=len(iso.lines), timeout=60)
+        iso.wait_until(lambda s: s["proxy"]["pid"] != proxy_pid
+                       and s["engines"][0]["state"] == "ready", what="a respawned proxy")
+    stats = iso.stats()
+    proxy = next(c for c in stats["children"] if c["role"] == "proxy")
+    assert proxy["restarts"] == 6 and proxy["state"] == "ready"
+    assert stats["engines"][0]["pid"] == engine_pid
+    with iso.http() as c:
+        assert c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3}
+                      ).status_code == 200
+
+
 def test_model_that_cannot_load_is_failed_with_reason_and_not_retried(tmp_path):
     bad = tmp_path / "not-a-model"
     bad.mkdir()
