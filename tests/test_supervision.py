@@ -120,7 +120,7 @@ def test_a_proxy_killed_again_and_again_is_never_parked(iso):
         proxy_pid = iso.stats()["proxy"]["pid"]
         os.kill(proxy_pid, signal.SIGKILL)
         iso.wait_for_line(LISTENING, start=len(iso.lines), timeout=60)
-        iso.wait_until(lambda s: s["proxy"]["pid"] != proxy_pid
+        iso.wait_until(lambda s, old=proxy_pid: s["proxy"]["pid"] != old
                        and s["engines"][0]["state"] == "ready", what="a respawned proxy")
     stats = iso.stats()
     proxy = next(c for c in stats["children"] if c["role"] == "proxy")
