@@ -10,8 +10,11 @@ records the RSS of every process, and the engine's RSS outside its RAM prefix ca
         --out benchmarks/results/soak
     python benchmarks/soak.py --minutes 10 --kinds proxy,storage   # the engine lives throughout
 
-Exits 0 when there were no wrong texts, no hung requests, no 5xx to a fuzzed request and the
-supervisor survived; prints one JSON line per round and a summary, writes OUT.json and OUT.md.
+Exits 0 when there were no wrong texts, no hung requests, no 5xx to a fuzzed request, the
+supervisor survived, and within RECOVERY_S of the last kill the daemon answered again with its
+model either serving the reference text or parked by the crash-loop breaker, saying so (five
+engine deaths in a minute are its rule); prints one JSON line per round and a summary, writes
+OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 PROMPTS = [f"Story {i}: tell me about the lighthouse keeper, the storm and the number {i}."
            for i in range(8)]
 FUZZ_CLIENTS = 4
+RECOVERY_S = 90.0  # after the chaos, for the daemon to answer again (backoffs reach 30 s)
 ROLES = {"mlxd.proxy": "proxy", "mlxd.engine": "engine", "mlxd.storage_worker": "storage"}
 
 
@@ -174,6 +178,7 @@ class Soak:
         self.proxy_killed_at = -1e9
         self.engine_killed_at = -1e9
         self.rng = random.Random(args.seed)
+        self.recovery: dict = {}
 
     async def run(self) -> None:
         conn = aiohttp.TCPConnector(limit=0)
@@ -191,7 +196,38 @@ class Soak:
                       for _ in range(FUZZ_CLIENTS)]
             tasks.append(asyncio.create_task(self._chaos(s, deadline)))
             await asyncio.gather(*tasks)
+            self.recovery = await self._recover(s)
             await self._record(s, "end", "-")
+
+    async def _recover(self, s: aiohttp.ClientSession) -> dict:
+        """After the last kill: the daemon answers again, and its model serves the reference
+        text or is parked by the crash-loop breaker with the reason. Polls the daemon's own
+        state, as a client waiting for it would."""
+        t0 = time.monotonic()
+        last = ""
+        while time.monotonic() - t0 < RECOVERY_S:
+            try:
+                async with s.get(self.d.url + "/stats",
+                                 timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    eng = (await r.json())["engines"][0]
+                if eng["state"] == "failed" and "crashed" in (eng.get("error") or ""):
+                    return {"serving": False, "parked": True, "error": eng["error"],
+                            "after_s": round(time.monotonic() - t0, 1)}
+                if eng["state"] == "ready":
+                    text, _, errors = await _stream(s, self.d.url, _body(0, self.args.max_tokens),
+                                                    60)
+                    if not errors and text == self.references[0]:
+                        return {"serving": True, "parked": False,
+                                "after_s": round(time.monotonic() - t0, 1)}
+                    last = f"{errors or 'wrong text'}"
+                else:
+                    last = f"engine {eng['state']}"
+            except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError, KeyError,
+                    IndexError) as e:
+                last = repr(e)
+            await asyncio.sleep(0.5)
+        return {"serving": False, "parked": False, "last": last[:300],
+                "after_s": round(time.monotonic() - t0, 1)}
 
     async def _streamer(self, s: aiohttp.ClientSession, deadline: float, k: int) -> None:
         c = self.counts
@@ -384,7 +420,8 @@ def main() -> int:
     segments, procs, _ = leftovers()
     summary = {"minutes": args.minutes, "streams": args.streams, "kill_every_s": args.kill_every,
                "kinds": args.kinds, "started": started, **asdict(c),
-               "supervisor_survived": supervisor_alive, "exit_code": code,
+               "supervisor_survived": supervisor_alive, "recovery": soak.recovery,
+               "exit_code": code,
                "left_segments": segments, "left_processes": procs,
                "engine_rss": flatness(soak.rounds), "log": str(work / "daemon.log")}
     print(json.dumps(summary), flush=True)
@@ -393,8 +430,9 @@ def main() -> int:
         args.out.with_suffix(".json").write_text(json.dumps(
             {"summary": summary, "rounds": [asdict(r) for r in soak.rounds]}, indent=1))
         args.out.with_suffix(".md").write_text(_markdown(summary, soak.rounds))
+    recovered = soak.recovery.get("serving") or soak.recovery.get("parked")
     ok = (c.wrong_text == 0 and c.hangs == 0 and c.fuzz_problems == 0 and c.fuzz_hangs == 0
-          and supervisor_alive and code == 0 and not segments and not procs)
+          and recovered and supervisor_alive and code == 0 and not segments and not procs)
     return 0 if ok else 1
 
 
@@ -411,6 +449,7 @@ def _markdown(s: dict, rounds: list[RoundRecord]) -> str:
              f"{s['fuzz_requests']} | {s['fuzz_5xx']} | "
              f"{s['fuzz_problems'] - s['fuzz_5xx']} | {s['fuzz_hangs']} | "
              f"{s['supervisor_survived']} |", "",
+             f"After the chaos: {json.dumps(s['recovery'])}", "",
              f"Engine RSS outside the prefix cache: {json.dumps(s['engine_rss'])}", "",
              "| t | killed | signal | engine epoch "
              "| RSS MB (supervisor / proxy / engine / storage) | engine outside cache MB |",

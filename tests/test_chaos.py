@@ -1,7 +1,8 @@
 """A bounded chaos run in CI: benchmarks/soak.py for under a minute with concurrent streams,
 fuzzed requests and random SIGKILL / SIGSTOP of the engine, the storage worker and the proxy.
 No stream may get wrong text or hang, no fuzzed request may get a 5xx, the supervisor must
-survive and leave nothing behind. (`python benchmarks/soak.py` runs the long version.)"""
+survive and leave nothing behind, and the daemon must answer again after the last kill.
+(`python benchmarks/soak.py` runs the long version.)"""
 
 from __future__ import annotations
 
@@ -28,4 +29,6 @@ def test_chaos_run_loses_no_work(tmp_path):
     assert summary["wrong_text"] == 0 and summary["hangs"] == 0
     assert summary["fuzz_requests"] >= 50 and summary["fuzz_5xx"] == 0
     assert summary["supervisor_survived"] and summary["exit_code"] == 0
+    # the daemon answers after the chaos: its model serves, or the breaker parked it and says so
+    assert summary["recovery"]["serving"] or summary["recovery"]["parked"], summary["recovery"]
     assert not summary["left_segments"] and not summary["left_processes"]
