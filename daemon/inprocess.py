@@ -21,9 +21,9 @@ from mlxd.daemon.sd_notify import Notifier
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import Lifeline
+from mlxd.protocol.listen_address import ListenError
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
-from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.server import run_proxy
 
 log = logging.getLogger("mlxd.daemon")

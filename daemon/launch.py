@@ -39,12 +39,13 @@ def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int,
         if cfg.engine.shard_hosts else None)
 
 
-def proxy_launch(cfg: ServeConfig, epoch: int) -> ProxyLaunch:
+def proxy_launch(cfg: ServeConfig, epoch: int, listen_fds: list[int] | None = None
+                 ) -> ProxyLaunch:
     return ProxyLaunch(
         epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
         log_format=cfg.daemon.log_format,
         socket=None if cfg.socket is None else str(cfg.socket), engines=cfg.engines(),
-        settings=cfg.proxy, engine=cfg.engine)
+        settings=cfg.proxy, engine=cfg.engine, listen_fds=list(listen_fds or []))
 
 
 def storage_launch(cfg: ServeConfig, epoch: int, supervised: bool) -> StorageLaunch:

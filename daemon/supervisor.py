@@ -1,15 +1,15 @@
 """The supervisor of `mlxd serve --isolate`: the only parent. It spawns the proxy and the
 engines with `python -m`, awaits each child's exit directly, restarts crashed children with
 backoff, kills hung engines and a hung proxy, and stops everything on SIGINT/SIGTERM in
-bounded time. It imports neither MLX nor aiohttp. Which engines exist is the proxy's call (it
-routes and evicts); how they live and die is the supervisor's.
+bounded time. It holds the listening sockets for the daemon's life and hands them to each proxy
+it spawns, so a proxy's death never refuses a connection. It imports neither MLX nor aiohttp.
+Which engines exist is the proxy's call (it routes and evicts); how they live and die is the
+supervisor's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -17,7 +17,6 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-import msgspec
 import psutil
 import zmq
 import zmq.asyncio
@@ -35,6 +34,7 @@ from mlxd.daemon.watchdog import HangWatchdog, probe_timing
 from mlxd.protocol import codec, exit_codes, shm
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import Lifeline
+from mlxd.protocol.listen_address import ListenError, Listeners, listen_on
 from mlxd.protocol.logs import ChildLines, Console, process_name, render, setup_logging, shorten
 from mlxd.protocol.messages import (
     ChildFailed,
@@ -76,6 +76,7 @@ class Supervisor:
         self._enc = codec.to_child()
         self._last_epoch: dict[str, int] = {}  # of engines that were unloaded
         self.notifier = Notifier()
+        self.listeners: Listeners | None = None
 
     # ------------------------------------------------------------------ launch
 
@@ -84,13 +85,16 @@ class Supervisor:
                      policy=RestartPolicy(base_delay=self.cfg.daemon.restart_backoff,
                                           breaker=role == "engine"))
 
+    def _listen_fds(self) -> list[int]:
+        return [] if self.listeners is None else [s.fileno() for s in self.listeners.sockets()]
+
     def _launch(self, child: Child) -> bytes:
         """What the child reads on its stdin, for its current epoch."""
         if child.role == "engine":  # its share: set by _rebalance as it was spawned
             return codec.encode_launch(
                 engine_launch(self.cfg, child.child_id, child.model, child.epoch, child.share))
         if child.role == "proxy":
-            return codec.encode_launch(proxy_launch(self.cfg, child.epoch))
+            return codec.encode_launch(proxy_launch(self.cfg, child.epoch, self._listen_fds()))
         return codec.encode_launch(storage_launch(self.cfg, child.epoch, supervised=True))
 
     async def _rebalance(self) -> None:
@@ -119,6 +123,28 @@ class Supervisor:
     # ------------------------------------------------------------------ main loop
 
     async def run(self) -> int:
+        try:  # held for the daemon's life: a respawned proxy inherits them (no refusals)
+            self.listeners = listen_on(self.cfg.proxy.host, self.cfg.proxy.port,
+                                       self.cfg.socket)
+        except ListenError as e:
+            self.console.verdict("supervisor", str(e))
+            return exit_codes.CONFIG_ERROR
+        try:
+            return await self._run()
+        finally:
+            self._release_listeners()
+
+    def _release_listeners(self) -> None:
+        """Closed when the daemon stops: the proxy's own copies serve its drain, then no one
+        accepts. The Unix socket's file goes with them."""
+        if self.listeners is None:
+            return
+        self.listeners.close()
+        self.listeners = None
+        if self.cfg.socket is not None:
+            self.cfg.socket.unlink(missing_ok=True)
+
+    async def _run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
@@ -190,9 +216,11 @@ class Supervisor:
         # so with asyncio's a child's death would go unseen while anything held its stderr.
         read_fd, write_fd = os.pipe()
         try:
+            kwargs = self.lifeline.spawn_kwargs(self._child_env(child))
+            if child.role == "proxy":
+                kwargs["pass_fds"] = (*kwargs["pass_fds"], *self._listen_fds())
             child.proc = await asyncio.create_subprocess_exec(
-                *child.argv, stdin=asyncio.subprocess.PIPE, stderr=write_fd,
-                **self.lifeline.spawn_kwargs(self._child_env(child)))
+                *child.argv, stdin=asyncio.subprocess.PIPE, stderr=write_fd, **kwargs)
         except BaseException as e:
             os.close(read_fd)
             if not isinstance(e, OSError):
@@ -403,21 +431,11 @@ class Supervisor:
     def _announce_ready(self, child: Child, detail: str) -> None:
         """To systemd. The child has logged its own readiness (one line per event)."""
         if child.role == "proxy":
-            self._pin_port()
             self.notifier.notify(READY=1, STATUS=f"listening on {detail}")
         elif child.role == "engine":
             ready = [model_id(c.model) for c in self.children.values()
                      if c.role == "engine" and c.state == "ready"]
             self.notifier.notify(STATUS="serving " + ", ".join(ready))
-
-    def _pin_port(self) -> None:
-        """With --port 0, a respawned proxy must come back on the port clients already use."""
-        try:
-            port = json.loads((self.cfg.run_dir / "listen.json").read_text())["port"]
-        except (OSError, ValueError, KeyError):
-            return
-        self.cfg = dataclasses.replace(
-            self.cfg, proxy=msgspec.structs.replace(self.cfg.proxy, port=port))
 
     async def _start_engine(self, engine_id: str, spec: str) -> None:
         child = self.children.get(engine_id)
@@ -471,6 +489,8 @@ class Supervisor:
         shutdown timeout) while the engines still serve them. Then the engines, which flush
         their caches through the storage worker; the storage worker last."""
         grace = self.cfg.proxy.shutdown_timeout + 10
+        if self.listeners is not None:  # new connections: refused once the proxy lets go
+            self.listeners.close()
         await self._stop_group([c for c in self.children.values() if c.role == "proxy"], grace)
         await self._stop_group([c for c in self.children.values() if c.role == "engine"], grace)
         await self._stop_group([c for c in self.children.values() if c.role == "storage"], 15)

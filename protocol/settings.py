@@ -228,6 +228,9 @@ class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
     settings: ProxySettings
     engine: EngineSettings  # the pool sizes an engine's memory from its batch (N, or auto)
     log_format: LogFormat = "text"
+    # listening sockets the supervisor holds and hands down (inherited descriptors); empty:
+    # the proxy opens its own (without --isolate)
+    listen_fds: list[int] = []
 
 
 class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
 from mlxd.proxy import admin_routes, metrics, security
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
 from mlxd.proxy.dialects.embeddings import routes as embedding_routes
@@ -24,7 +25,6 @@ from mlxd.proxy.engine_client import EngineClient
 from mlxd.proxy.errors import error_middleware
 from mlxd.proxy.generation import ResumeStats
 from mlxd.proxy.health import health
-from mlxd.proxy.listen_address import ListenError, claim_unix_path, describe_os_error, tcp_url
 from mlxd.proxy.router import Router
 from mlxd.proxy.sampling import Defaults
 from mlxd.proxy.state import STATE, ListeningAt, ProxyState
@@ -100,39 +100,30 @@ async def stats(request: web.Request) -> web.Response:
                               "engines": engines, "children": children, "pool": pool})
 
 
-async def start_listeners(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Start TCP (and the Unix socket, mode 0600) as the app's state asks; return the runner
-    and a description. An address that cannot be used raises ListenError naming it, with
-    nothing left open."""
+async def start_listeners(app: web.Application, inherited: list[int] | None = None
+                          ) -> tuple[web.AppRunner, str]:
+    """Serve on the listening sockets handed down by the supervisor (`inherited`
+    descriptors), or open TCP (and the Unix socket, mode 0600) as the app's state asks; return
+    the runner and a description. An address that cannot be used raises ListenError naming
+    it, with nothing left open."""
     state = app[STATE]
     listen = state.listen
+    listeners = adopt(inherited) if inherited else \
+        listen_on(listen.host, listen.port, listen.socket_path)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            max_line_size=listen.max_header, max_field_size=listen.max_header)
-    await runner.setup()
     try:
-        try:
-            await web.TCPSite(runner, listen.host, listen.port).start()
-        except OSError as e:  # socket.gaierror (a bad host name) included
-            raise ListenError(f"cannot listen on {tcp_url(listen.host, listen.port)}: "
-                              f"{describe_os_error(e)}") from None
-        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))  # real if 0 asked
-        where = [tcp_url(listen.host, port)]
-        if listen.socket_path is not None:
-            path = listen.socket_path
-            claim_unix_path(path)
-            old = os.umask(0o177)
-            try:
-                await web.UnixSite(runner, str(path)).start()
-            except OSError as e:
-                raise ListenError(f"cannot listen on unix:{path}: {describe_os_error(e)}") \
-                    from None
-            finally:
-                os.umask(old)
-            os.chmod(path, 0o600)
-            where.append(f"unix:{path}")
+        await runner.setup()
+        for sock in listeners.sockets():
+            await web.SockSite(runner, sock, backlog=BACKLOG).start()
     except BaseException:
         await runner.cleanup()
+        listeners.close()
         raise
+    port = listeners.port
+    where = [tcp_url(listen.host, port)]
+    if listeners.unix is not None:
+        where.append(f"unix:{listen.socket_path}")
     state.listening = ListeningAt(port, listen.host,
                                   str(listen.socket_path) if listen.socket_path else None)
     return runner, " ".join(where)

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from mlxd.protocol import codec, exit_codes, faults
 from mlxd.protocol.addresses import Endpoints, identity
+from mlxd.protocol.listen_address import ListenError
 from mlxd.protocol.messages import (
     ChildFailed,
     ChildStates,
@@ -30,7 +31,6 @@ from mlxd.protocol.settings import ProxyLaunch
 from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
 from mlxd.proxy.engine_client import EngineClient
-from mlxd.proxy.listen_address import ListenError
 from mlxd.proxy.model_pool import ModelPool, kv_bytes_per_element
 from mlxd.proxy.router import Router
 from mlxd.proxy.sampling import Defaults
@@ -138,7 +138,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
     state = app[STATE]
     state.allow_image_urls = s.allow_image_urls
     try:
-        runner, where = await start_listeners(app)
+        runner, where = await start_listeners(app, launch.listen_fds)
     except ListenError as e:
         await client.close()
         if link is None:
@@ -168,6 +168,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
         await client.close()
         if link is not None:
             link.sock.close()
-        if listen.socket_path is not None and listen.socket_path.exists():
+        if listen.socket_path is not None and not launch.listen_fds \
+                and listen.socket_path.exists():  # the supervisor's socket is its own
             listen.socket_path.unlink()
     return exit_codes.OK

@@ -111,6 +111,22 @@ def test_proxy_killed_is_respawned_and_engines_keep_their_pids(iso):
     assert r.status_code == 200
 
 
+def test_a_connection_made_while_the_proxy_is_dead_waits_for_the_next_one(iso):
+    """The supervisor holds the listening sockets; each proxy inherits them. A client that
+    connects after the proxy died and before its successor listens is queued by the kernel
+    and answered by the successor, on TCP and on the Unix socket, instead of refused."""
+    proxy = psutil.Process(iso.stats()["proxy"]["pid"])
+    proxy.kill()
+    proxy.wait(10)  # gone, its successor not yet started (--restart-backoff 0.1, then Python)
+    body = {"messages": CHAT, "max_tokens": 3}
+    with iso.http() as c:
+        r = c.post("/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    with iso.unix_http() as c:
+        assert c.post("/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert iso.stats()["proxy"]["pid"] != proxy.pid
+
+
 def test_a_proxy_killed_again_and_again_is_never_parked(iso):
     """Six kills of the proxy within a minute: the crash-loop breaker would mark a model's
     engine failed for --crash-cooldown, but a parked proxy is a daemon that serves nobody. It

@@ -17,8 +17,8 @@ import pytest
 from mlxd.daemon.health_probe import ProbeAddress, parse_status_line, probe
 from mlxd.daemon.stderr_pump import LINE_CAP, LineSplitter, drain
 from mlxd.daemon.watchdog import KILL_GRACE, HangWatchdog, probe_timing
+from mlxd.protocol.listen_address import ListenError, claim_unix_path
 from mlxd.protocol.logs import MESSAGE_CAP, TRACEBACK_CAP, BoundedFormatter, shorten
-from mlxd.proxy.listen_address import ListenError, claim_unix_path
 
 # ------------------------------------------------------------------ watchdog
 
