@@ -86,7 +86,10 @@ class Supervisor:
                                           breaker=role == "engine"))
 
     def _listen_fds(self) -> list[int]:
-        return [] if self.listeners is None else [s.fileno() for s in self.listeners.sockets()]
+        """The held listening sockets' descriptors (none once the stop closed them)."""
+        if self.listeners is None:
+            return []
+        return [fd for s in self.listeners.sockets() if (fd := s.fileno()) >= 0]
 
     def _launch(self, child: Child) -> bytes:
         """What the child reads on its stdin, for its current epoch."""
