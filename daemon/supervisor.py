@@ -469,7 +469,24 @@ class Supervisor:
             return
         child.state = "stopping"
         self._broadcast()
-        await self._send(child, Shutdown("unloaded"))
+        proc = child.running
+        if not await self._send(child, Shutdown("unloaded")) and proc is not None:
+            proc.terminate()
+        if proc is not None:
+            self._spawn_task(self._kill_if_lingering(child, proc))
+
+    async def _kill_if_lingering(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+        """An unloaded engine gets the grace a daemon stop gives one to flush and exit; one
+        still there after it (stopped, hung in its flush) is killed, since until it is gone
+        its memory, and its memory share, are not free for the models that follow."""
+        grace = self.cfg.proxy.shutdown_timeout + 10
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            if proc.returncode is None:
+                log.warning("engine %s for %s did not stop within %.0f s of its unload; "
+                            "killing it", child.child_id, model_id(child.model), grace)
+                proc.kill()
 
     async def _send(self, child: Child, msg: ToChild) -> bool:
         try:

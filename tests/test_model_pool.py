@@ -133,3 +133,32 @@ def test_full_pool_queue_answers_503_pool_busy(tiny_model, tiny_model_b):
         assert out["a"][2]
     finally:
         stop_and_check(d)
+
+
+def test_an_engine_that_never_exits_after_its_unload_is_killed(tiny_model, tiny_model_c):
+    """--model-pool 1: asking for another model unloads the resident one, but its engine is
+    stopped (SIGSTOP) and would never exit, keeping its memory (and its memory share, which
+    halves the new engine's) for the daemon's life. It is killed once the grace a daemon stop
+    gives an engine (--shutdown-timeout + 10 s) has passed. (The hang watchdog is off: only
+    the unload's own deadline acts.)"""
+    import os
+    import signal
+
+    import psutil
+    d = start_daemon(tiny_model, "--model-pool", "1", "--hang-timeout", "0",
+                     "--shutdown-timeout", "1", isolate=True)
+    try:
+        stuck = psutil.Process(next(e for e in d.stats()["engines"]
+                                    if e["model"] == "tiny-llama")["pid"])
+        os.kill(stuck.pid, signal.SIGSTOP)
+        r = ask(d, tiny_model_c)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny-llama-c"
+        d.wait_until(lambda s: not any(c["role"] == "engine" and c["pid"] == stuck.pid
+                                       for c in s["children"]),
+                     timeout=1 + 10 + 10, what="the unloaded engine gone")
+        assert not stuck.is_running() or stuck.status() == psutil.STATUS_ZOMBIE
+        assert any("did not stop" in line and "unload" in line for line in d.lines)
+        assert resident(d) == {"tiny-llama-c"}
+    finally:
+        stop_and_check(d)
