@@ -3,9 +3,12 @@ never evicted, keep_alive, unknown models, two models answering at once."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from conftest import start_daemon, stop_and_check
@@ -141,10 +144,6 @@ def test_an_engine_that_never_exits_after_its_unload_is_killed(tiny_model, tiny_
     halves the new engine's) for the daemon's life. It is killed once the grace a daemon stop
     gives an engine (--shutdown-timeout + 10 s) has passed. (The hang watchdog is off: only
     the unload's own deadline acts.)"""
-    import os
-    import signal
-
-    import psutil
     d = start_daemon(tiny_model, "--model-pool", "1", "--hang-timeout", "0",
                      "--shutdown-timeout", "1", isolate=True)
     try:
