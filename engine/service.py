@@ -38,7 +38,7 @@ from mlxd.engine.runner import (
 from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
 from mlxd.engine.status import engine_status
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
-from mlxd.protocol import exit_codes, faults, stage_trace
+from mlxd.protocol import exit_codes, faults, heap, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import (
     CacheFlushed,
@@ -222,6 +222,7 @@ class EngineService:
                  model_id(launch.model), time.monotonic() - t0, loaded_s,
                  f", warmed up in {warm_s:.1f} s" if settings.warm_up else "",
                  loaded.context_length)
+        heap.freeze_startup_heap()
         self._set_state("ready")
         self.ch.control_out.put(Ready(launch.engine_id, launch.epoch))
         try:
@@ -267,6 +268,7 @@ class EngineService:
         self.load_progress = None
         log.info("embedding model %s ready in %.1f s", model_id(self.launch.model),
                  time.monotonic() - t0)
+        heap.freeze_startup_heap()
         self._set_state("ready")
         self.ch.control_out.put(Ready(self.launch.engine_id, self.launch.epoch))
         embedding.serve(self.ch.stop)

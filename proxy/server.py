@@ -14,7 +14,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mlxd.protocol import codec, exit_codes, faults
+from mlxd.protocol import codec, exit_codes, faults, heap
 from mlxd.protocol.addresses import Endpoints, identity
 from mlxd.protocol.listen_address import ListenError
 from mlxd.protocol.messages import (
@@ -147,6 +147,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
         return exit_codes.CONFIG_ERROR
     assert state.listening is not None
     write_listen_file(Path(launch.run_dir), state.listening)
+    heap.freeze_startup_heap()
     log.info("listening on %s", where)
     if on_listening:
         on_listening(where)
