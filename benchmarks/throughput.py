@@ -403,7 +403,7 @@ def engine_counters(figures: dict) -> dict:
     c = figures.get("cache", {})
     keys = ("prompt_tokens", "prefilled_tokens", "cached_tokens", "ram_hits", "ram_misses",
             "ram_evictions", "spec_steps", "spec_acceptance", "spec_tokens_per_step",
-            "spec_skipped", "bursts", "step_s")
+            "spec_skipped", "spec_missed", "bursts", "step_s")
     return {"steps": figures.get("steps"), **{k: c[k] for k in keys if k in c}}
 
 

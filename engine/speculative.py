@@ -65,6 +65,7 @@ class SpecCounters:
     accepted: int = 0  # of those, confirmed by the target
     tokens: int = 0  # tokens those steps produced (accepted + one the target adds per step)
     skipped: int = 0  # lone-row steps run plain because drafting did not pay lately
+    missed: int = 0  # lone-row steps that waited for their unfed token and found no draft
 
 
 EMA = 0.3  # weight of a new timing in the running means
@@ -111,6 +112,16 @@ class SpecPolicy:
             self.counters.skipped += 1
         if seconds is not None:
             self.plain_s = _ema(self.plain_s, seconds)
+
+    def record_miss(self) -> None:
+        """A lone row's step waited for its unfed token to look up drafts and found none: the
+        wait cost the step its overlap with the device (a plain step builds the next graph
+        while the device still runs the current one) and yielded nothing. It pauses drafting
+        as a speculative step that did not pay does, so misses cannot come every step."""
+        self.counters.missed += 1
+        if self.judge:
+            self.pause = self.backoff
+            self.backoff = min(self.backoff * 2, BACKOFF_MAX)
 
     def record_spec(self, seconds: float, drafted: int, accepted: int, produced: int) -> None:
         c = self.counters

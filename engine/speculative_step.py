@@ -133,7 +133,8 @@ class Speculator:
         self.drafter: NgramDrafter | DraftModelDrafter = (
             DraftModelDrafter(draft_model, prefill_step) if draft_model is not None
             else NgramDrafter())
-        self._prev = ""  # the previous step: "spec", "lone" (plain, one row) or "other"
+        self._prev = ""  # this or the previous step: "spec", "lone" (plain, one row), "miss"
+        # (waited for the unfed token, no draft) or "other"
 
     @property
     def counters(self) -> SpecCounters:
@@ -142,7 +143,7 @@ class Speculator:
     def next(self, gen: Any, exclude: Container[int]) -> tuple[list[Any], list[Any]]:
         gb = self._lone_row(gen, exclude)
         if gb is not None:
-            out = self._speculate(gen, gb)
+            out = self._speculate(gen, gb)  # None: a plain step; `_prev` "miss" if it synced
             if out is not None:
                 self._prev = "spec"
                 return [], out
@@ -187,6 +188,8 @@ class Speculator:
             if position is not None:
                 position[0] = start
             if not drafts:
+                self.policy.record_miss()
+                self._prev = "miss"  # the plain step that follows waits on no device work
                 return None
             k = len(drafts)
             logits = gb.model(mx.array([[last, *drafts]], dtype=mx.uint32),

@@ -196,13 +196,15 @@ class EngineStats(msgspec.Struct, array_like=True):
     bursts: int = 0  # requests reaching an idle engine together, prefilled as one batch
     # Speculative decoding (rows decoding alone): steps that verified drafts in one forward
     # pass, tokens drafted and accepted, tokens those steps produced, lone-row steps run plain
-    # because drafting did not pay lately; and the ratios (accepted / drafted, tokens / step).
+    # because drafting did not pay lately, lone-row steps that waited for their last token and
+    # found no draft; and the ratios (accepted / drafted, tokens / step).
     spec_mode: str = ""  # "ngram" | "draft" | "" (off)
     spec_steps: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_tokens: int = 0
     spec_skipped: int = 0
+    spec_missed: int = 0
     spec_acceptance: float = 0.0
     spec_tokens_per_step: float = 0.0
     # `--batch auto`: the KV bytes this engine's budget allows, and its share of the machine's

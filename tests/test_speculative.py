@@ -72,6 +72,24 @@ def test_policy_times_plain_steps_first_then_pauses_drafting_while_it_does_not_p
     assert p.pause == BACKOFF_MAX  # no acceptance rate could make it pay: a long pause
 
 
+def test_a_wait_that_found_no_draft_pauses_drafting_like_a_step_that_did_not_pay():
+    p = SpecPolicy(max_draft=4)
+    p.record_plain(0.010)
+    p.record_miss()
+    assert p.counters.missed == 1 and p.pause == 8 and p.draft_len(100) == 0
+    for _ in range(8):
+        p.record_plain(0.010)
+    p.record_miss()
+    assert p.pause == 16  # misses in a row wait longer each time
+    for _ in range(16):
+        p.record_plain(0.010)
+    p.record_spec(0.012, drafted=4, accepted=3, produced=4)  # a step that pays
+    assert p.backoff == 8 and p.draft_len(100) == 4  # the next miss pauses briefly again
+    unjudged = SpecPolicy(max_draft=4, judge=False)
+    unjudged.record_miss()
+    assert unjudged.pause == 0 and unjudged.counters.missed == 1
+
+
 def test_a_draft_model_fits_its_draft_length_to_what_is_accepted():
     p = SpecPolicy(max_draft=6, adaptive=True, judge=False)
     assert p.draft_len(100) == 6
