@@ -71,7 +71,7 @@ def tree_view(tree: Path) -> Path:
     return view
 
 
-def start(tree: Path | None, model_dir: str, batch: int, dtype: str
+def start(tree: Path | None, model_dir: str, batch: int, dtype: str, env: dict | None = None
           ) -> tuple[throughput.Server, str, str, Path | None]:
     view = tree_view(tree) if tree is not None else None
     saved = os.environ.get("PYTHONPATH")
@@ -79,7 +79,8 @@ def start(tree: Path | None, model_dir: str, batch: int, dtype: str
         os.environ["PYTHONPATH"] = os.pathsep.join([str(view), *filter(None, [saved])])
     try:
         server, base, name = throughput.start_target(
-            "mlxd-isolate", model_dir, batch, dtype, ["--prompt-cache", "0", "--ssd-cache", "off"])
+            "mlxd-isolate", model_dir, batch, dtype, ["--prompt-cache", "0", "--ssd-cache", "off"],
+            env=env)
     finally:
         if view is not None:
             if saved is None:
@@ -95,7 +96,11 @@ async def main_async(args: argparse.Namespace) -> dict:
     trees: dict[str, Path | None] = {"after": args.tree}
     if args.base_tree is not None:
         trees["before"] = args.base_tree
-    servers = {label: start(tree, model_dir, max(levels), args.dtype)
+    envs: dict[str, dict] = {}
+    if args.before_env:  # "before": this tree with these environment variables
+        trees["before"] = args.tree
+        envs["before"] = dict(kv.split("=", 1) for kv in args.before_env.split(";"))
+    servers = {label: start(tree, model_dir, max(levels), args.dtype, envs.get(label))
                for label, tree in trees.items()}
     results: dict = {}
     try:
@@ -130,6 +135,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
              f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
              f"device {mx.default_device()}"
              + (f"; before: the tree at {args.base_tree}" if args.base_tree else "")
+             + (f"; before: this tree with {args.before_env}" if args.before_env else "")
              + (f"; after: the tree at {args.tree}" if args.tree else "")
              + ". Tok/s: medians; ratios: median over reps of JSON / free of the same rep.", "",
              "| batch | " + " | ".join(f"{lb}: free tok/s | {lb}: JSON tok/s | {lb}: ratio"
@@ -269,6 +275,9 @@ def main() -> None:
                     help="a checkout (git worktree) to measure as 'before' in the same run")
     ap.add_argument("--tree", type=Path, default=None,
                     help="a checkout to measure as 'after' (default: the installed mlxd)")
+    ap.add_argument("--before-env", default=None,
+                    help="'KEY=VALUE;...': 'before' is this tree run with these variables "
+                    "(e.g. MLXD_GRAMMAR_ORDER=dispatch-first), instead of --base-tree")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engine", action="store_true",

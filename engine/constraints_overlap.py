@@ -8,17 +8,26 @@ device idle from the end of step k-1 until the whole step k is submitted, and pa
 synchronisation, one mask and one host-side unpack per row.
 
 The runner's hook (`GrammarSteps.step`, around `BatchGenerator.next`) finds the constrained
-rows of the running batch and the lazy array of their previous tokens. The first of those rows
-whose processor is called (`StepPlan.allowed`):
+rows of the running batch and the lazy array of their previous tokens. Once the forward pass
+of step k is built (as lazy ops), the first of those rows whose processor is called
+(`StepPlan.allowed`):
 
-1. starts the forward pass of step k (`mx.async_eval` of the logits), so the device has work;
-2. reads the previous tokens of all rows at once (one wait, for step k-1 only);
-3. has llguidance consume them (a few µs a row) and fill every row's bitmask on its
-   executor's threads (parallel across rows, the GIL released; the costly part), while the
-   device runs the forward pass;
+1. reads the previous tokens of all rows at once (one wait, for step k-1 only);
+2. has llguidance consume them (a few µs a row);
+3. has every row's bitmask filled on llguidance's threads (parallel across rows, the GIL
+   released; the costly part) while this thread dispatches the forward pass of step k
+   (`mx.async_eval` of the logits: on a GPU, milliseconds of host work with the GIL released)
+   and the device starts running it;
 4. turns the bitmasks into one boolean array for every row (unpacked on a GPU, where only
    the packed bits travel; by numpy on the CPU backend); each row's processor then applies
    its own row of it where the step samples.
+
+The order before (`MLXD_GRAMMAR_ORDER=dispatch-first`, kept for comparisons) dispatched the
+forward pass first and filled the masks after it, one after the other on the host: on the
+H200 at batch 32 that cost constrained rows a quarter of their rate against free ones (0.74-0.76
+of free decoding), the new order 0.89-0.90 (`benchmarks/constrained.py --before-env`,
+RESULTS.md section 21). On a device-bound step the wait of 1. comes before the dispatch, but
+the device then waits only for the consumption of 2., not for the host's dispatch.
 
 When every processor of the batch is one of these grammars (the usual case: constrained rows
 beside free ones), mlx-lm's per-row processor loop is skipped as well: the forward pass's logits
@@ -32,8 +41,10 @@ a generator whose internals differ) take the per-row path in `constraints.py`.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -41,8 +52,16 @@ import mlx.core as mx
 
 from mlxd.engine.constraints import GrammarProcessor, apply_mask, unpack_bits
 
+# The order of a constrained step (MLXD_GRAMMAR_ORDER): "fill-first" (the default) reads the
+# previous tokens before dispatching the forward pass, so that the masks are filled on
+# llguidance's threads while this thread dispatches (a GPU's dispatch is host work of
+# milliseconds with the GIL released); "dispatch-first" dispatches first, then waits for the
+# previous tokens and fills the masks while the device runs the forward pass.
+FILL_FIRST = os.environ.get("MLXD_GRAMMAR_ORDER", "") != "dispatch-first"
+
 _executor: Any = None
 _executor_lock = threading.Lock()
+_filler: ThreadPoolExecutor | None = None
 
 
 def executor() -> Any:
@@ -53,6 +72,23 @@ def executor() -> Any:
             import llguidance
             _executor = llguidance.LLExecutor()
         return _executor
+
+
+def filler() -> ThreadPoolExecutor:
+    """The thread that asks llguidance for a step's masks while the MLX thread dispatches."""
+    global _filler
+    with _executor_lock:
+        if _filler is None:
+            _filler = ThreadPoolExecutor(1, thread_name_prefix="engine-grammar")
+        return _filler
+
+
+def _fill(fill: list[tuple[Any, int]], bits: Any) -> None:
+    from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+    if len(fill) == 1:
+        fill_next_token_bitmask(fill[0][0], bits, fill[0][1])
+    elif fill:  # every row at once on llguidance's threads, the GIL released
+        fill_next_token_bitmask_par(executor(), fill, bits)
 
 
 class StepPlan:
@@ -78,12 +114,9 @@ class StepPlan:
         return self._allowed[j:j + 1]
 
     def _compute(self, logits: mx.array) -> None:
-        from llguidance.numpy import (
-            allocate_token_bitmask,
-            fill_next_token_bitmask,
-            fill_next_token_bitmask_par,
-        )
-        mx.async_eval(logits)  # 1. the forward pass of this step starts now
+        from llguidance.numpy import allocate_token_bitmask
+        if not FILL_FIRST:
+            mx.async_eval(logits)  # 1. the forward pass of this step starts now
         previous = cast(list[int], self._tokens.tolist())  # 2. one wait, for the last step
         for i, p, position in self.rows:  # a few µs each: cheaper here than on the executor
             p.feed.consume(position, previous[i])  # once per position, in order
@@ -93,10 +126,13 @@ class StepPlan:
         bits = allocate_token_bitmask(self._whole or len(self.rows), vocab)
         fill = [(p.matcher, i if self._whole else j) for j, (i, p, _) in enumerate(self.rows)
                 if self._ok[j]]
-        if len(fill) == 1:
-            fill_next_token_bitmask(fill[0][0], bits, fill[0][1])
-        elif fill:  # 3. every row at once on llguidance's threads, the GIL released
-            fill_next_token_bitmask_par(executor(), fill, bits)
+        if FILL_FIRST:  # 3. the masks fill while this thread dispatches the forward pass
+            pending = filler().submit(_fill, fill, bits) if fill else None
+            mx.async_eval(logits)
+            if pending is not None:
+                pending.result()
+        else:  # 3. every row at once on llguidance's threads, the GIL released
+            _fill(fill, bits)
         self._allowed = unpack_bits(bits, vocab)  # 4. one array for every row
 
 

@@ -303,8 +303,13 @@ def test_overlapped_masks_equal_the_per_row_processor_alone(engine_parts, monkey
         text_ok(engine_parts[1], kind, ref["r0"])
 
 
-def test_overlapped_masks_equal_the_per_row_processor_in_a_mixed_batch(engine_parts, monkeypatch):
-    """Greedy and seeded grammar rows beside free rows, in one batch."""
+@pytest.mark.parametrize("fill_first", [True, False], ids=["fill-first", "dispatch-first"])
+def test_overlapped_masks_equal_the_per_row_processor_in_a_mixed_batch(engine_parts, monkeypatch,
+                                                                        fill_first):
+    """Greedy and seeded grammar rows beside free rows, in one batch; in either order of a
+    step (masks filled while the forward pass is dispatched, or after)."""
+    from mlxd.engine import constraints_overlap
+    monkeypatch.setattr(constraints_overlap, "FILL_FIRST", fill_first)
     kinds: list[str | None] = ["json", None, "regex", "json", None, "regex"]
     seeds = [-1, -1, 7, 11, 5, -1]
     new, ref, planned = both_ways(engine_parts, kinds, seeds, monkeypatch)
