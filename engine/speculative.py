@@ -71,6 +71,11 @@ class SpecCounters:
 EMA = 0.3  # weight of a new timing in the running means
 BACKOFF_MIN = 8  # plain steps before drafting is tried again, after it did not pay
 BACKOFF_MAX = 256
+# A step that could not have paid whatever was accepted pauses at least BACKOFF_MAX steps, and
+# twice as long each time it happens again, up to this: on the H200 a lone row's probe cost
+# about 150 ms (1.24B random model, about one probe per 256-token request), 4-15 % of the
+# one-stream rate (RESULTS.md section 21); on a CPU with reference BLAS every probe is one.
+NEVER_PAYS_MAX = 4096
 
 
 @dataclass
@@ -83,7 +88,8 @@ class SpecPolicy:
     that doubles each time it still does not pay, up to BACKOFF_MAX, and is then tried again.
     A step that would not have paid even with every draft accepted (its forward pass costs
     about as much per token as one-token steps, as matmuls do on a CPU with reference BLAS)
-    pauses drafting for BACKOFF_MAX steps at once."""
+    pauses drafting for BACKOFF_MAX steps at once, and each such step in a row twice as long,
+    up to NEVER_PAYS_MAX; a step that pays starts the pauses short again."""
     max_draft: int
     adaptive: bool = False  # drafts cost a forward pass each (a draft model): fit the length
     judge: bool = True  # pause drafting while it does not pay (False: always draft)
@@ -137,7 +143,7 @@ class SpecPolicy:
             # even had every draft been accepted, this step cost more than plain steps for
             # as many tokens: the forward pass costs as much per token however many it takes
             # (a CPU's matmul), and no acceptance rate can make drafting pay
-            self.pause = self.backoff = BACKOFF_MAX
+            self.pause = self.backoff = min(max(self.backoff * 2, BACKOFF_MAX), NEVER_PAYS_MAX)
             self.spec_s = None
         elif self.spec_s > self.plain_s:
             self.pause = self.backoff

@@ -17,7 +17,14 @@ from conftest import stop_and_check as stop
 from mlxd.engine.model_loader import load_model
 from mlxd.engine.runner import AddRequest, Runner, StepTokens
 from mlxd.engine.sampling import make_request_sampler
-from mlxd.engine.speculative import BACKOFF_MAX, NgramIndex, SpecPolicy, accepted
+from mlxd.engine.speculative import (
+    BACKOFF_MAX,
+    BACKOFF_MIN,
+    NEVER_PAYS_MAX,
+    NgramIndex,
+    SpecPolicy,
+    accepted,
+)
 from mlxd.engine.speculative_step import Speculator, sampler_position
 from mlxd.protocol.messages import SamplingParams
 from support.harness import stream_chat
@@ -70,6 +77,17 @@ def test_policy_times_plain_steps_first_then_pauses_drafting_while_it_does_not_p
         p.record_plain(0.010)
     p.record_spec(0.060, drafted=4, accepted=4, produced=5)  # 5 tokens for 6 plain steps' time
     assert p.pause == BACKOFF_MAX  # no acceptance rate could make it pay: a long pause
+    for pause in (2 * BACKOFF_MAX, 4 * BACKOFF_MAX, 8 * BACKOFF_MAX, NEVER_PAYS_MAX,
+                  NEVER_PAYS_MAX):  # ... longer each time it happens again, up to a bound
+        for _ in range(p.pause):
+            p.record_plain(0.010)
+        p.record_spec(0.060, drafted=4, accepted=4, produced=5)
+        assert p.pause == pause
+    for _ in range(p.pause):
+        p.record_plain(0.010)
+    p.record_spec(0.012, drafted=4, accepted=3, produced=4)  # it pays again: short pauses
+    p.record_spec(0.040, drafted=4, accepted=0, produced=1)
+    assert p.pause == BACKOFF_MIN
 
 
 def test_a_wait_that_found_no_draft_pauses_drafting_like_a_step_that_did_not_pay():
