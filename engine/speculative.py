@@ -72,9 +72,10 @@ EMA = 0.3  # weight of a new timing in the running means
 BACKOFF_MIN = 8  # plain steps before drafting is tried again, after it did not pay
 BACKOFF_MAX = 256
 # A step that could not have paid whatever was accepted pauses at least BACKOFF_MAX steps, and
-# twice as long each time it happens again, up to this: on the H200 a lone row's probe cost
-# about 150 ms (1.24B random model, about one probe per 256-token request), 4-15 % of the
-# one-stream rate (RESULTS.md section 21); on a CPU with reference BLAS every probe is one.
+# twice as long each time it happens again, up to this. On the H200 a lone row's probe cost
+# about 110-160 ms (a 1.24B model, about one probe per 256-token request: 4-15 % of the
+# one-stream rate), most likely MLX building a cuDNN attention graph for each new key length
+# (RESULTS.md section 21); on a CPU with reference BLAS every probe is one.
 NEVER_PAYS_MAX = 4096
 
 
