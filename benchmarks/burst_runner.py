@@ -72,7 +72,7 @@ def one_round(runner: Any, outq: queue.Queue, prompts: list[list[int]], tokens: 
     from mlx_lm.sample_utils import greedy_sampler
 
     from mlxd.engine import runner as runner_module
-    from mlxd.engine.runner import AddRequest, StepTokens
+    from mlxd.engine.runner_messages import AddRequest, StepTokens
     runner_module.GROUP_MIN_CACHED_GPU = 0 if variant in ("cache-all", "cache-eval") else 64
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -102,7 +102,7 @@ def main() -> None:
     import mlx.core as mx
 
     from mlxd.engine.model_loader import load_model
-    from mlxd.engine.runner import StopRunner
+    from mlxd.engine.runner_messages import StopRunner
     model, tok, _ = load_model(model_for(args), Path(tempfile.gettempdir()) / "mlxd-bench-cache",
                                args.model_dtype)
     eos = sorted(tok.eos_token_ids)

@@ -191,7 +191,8 @@ def engine_rounds(args: argparse.Namespace) -> dict:
     from mlxd.daemon.paths import default_cache_dir
     from mlxd.engine.constraints import GrammarProcessor, TokenizerCache
     from mlxd.engine.model_loader import load_model, resolve_model_dir
-    from mlxd.engine.runner import AddRequest, Runner, StepTokens
+    from mlxd.engine.runner import Runner
+    from mlxd.engine.runner_messages import AddRequest, StepTokens
     spec = throughput.model_for(args)
     cache = default_cache_dir()
     model, tok, _ = load_model(spec, cache, args.dtype)

@@ -42,7 +42,8 @@ from mlxd.daemon.paths import default_cache_dir
 from mlxd.engine import kv_quant
 from mlxd.engine.batch_sizing import kv_shape
 from mlxd.engine.model_loader import load_model, resolve_model_dir
-from mlxd.engine.runner import AddRequest, Runner, StepTokens
+from mlxd.engine.runner import Runner
+from mlxd.engine.runner_messages import AddRequest, StepTokens
 from support.random_model import write_random_model
 
 PROMPTS = [

@@ -133,7 +133,8 @@ def run(model: Any, prompts: list[list[int]], max_tokens: int, spec: Any,
     import mlx.core as mx
     from mlx_lm.sample_utils import greedy_sampler
 
-    from mlxd.engine.runner import AddRequest, Runner, StepTokens
+    from mlxd.engine.runner import Runner
+    from mlxd.engine.runner_messages import AddRequest, StepTokens
     q: queue.Queue[Any] = queue.Queue()
     # a RAM prefix cache as mlxd has by default: prompts sharing the code prefill it once
     r = Runner(model, [], batch_size=max(8, len(prompts)), prefill_step=prefill_step,

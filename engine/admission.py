@@ -20,6 +20,7 @@ from mlxd.engine.output import (
     ToolCallSplitter,
 )
 from mlxd.engine.prefix_cache import RestoredPrefix
+from mlxd.engine.runner_messages import AddRequest
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol import faults
 from mlxd.protocol.messages import PROMPT_SIZE_SLACK, Delta, Generate
@@ -30,7 +31,7 @@ log = logging.getLogger("mlxd.engine")
 @dataclass
 class Admitted:
     """The request goes on: its output state to the output thread, its command to the MLX
-    thread (`runner.AddRequest`)."""
+    thread (`runner_messages.AddRequest`)."""
     output: RequestOutput
     request: Any
     notice: Delta  # the admission notice (prompt token count): the proxy may start answering
@@ -61,7 +62,6 @@ def prepare(msg: Generate, model: LoadedModel | None,
 def _prepare(msg: Generate, model: LoadedModel,
              restore: Callable[[list[int]], RestoredPrefix | None],
              received_at: float) -> Admitted | Answered:
-    from mlxd.engine.runner import AddRequest
     from mlxd.engine.sampling import make_request_sampler
     rid, tok = msg.request_id, model.tokenizer
     check_prompt_size(msg, model.context_length, model.max_token_bytes)

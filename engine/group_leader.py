@@ -39,7 +39,8 @@ from mlxd.engine.group_plan import (
     parse_layout,
     plan,
 )
-from mlxd.engine.runner import AddRequest, Runner
+from mlxd.engine.runner import Runner
+from mlxd.engine.runner_messages import AddRequest
 from mlxd.protocol import exit_codes
 from mlxd.protocol.messages import Delta, Generate
 from mlxd.protocol.models import model_id

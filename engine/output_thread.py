@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from mlxd.engine.output import RequestOutput
-from mlxd.engine.runner import AbortRequest, RequestsRemoved, RequestStarted, StepTokens
+from mlxd.engine.runner_messages import AbortRequest, RequestsRemoved, RequestStarted, StepTokens
 from mlxd.engine.state import Channels, Registered, StatusTick
 from mlxd.protocol import codec, stage_trace
 from mlxd.protocol.messages import (

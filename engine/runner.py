@@ -27,7 +27,16 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlxd.engine import kv_quant
 from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
 from mlxd.engine.constraints_overlap import GrammarSteps
-from mlxd.engine.prefix_cache import Entry, PrefixCache, RestoredPrefix, common_prefix
+from mlxd.engine.prefix_cache import Entry, PrefixCache, common_prefix
+from mlxd.engine.runner_messages import (
+    AbortRequest,
+    AddRequest,
+    Call,
+    RequestsRemoved,
+    RequestStarted,
+    StepTokens,
+    StopRunner,
+)
 from mlxd.engine.speculative_step import Speculator
 from mlxd.protocol import faults, stage_trace
 
@@ -86,20 +95,6 @@ def lend_floor(rows_admitted: int, gpu: bool) -> int:
 
 
 @dataclass
-class AddRequest:
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    sampler: Callable[[mx.array], mx.array]
-    processors: list
-    restored: RestoredPrefix | None = None  # KV read from the SSD tier, if it beats RAM
-    received_at: float = 0.0  # monotonic time the engine received the request
-    logprobs: int = -1  # top alternatives to report per token (-1: no log-probabilities)
-    group: str = ""  # n > 1: the answers to one prompt share one prefill (`PrefillGroup`)
-    group_size: int = 1
-
-
-@dataclass
 class PrefillGroup:
     """The rows answering one prompt (OpenAI `n`): the first to arrive prefills it, the others
     wait for its prompt and start from a view of its KV (only the last prompt token is theirs
@@ -112,44 +107,6 @@ class PrefillGroup:
 
 
 GROUP_TTL = 30.0  # seconds a group waits for members that may never come (aborted meanwhile)
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-@dataclass
-class StopRunner:
-    pass
-
-
-@dataclass
-class Call:
-    """Run `fn(runner)` on the MLX thread (flushes, cache maintenance)."""
-    fn: Callable[[Runner], None]
-
-
-@dataclass
-class StepTokens:
-    """One step: (request_id, token, finish_reason) for every row that produced a token."""
-    rows: list[tuple[str, int, str | None]]
-    # request_id -> (the token's logprob, [(token id, logprob)] most likely first), for the
-    # rows that asked for log-probabilities
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] | None = None
-
-
-@dataclass
-class RequestStarted:
-    request_id: str
-    cached_tokens: int
-    source: str  # "ram" | "ssd" | "none"
-
-
-@dataclass
-class RequestsRemoved:
-    request_ids: list[str]
-    error: str | None = None
 
 
 @dataclass

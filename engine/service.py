@@ -27,14 +27,8 @@ from mlxd.engine.embedding_engine import Embedding
 from mlxd.engine.io_thread import Handlers, IoThread
 from mlxd.engine.output_thread import OutputThread
 from mlxd.engine.prefix_cache import RestoredPrefix
-from mlxd.engine.runner import (
-    AbortRequest,
-    Call,
-    RequestsRemoved,
-    Runner,
-    StepTokens,
-    StopRunner,
-)
+from mlxd.engine.runner import Runner
+from mlxd.engine.runner_messages import AbortRequest, Call, RequestsRemoved, StepTokens, StopRunner
 from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
 from mlxd.engine.status import engine_status
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox

@@ -19,7 +19,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from mlxd.engine.runner import StepTokens
+from mlxd.engine.runner_messages import StepTokens
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.stage_trace import TokenTrace, TraceFile, now
 

@@ -4,7 +4,7 @@ Threads (one engine process, or one engine inside `mlxd serve` without --isolate
 
 - MLX thread (`runner.Runner.run`, the caller of `EngineService.run`): the model, mlx-lm's
   BatchGenerator and the RAM prefix cache. Nothing else touches MLX arrays of live requests.
-  It reads commands from `Runner.inbox` and puts `runner.StepTokens` etc. on `outq`.
+  It reads commands from `Runner.inbox` and puts `runner_messages.StepTokens` etc. on `outq`.
 - I/O thread (`io_thread.IoThread`): the request DEALER and the control DEALER (ZeroMQ
   sockets are never shared between threads). It decodes messages and dispatches them: requests
   to the admission lanes, aborts to the lanes and the runner, flushes and shutdowns to the
@@ -18,7 +18,7 @@ Threads (one engine process, or one engine inside `mlxd serve` without --isolate
   drops them. It sends one `StepOutput` per batch of queued work and the `EngineStatus`.
 - Storage thread (`ssd_tier.SsdTier`): the DEALER to the storage worker and slot bookkeeping.
 - Flush threads (`EngineService.flush`): wait for a flush to finish; the copies themselves run
-  on the MLX thread as `runner.Call`s.
+  on the MLX thread as `runner_messages.Call`s.
 
 Hand-over queues: `outq` (anything -> output thread), `Runner.inbox` (anything -> MLX thread),
 `control_out` (anything -> I/O thread -> supervisor). `LoadedModel` is written once, before

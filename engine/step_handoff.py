@@ -35,7 +35,7 @@ import threading
 import types
 from typing import Any
 
-from mlxd.engine.runner import RequestStarted, StepTokens
+from mlxd.engine.runner_messages import RequestStarted, StepTokens
 from mlxd.protocol import stage_trace
 
 EAGER = os.environ.get("MLXD_EAGER_HANDOFF", "") not in ("", "0")

@@ -18,6 +18,7 @@ import msgspec
 from mlxd.engine import admission
 from mlxd.engine.admission import Admitted, Answered, ClientError
 from mlxd.engine.prefix_cache import RestoredPrefix
+from mlxd.engine.runner_messages import AddRequest
 from mlxd.engine.state import LoadedModel
 from mlxd.engine.vision_model import VIRTUAL_BASE, VisionParts, image_token_ids, pixels_key
 from mlxd.protocol.messages import Delta, Generate, ImageInput
@@ -50,7 +51,6 @@ class VisionAdmission:
     def _prepare(self, msg: Generate, model: LoadedModel,
                  restore: Callable[[list[int]], RestoredPrefix | None],
                  received_at: float) -> Admitted | Answered:
-        from mlxd.engine.runner import AddRequest
         from mlxd.engine.sampling import make_request_sampler
         rid, tok, parts = msg.request_id, model.tokenizer, self.parts
         if msg.prompt_token_ids is not None or msg.suffix is not None:

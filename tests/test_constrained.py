@@ -238,7 +238,8 @@ def grammars() -> dict[str, str]:
 
 def decode_rows(parts, rows, batch: int = 8) -> dict[str, list[int]]:
     """Run `rows` [(id, prompt, max_tokens, sampler, processors)] through one Runner."""
-    from mlxd.engine.runner import AddRequest, Runner
+    from mlxd.engine.runner import Runner
+    from mlxd.engine.runner_messages import AddRequest
     from support.runner_drive import run_together
     m, tok, _ = parts
     outq: queue.Queue = queue.Queue()

@@ -228,7 +228,7 @@ def _leader_and_follower(model_dir):
 
 
 def test_a_follower_replaying_the_log_makes_the_same_rows_and_tokens(tiny_model):
-    from mlxd.engine.runner import AbortRequest, AddRequest, RequestStarted, StepTokens
+    from mlxd.engine.runner_messages import AbortRequest, AddRequest, RequestStarted, StepTokens
     from mlxd.engine.sampling import make_request_processors, make_request_sampler
     runner, out, log, notes, follower, tok = _leader_and_follower(tiny_model)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)

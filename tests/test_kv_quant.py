@@ -18,7 +18,8 @@ from conftest import start_daemon
 from conftest import stop_and_check as stop
 from mlxd.engine import kv_quant
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, Runner
+from mlxd.engine.runner import Runner
+from mlxd.engine.runner_messages import AddRequest
 from mlxd.engine.ssd_restore import SsdReader
 from mlxd.engine.ssd_tier import SsdStats
 from mlxd.protocol.block_format import (

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import GROUP_MIN_CACHED_GPU, AddRequest, Runner, StepTokens
+from mlxd.engine.runner import GROUP_MIN_CACHED_GPU, Runner
+from mlxd.engine.runner_messages import AddRequest, StepTokens
 from support.runner_drive import run_one, run_together
 
 

@@ -15,7 +15,8 @@ from mlx_lm.sample_utils import greedy_sampler
 from conftest import start_daemon
 from conftest import stop_and_check as stop
 from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import AddRequest, Runner, StepTokens
+from mlxd.engine.runner import Runner
+from mlxd.engine.runner_messages import AddRequest, StepTokens
 from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.speculative import (
     BACKOFF_MAX,

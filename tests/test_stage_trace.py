@@ -9,7 +9,7 @@ import queue
 import threading
 
 from conftest import start_daemon, stop_and_check
-from mlxd.engine.runner import RequestStarted, StepTokens
+from mlxd.engine.runner_messages import RequestStarted, StepTokens
 from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
 from mlxd.protocol import stage_trace
 from mlxd.protocol.stage_trace import ENGINE_STAGES, PROXY_STAGES, REQUEST_STAGES, read

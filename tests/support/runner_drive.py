@@ -5,7 +5,8 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from mlxd.engine.runner import AddRequest, RequestStarted, Runner, StepTokens
+from mlxd.engine.runner import Runner
+from mlxd.engine.runner_messages import AddRequest, RequestStarted, StepTokens
 
 
 def turn(runner: Runner) -> None:
