@@ -128,7 +128,7 @@ class SpecPolicy:
         self.counters.missed += 1
         if self.judge:
             self.pause = self.backoff
-            self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+            self.backoff = _longer(self.backoff)
 
     def record_spec(self, seconds: float, drafted: int, accepted: int, produced: int) -> None:
         c = self.counters
@@ -148,10 +148,16 @@ class SpecPolicy:
             self.spec_s = None
         elif self.spec_s > self.plain_s:
             self.pause = self.backoff
-            self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+            self.backoff = _longer(self.backoff)
             self.spec_s = None  # judged afresh after the pause
         elif self.plain_s is not None:
             self.backoff = BACKOFF_MIN
+
+
+def _longer(backoff: int) -> int:
+    """The next pause after one that did not pay: twice as long up to BACKOFF_MAX, and never
+    shorter than a pause a step that could never pay already earned."""
+    return max(backoff, min(backoff * 2, BACKOFF_MAX))
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -86,6 +86,10 @@ def test_policy_times_plain_steps_first_then_pauses_drafting_while_it_does_not_p
         assert p.pause == pause
     for _ in range(p.pause):
         p.record_plain(0.010)
+    p.record_miss()  # a miss does not undo what the steps that could never pay earned
+    assert p.pause == p.backoff == NEVER_PAYS_MAX
+    for _ in range(p.pause):
+        p.record_plain(0.010)
     p.record_spec(0.012, drafted=4, accepted=3, produced=4)  # it pays again: short pauses
     p.record_spec(0.040, drafted=4, accepted=0, produced=1)
     assert p.pause == BACKOFF_MIN
