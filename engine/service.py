@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from mlxd.engine import admission, gil_switch, step_handoff
+from mlxd.engine import admission, cuda_attention, gil_switch, step_handoff
 from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.admission_lanes import AdmissionLanes
 from mlxd.engine.batch_budget import ceiling
@@ -112,6 +112,7 @@ class EngineService:
     def run(self) -> int:
         """Load the model and run the MLX loop on the calling thread; return an exit code."""
         gil_switch.apply()
+        cuda_attention.apply()
         threads = [threading.Thread(target=t.run, name=name, daemon=True)
                    for t, name in ((self._io, "engine-io"), (self._out, "engine-out"))]
         for t in threads:

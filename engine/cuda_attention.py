@@ -1,0 +1,45 @@
+"""Which attention kernels an engine uses on MLX's CUDA backend.
+
+MLX sends attention with more than one query token to cuDNN, and builds one cuDNN graph per
+exact shape of queries, keys and mask (`mlx/backend/cuda/scaled_dot_product_attention.cpp`,
+an LRU of 256). A served engine meets a new shape at almost every such call: each prefill of
+a prompt of a length not seen before, and each speculative verify pass (its key length is the
+row's whole context). On the H200 (`benchmarks/cuda_sdpa_shapes.py`, random 1.24B, bf16):
+
+| | cuDNN on | cuDNN off |
+|---|---|---|
+| prefill of ~400 tokens, new length | 88.7 ms | 11.8 ms |
+| the same, a length seen before | 9.0 ms | 8.7 ms |
+| verify pass of 1 + 3 tokens, new key length | 73.7 ms | 8.1 ms |
+| prefill of 4,096 tokens, length seen before | 56.3 ms | 63.1 ms |
+
+A decode step is not affected: a batch's cache always passes an array mask, which MLX's cuDNN
+decoding path does not take. So engines turn cuDNN's fused attention off unless the user set
+`MLX_CUDA_USE_CUDNN_SDPA` themselves; the fused kernel's 11 % on long prompts whose length
+repeats does not pay for ~75 ms on every prompt whose length does not. MLX reads the
+variable once, at its first attention on the GPU, so this must run before the model's first
+forward pass. Other backends (Metal, CPU) do not read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("mlxd.engine")
+
+ENV = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
+def apply() -> str:
+    """Default the variable to off for this process; return the value in force."""
+    value = os.environ.setdefault(ENV, "0")
+    try:
+        import mlx.core as mx
+        on_cuda = bool(mx.cuda.is_available())
+    except (ImportError, AttributeError):
+        on_cuda = False
+    if on_cuda:
+        log.info("CUDA attention: cuDNN's fused kernel %s (%s=%s)",
+                 "off" if value == "0" else "on", ENV, value)
+    return value
