@@ -53,6 +53,7 @@ STAGES = [  # (row label, the stamp's name, whose clock)
     ("sending (to ZeroMQ)", "sending", "proxy"),
     ("engine in (I/O thread)", "engine_in", "engine"),
     ("prepared (template, tokens)", "prepared", "engine"),
+    ("taken by the MLX thread", "taken", "engine"),
     ("inserted into the generator", "inserted", "engine"),
     ("first token read back", "read_back", "engine"),
     ("first token sent", "sent", "engine"),

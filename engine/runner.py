@@ -256,6 +256,8 @@ class Runner:
                 self._fail_all("engine stopping")
                 return False
             case AddRequest():
+                if stage_trace.ON:
+                    stage_trace.stamp_request(cmd.request_id, "taken", "engine")
                 adds.append(cmd)
             case AbortRequest(request_id=rid):
                 aborts.append(rid)

@@ -14,8 +14,12 @@ MLX from mlx-lm's generate module or the speculative step (`mx.async_eval` / `mx
 release the GIL while the device works), takes a command from its inbox (work before its next
 step: admissions, aborts, embeddings, a flush's copies) or blocks on it (idle): the output thread
 wakes exactly when the GIL is free, and its detokenizing, encoding and sending overlap the
-device's work instead of the next step's Python. A put of anything else from the MLX thread
-releases what is held first, so the output thread sees the MLX thread's items in order.
+device's work instead of the next step's Python. A row's `RequestStarted` is held the same
+way: an admission loop of 64 requests woke the output thread 64 times, each wake-up taking the
+GIL from the loop (on this project's CPU, the inserts of a 64-request burst took about 0.36 ms
+each, median, and 0.21 ms once held; `benchmarks/burst.py`). A put of anything else from the
+MLX thread releases what is held first, so the output thread sees the MLX thread's items in
+order.
 Items put by other threads (admission, flushes, embeddings) go through at once.
 
 A step that carries a row's first token (its `RequestStarted` went before) or a row's end is
@@ -79,6 +83,9 @@ class StepOutbox(queue.Queue):
         else:
             if isinstance(item, RequestStarted):
                 self._fresh.add(item.request_id)
+                if not self.eager and me == self._mlx_thread:
+                    self._held.append(item)  # an admission loop: no wake-up per request
+                    return
             if self._held and me == self._mlx_thread:
                 self.release()
         super().put(item, block, timeout)
@@ -99,8 +106,8 @@ class StepOutbox(queue.Queue):
         if self._held:
             held, self._held = self._held, []
             for item in held:
-                if self._trace is not None:
-                    item.trace["handed_off"] = stage_trace.now()
+                if self._trace is not None and isinstance(item, StepTokens):
+                    item.trace["handed_off"] = stage_trace.now()  # type: ignore[attr-defined]
                 super().put(item)
 
     def close(self) -> None:

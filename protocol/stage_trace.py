@@ -62,6 +62,7 @@ REQUEST_STAGES = (
     "sending",  # proxy: the Generate handed to ZeroMQ
     "engine_in",  # engine I/O thread: received, handed to an admission lane
     "prepared",  # admission lane: templated, tokenized, checked, handed to the MLX thread
+    "taken",  # MLX thread: taken from its inbox (an idle engine's burst gathering included)
     "inserted",  # MLX thread: inserted into the generator (prefilled at its next steps)
 )
 

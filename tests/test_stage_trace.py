@@ -84,10 +84,15 @@ def test_a_step_is_held_until_the_mlx_thread_waits_or_goes_idle():
 
         started = RequestStarted("s", 0, "none")
         box.put(StepTokens([("r", 4, None)]))
-        box.put(started)  # releases the held step first
+        box.put(started)  # an admission loop's: held too, no wake-up per request
+        assert box.empty()
         first_of_s = StepTokens([("r", 5, None), ("s", 9, None)])
-        box.put(first_of_s)  # a row's first token goes at once
+        box.put(first_of_s)  # a row's first token goes at once, after what was held
         assert [box.get_nowait() for _ in range(3)][1:] == [started, first_of_s]
+        again = RequestStarted("t", 0, "none")
+        box.put(again)
+        box.release()  # the step's mx.async_eval: the output thread learns of it then
+        assert box.get_nowait() is again
         box.put(StepTokens([("s", 10, None)]))
         assert box.empty()  # s is no longer fresh
         last = StepTokens([("s", 11, "length")])
