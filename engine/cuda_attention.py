@@ -15,10 +15,11 @@ row's whole context). On the H200 (`benchmarks/cuda_sdpa_shapes.py`, random 1.24
 
 A decode step is not affected: a batch's cache always passes an array mask, which MLX's cuDNN
 decoding path does not take. So engines turn cuDNN's fused attention off unless the user set
-`MLX_CUDA_USE_CUDNN_SDPA` themselves; the fused kernel's 11 % on long prompts whose length
-repeats does not pay for ~75 ms on every prompt whose length does not. MLX reads the
+`MLX_CUDA_USE_CUDNN_SDPA` themselves; the fused kernel's gain, at best 11 % on long prompts
+whose length repeats, does not pay for ~75 ms on every prompt whose length does not. MLX reads the
 variable once, at its first attention on the GPU, so this must run before the model's first
-forward pass. Other backends (Metal, CPU) do not read it.
+forward pass. A sharded group's ranks get rank 0's value (`group_leader.py`). Other
+backends (Metal, CPU) do not read it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import threading
 import msgspec
 import zmq
 
+from mlxd.engine import cuda_attention
 from mlxd.engine.group_log import Desync, Follower, decode
 from mlxd.engine.group_plan import FollowerLaunch, parse_layout
 from mlxd.protocol import exit_codes
@@ -45,6 +46,7 @@ def main() -> int:
     child_process_setup(launch.log_level, f"{launch.name}/rank{launch.rank}",
                         launch.log_format)  # type: ignore[arg-type]
     threading.Thread(target=_watch_stdin, name="rank0-watch", daemon=True).start()
+    cuda_attention.apply()  # rank 0 passes its own setting; this is the default without it
     import mlx.core as mx
 
     from mlxd.engine.group_leader import load_shard

@@ -175,6 +175,7 @@ class GroupLeader:
 
     def start(self) -> None:
         """Start ranks 1..N-1 (they wait for rank 0 in the ring's set-up)."""
+        from mlxd.engine import cuda_attention
         from mlxd.engine.group_plan import follower_command
         self.hostfile.write_text(self.plan.hostfile)
         launch = self.launch
@@ -182,7 +183,7 @@ class GroupLeader:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for rank in self.plan.ranks[1:]:
             env = self.plan.env(rank.rank, str(self.hostfile) if rank.host.local else None,
-                                visible)
+                                visible, attention=os.environ.get(cuda_attention.ENV, "0"))
             cmd = follower_command(sys.executable, rank, env, self.plan.hostfile, os.getcwd())
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
                                     preexec_fn=_die_with_parent if rank.host.local else None)

@@ -118,13 +118,17 @@ class GroupPlan:
         """MLX_HOSTFILE's content for the ring backend: each rank's addresses, in rank order."""
         return json.dumps([[r.ring] for r in self.ranks])
 
-    def env(self, rank: int, hostfile_path: str | None, visible: str | None = None
-            ) -> dict[str, str]:
+    def env(self, rank: int, hostfile_path: str | None, visible: str | None = None,
+            attention: str | None = None) -> dict[str, str]:
         """The variables rank `rank` joins the group with, as mlx.launch sets them: MLX_RANK,
         and MLX_HOSTFILE (ring; None: written on the remote host by the start script) or
         NCCL's rendezvous at rank 0 and the rank's GPU (the n-th of `visible`, this
-        machine's CUDA_VISIBLE_DEVICES, counting the ranks on the same host)."""
+        machine's CUDA_VISIBLE_DEVICES, counting the ranks on the same host); and
+        `attention`, rank 0's MLX_CUDA_USE_CUDNN_SDPA (engine/cuda_attention.py), so that
+        every rank runs the same attention kernels (a remote shell inherits nothing)."""
         env = {"MLX_RANK": str(rank)}
+        if attention is not None:
+            env["MLX_CUDA_USE_CUDNN_SDPA"] = attention
         if self.backend == "ring":
             if hostfile_path is not None:
                 env["MLX_HOSTFILE"] = hostfile_path

@@ -74,8 +74,9 @@ BACKOFF_MAX = 256
 # A step that could not have paid whatever was accepted pauses at least BACKOFF_MAX steps, and
 # twice as long each time it happens again, up to this. On the H200 a lone row's probe cost
 # about 110-160 ms (a 1.24B model, about one probe per 256-token request: 4-15 % of the
-# one-stream rate), most likely MLX building a cuDNN attention graph for each new key length
-# (RESULTS.md section 21); on a CPU with reference BLAS every probe is one.
+# one-stream rate): MLX built a cuDNN attention graph for each new key length, which engines
+# now avoid (engine/cuda_attention.py, RESULTS.md sections 21-22); on a CPU with reference
+# BLAS every probe is still one.
 NEVER_PAYS_MAX = 4096
 
 

@@ -106,6 +106,9 @@ def test_hosts_file_in_mlx_launch_format_and_ssh_commands():
     assert cmd[5] == "mac-2" and "-tt" not in cmd  # its stdin's end must reach the follower
     assert "export MLX_RANK=1" in cmd[6] and "MLX_HOSTFILE=$fname" in cmd[6]
     assert "mlxd.engine.group_follower" in cmd[6]
+    # rank 0's attention kernels (engine/cuda_attention.py) travel to a remote rank too
+    cmd = follower_command("/py", p.ranks[1], p.env(1, None, attention="1"), p.hostfile, "/w")
+    assert "export MLX_CUDA_USE_CUDNN_SDPA=1" in cmd[6]
     for bad, why in (("[]", "non-empty"), ("{}", "non-empty"), ("nope", "not JSON"),
                      ('[{"ips": ["1.2.3.4"]}]', "ssh"),
                      ('[{"ssh": "mac-2"}]', "IP address")):
@@ -388,7 +391,10 @@ def test_sharded_group_output_equals_the_whole_engine(group_daemon):
         _complete(d, "whole", CHATS[3], False, **seeded)
     engine = _engine(d, "tiny-sharded")
     assert engine["peak_batch"] >= 2  # the four streams shared steps
-    assert len(_followers(engine["pid"])) == 1
+    followers = _followers(engine["pid"])
+    assert len(followers) == 1
+    # rank 0's attention setting (engine/cuda_attention.py) reaches every rank
+    assert followers[0].environ().get("MLX_CUDA_USE_CUDNN_SDPA") == "0"
 
 
 def test_a_dead_or_hung_follower_restarts_the_group_and_the_stream_completes(group_daemon):
