@@ -8,6 +8,13 @@ with the proxy for one interpreter), each holding several streaming chat complet
 is content chunks received per second across all clients, after a warm-up round.
 
     python benchmarks/proxy_relay.py --streams 64 --tokens 2000 --client-procs 4
+
+`--intake` measures the other half of the proxy's work, taking requests in: bursts of S
+one-token streaming requests at once (the clients' share of each burst sent together, the
+next burst when all have finished), requests per second over `--rounds` bursts; with
+`--profile DIR` py-spy samples the proxy meanwhile (what a request costs it, by function).
+
+    python benchmarks/proxy_relay.py --intake --streams 64 --rounds 50 --profile /tmp/intake
 """
 
 from __future__ import annotations
@@ -54,6 +61,44 @@ def _client(url: str, streams: int, tokens: int, start_at: float, q: mp.Queue) -
     q.put(asyncio.run(run()))
 
 
+def _intake_client(url: str, streams: int, rounds: int, start_at: float, q: mp.Queue) -> None:
+    async def run() -> tuple[int, float, float]:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as s:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            t0 = time.time()
+            done = 0
+            for _ in range(rounds):
+                await asyncio.gather(*(_stream(s, url, 1) for _ in range(streams)))
+                done += streams
+            return done, t0, time.time()
+    q.put(asyncio.run(run()))
+
+
+def measure_intake(url: str, streams: int, rounds: int, procs: int, proxy_pid: int) -> dict:
+    import psutil
+    proxy = psutil.Process(proxy_pid)
+    cpu0 = sum(proxy.cpu_times()[:2])
+    q: mp.Queue = mp.Queue()
+    start_at = time.time() + 1.0
+    per = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
+    ps = [mp.Process(target=_intake_client, args=(url, n, rounds, start_at, q))
+          for n in per if n]
+    for p in ps:
+        p.start()
+    results = [q.get() for _ in ps]
+    for p in ps:
+        p.join()
+    cpu = sum(proxy.cpu_times()[:2]) - cpu0
+    total = sum(r[0] for r in results)
+    seconds = max(r[2] for r in results) - min(r[1] for r in results)
+    return {"burst": streams, "rounds": rounds, "requests": total,
+            "seconds": round(seconds, 3), "req_s": round(total / seconds, 1),
+            "ms_per_request": round(1e3 * seconds / total, 3),
+            "proxy_cpu_ms_per_request": round(1e3 * cpu / total, 3)}
+
+
 def measure(url: str, streams: int, tokens: int, procs: int) -> dict:
     q: mp.Queue = mp.Queue()
     start_at = time.time() + 1.0
@@ -77,6 +122,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--intake", action="store_true",
+                    help="requests per second taken in (bursts of one-token requests)")
+    ap.add_argument("--rounds", type=int, default=30, help="bursts per level, with --intake")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="py-spy the proxy during the measured levels (raw text) into DIR")
     args = ap.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-relay-", dir="/tmp"))
     os.chmod(run_dir, 0o700)
@@ -113,16 +163,43 @@ def main() -> None:
                 raise SystemExit("the proxy did not become ready")
             time.sleep(0.2)
         measure(url, 8, 200, 1)  # warm-up
+        spy = None
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proxy.pid), "--rate",
+                                    "500", "--format", "raw", "--output",
+                                    str(args.profile / "proxy.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for n in (int(x) for x in args.streams.split(",")):
-            row = measure(url, n, args.tokens, min(args.client_procs, n))
+            procs = min(args.client_procs, n)
+            row = (measure_intake(url, n, args.rounds, procs, proxy.pid) if args.intake
+                   else measure(url, n, args.tokens, procs))
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait()
     finally:
         for p in (engine, proxy):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
     import platform
+    if args.intake:
+        lines = [f"# Proxy intake ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
+                 f"{os.cpu_count()} CPUs, {args.client_procs} client processes, one-token "
+                 "streaming chat requests)", "",
+                 "| burst | bursts | requests/s | ms per request | proxy CPU ms per request |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {r['burst']} | {r['rounds']} | {r['req_s']:,.0f} | "
+                  f"{r['ms_per_request']:.3f} | {r['proxy_cpu_ms_per_request']:.3f} |"
+                  for r in rows]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        return
     lines = [f"# Proxy relay capacity ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
              f"{os.cpu_count()} CPUs, {args.client_procs} client processes)", "",
              "| SSE streams | tokens per stream | relayed tok/s |", "|---|---|---|"]

@@ -82,24 +82,38 @@ def loads(text: str, what: str) -> Any:
 def check_json(value: Any, what: str = "the request body") -> None:
     """400 if `value` (decoded JSON: dicts, lists, Structs, scalars) nests deeper than
     MAX_JSON_DEPTH or holds an integer the engine channel cannot carry. Iterative: a walk
-    that recursed would fail on exactly the input it is there to refuse."""
+    that recursed would fail on exactly the input it is there to refuse. Runs on every
+    request, so scalars are checked where they are met instead of taking a turn on the
+    stack."""
+    _check_scalar(value, what)
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, (dict, list, tuple, msgspec.Struct)):
-            if depth > MAX_JSON_DEPTH:
-                raise too_deep(what)
-            items: Iterable[Any]
-            if isinstance(v, dict):
-                items = v.values()
-            elif isinstance(v, msgspec.Struct):
-                items = (getattr(v, f) for f in v.__struct_fields__)
+        items: Iterable[Any]
+        if isinstance(v, dict):
+            items = v.values()
+        elif isinstance(v, (list, tuple)):
+            items = v
+        elif isinstance(v, msgspec.Struct):
+            items = msgspec.structs.astuple(v)
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep(what)
+        for item in items:
+            kind = type(item)
+            if item is None or kind is str or kind is float or kind is bool:
+                continue
+            if isinstance(item, (dict, list, tuple, msgspec.Struct)):
+                stack.append((item, depth + 1))
             else:
-                items = v
-            stack.extend((item, depth + 1) for item in items)
-        elif isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= UINT64_MAX:
-            raise bad_request(f"{what} holds an integer of {v.bit_length()} bits, outside "
-                              "the 64-bit range")
+                _check_scalar(item, what)
+
+
+def _check_scalar(v: Any, what: str) -> None:
+    if isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= UINT64_MAX:
+        raise bad_request(f"{what} holds an integer of {v.bit_length()} bits, outside "
+                          "the 64-bit range")
 
 
 def clip(text: str, limit: int = 200) -> str:

@@ -88,11 +88,24 @@ class Router:
 
     def lookup(self, name: str | None) -> str:
         """The model spec a request names; 404 if it names nothing we can serve."""
+        return self.resolve(name)[0]
+
+    def resolve(self, name: str | None) -> tuple[str, str]:
+        """The model spec a request names and its engine id; 404 if it names nothing we can
+        serve. A known engine's id is its record's: deriving it from the spec again would
+        stat the model's path on every request."""
         if name and name in self.adapters:
-            return self.adapters[name]
+            spec = self.adapters[name]
+            base = next((r for r in self.client.engines.values() if r.spec == spec), None)
+            return spec, base.engine_id if base is not None else engine_id_for(spec)
         rec = self.client.find(name)
         if rec is not None:
-            return rec.spec
+            return rec.spec, rec.engine_id
+        spec = self._spec_of_new(name)
+        return spec, engine_id_for(spec)
+
+    def _spec_of_new(self, name: str | None) -> str:
+        """The spec of a model no engine record knows yet (an alias, a path, a repo id)."""
         assert name
         if name in self.aliases:
             return canonical_spec(self.aliases[name])
@@ -115,8 +128,7 @@ class Router:
         if self.draining:
             raise unavailable("mlxd is draining (shutting down or paused by /admin/drain) and "
                               "takes no new requests", "draining", retry_after=5)
-        spec = self.lookup(name)
-        eid = engine_id_for(spec)
+        spec, eid = self.resolve(name)
         self.active += 1
         self._none_active.clear()
         if self.pool is not None and eid not in self.pool.resident:
@@ -261,8 +273,7 @@ class Router:
         if self.pool is None:
             raise APIError(400, "models are loaded and unloaded only with --isolate",
                            code="not_supported")
-        spec = self.lookup(name)
-        eid = engine_id_for(spec)
+        spec, eid = self.resolve(name)
         rec = self.client.record(eid, spec)
         r = self.pool.resident.get(eid)
         if rec.state == "failed" and not (r and r.in_flight):
@@ -281,8 +292,7 @@ class Router:
         return rec
 
     async def reset(self, name: str) -> EngineRecord:
-        spec = self.lookup(name)
-        eid = engine_id_for(spec)
+        spec, eid = self.resolve(name)
         rec = self.client.record(eid, spec)
         if self.send is None:
             raise APIError(400, "reset needs --isolate", code="not_supported")

@@ -9,6 +9,7 @@ hostname resolves to 127.0.0.1), must not come from a browser Origin that was no
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import socket
@@ -42,6 +43,7 @@ class AccessSettings:
         return is_loopback_name(self.bind_host)
 
 
+@functools.lru_cache(maxsize=256)  # asked on every TCP request, of a handful of names
 def is_loopback_name(host: str) -> bool:
     host = host.strip("[]").lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):
