@@ -43,6 +43,7 @@ from throughput import (
     Server,
     model_for,
     pct,
+    quiet_gc,
     run_inprocess,
     salted,
     start_target,
@@ -52,6 +53,9 @@ STAGES = [  # (row label, the stamp's name, whose clock)
     ("proxy in (parsed, checked)", "proxy_in", "proxy"),
     ("sending (to ZeroMQ)", "sending", "proxy"),
     ("engine in (I/O thread)", "engine_in", "engine"),
+    ("a lane starts preparing it", "lane", "engine"),
+    ("templated and tokenized", "tokenized", "engine"),
+    ("RAM and SSD tiers asked", "restore_checked", "engine"),
     ("prepared (template, tokens)", "prepared", "engine"),
     ("taken by the MLX thread", "taken", "engine"),
     ("inserted into the generator", "inserted", "engine"),
@@ -200,14 +204,16 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
             ref_first: list[float] = []
             ref_text: list[float] = []
             for i in range(args.rounds):
-                f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype)
+                with quiet_gc():
+                    f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype)
                 ref_first += f
                 ref_text += t
                 line = [f"streams {s} round {i}: in-process first text {statistics.median(t):.1f}"]
                 for name, ((_, base, model), trace) in servers.items():
                     # each daemon appends to its own directory for the whole run: a round's
                     # records are told apart by their request ids (the client's)
-                    client = await burst(base, model, s, args.max_tokens)
+                    with quiet_gc():
+                        client = await burst(base, model, s, args.max_tokens)
                     rows = join(Path(trace), client)
                     r, g = relative(rows)
                     t0 = min(row["client_sent"] for row in rows)

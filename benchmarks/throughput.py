@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import itertools
 import json
 import os
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -50,6 +53,21 @@ SHAPES = {
 PROMPTS = [f"Request {i}: write a long and detailed story about a lighthouse keeper, "
            f"the sea, and the number {i}." for i in range(256)]
 _ROUNDS = itertools.count()
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """A measured round without this process's garbage collector: the clients share the
+    process with the in-process reference's model, tokenizer and libraries, whose full
+    collection stalled the clients' event loop for ~100 ms in some rounds (first content read
+    that long after the proxy had written it). Collected before, off during; every target,
+    the in-process one included, is measured alike."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def salted(prompts: list[str]) -> list[str]:
@@ -367,10 +385,11 @@ async def interleaved(args: argparse.Namespace, model_dir: str, levels: list[int
             await server.wait()
 
         async def one(target: str, c: int, tokens: int) -> Round:
-            if target == "inprocess":
-                return run_inprocess(model_dir, c, tokens, args.dtype)
-            _, base, name = servers[target]
-            return await measured_http(target, base, name, c, tokens)
+            with quiet_gc():
+                if target == "inprocess":
+                    return run_inprocess(model_dir, c, tokens, args.dtype)
+                _, base, name = servers[target]
+                return await measured_http(target, base, name, c, tokens)
         for c in levels:
             for t in targets:
                 await one(t, c, min(args.max_tokens, 16))  # warm-up

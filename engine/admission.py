@@ -22,7 +22,7 @@ from mlxd.engine.output import (
 from mlxd.engine.prefix_cache import RestoredPrefix
 from mlxd.engine.runner_messages import AddRequest
 from mlxd.engine.state import LoadedModel
-from mlxd.protocol import faults
+from mlxd.protocol import faults, stage_trace
 from mlxd.protocol.messages import PROMPT_SIZE_SLACK, Delta, Generate
 
 log = logging.getLogger("mlxd.engine")
@@ -64,8 +64,12 @@ def _prepare(msg: Generate, model: LoadedModel,
              received_at: float) -> Admitted | Answered:
     from mlxd.engine.sampling import make_request_sampler
     rid, tok = msg.request_id, model.tokenizer
+    if stage_trace.ON:
+        stage_trace.stamp_request(rid, "lane", "engine")
     check_prompt_size(msg, model.context_length, model.max_token_bytes)
     prompt = prompt_tokens(tok, msg)
+    if stage_trace.ON:
+        stage_trace.stamp_request(rid, "tokenized", "engine")
     check_logit_bias(msg, len(tok))
     if msg.count_only:
         return Answered([Delta(rid, prompt_tokens=len(prompt)),
@@ -82,10 +86,13 @@ def _prepare(msg: Generate, model: LoadedModel,
             return Answered([Delta(rid, prompt_tokens=out.prompt_tokens),
                              Delta(rid, finish_reason="length", prompt_tokens=out.prompt_tokens,
                                    completion_tokens=out.completion_tokens)])
+    restored = restore(prompt)
+    if stage_trace.ON:
+        stage_trace.stamp_request(rid, "restore_checked", "engine")
     request = AddRequest(rid, prompt, max_tokens,
                          make_request_sampler(p, start_position=len(resumed)),
                          processors(msg, model.grammar_tokenizer, resumed),
-                         restored=restore(prompt), received_at=received_at,
+                         restored=restored, received_at=received_at,
                          logprobs=p.logprobs, group=msg.prefill_group,
                          group_size=msg.group_size)
     notice = Delta(rid, prompt_tokens=out.prompt_tokens)

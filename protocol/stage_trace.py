@@ -61,6 +61,9 @@ REQUEST_STAGES = (
     "proxy_in",  # proxy: the request parsed and checked, its engine chosen next
     "sending",  # proxy: the Generate handed to ZeroMQ
     "engine_in",  # engine I/O thread: received, handed to an admission lane
+    "lane",  # admission lane: its thread starts preparing it
+    "tokenized",  # admission lane: templated and tokenized
+    "restore_checked",  # admission lane: the RAM and SSD tiers asked what they hold of it
     "prepared",  # admission lane: templated, tokenized, checked, handed to the MLX thread
     "taken",  # MLX thread: taken from its inbox (an idle engine's burst gathering included)
     "inserted",  # MLX thread: inserted into the generator (prefilled at its next steps)
