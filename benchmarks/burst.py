@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput
 from throughput import (
     PROMPTS,
     SHAPES,
@@ -88,8 +89,18 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
 
 
 async def burst(base: str, model: str, streams: int, tokens: int) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
+    """One burst's client stamps (perf_counter_ns: the host's monotonic clock), sent from the
+    client process when there is one (`throughput.CLIENTS`)."""
     prompts = salted(PROMPTS[:streams])  # no round is served from an earlier one's cache
+    if throughput.CLIENTS is not None:
+        return await throughput.CLIENTS.run("burst", "burst_round", base, model, prompts, tokens)
+    return await burst_round(base, model, prompts, tokens)
+
+
+async def burst_round(base: str, model: str, prompts: list[str], tokens: int
+                      ) -> dict[str, dict[str, int]]:
+    streams = len(prompts)
+    out: dict[str, dict[str, int]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         await asyncio.gather(*(_stream(s, base + "/v1/chat/completions", model, prompts[i],
                                        tokens, out) for i in range(streams)))
@@ -256,7 +267,12 @@ def main() -> None:
                          "here, as JSON")
     args = ap.parse_args()
     model_dir = model_for(args)
-    report = asyncio.run(main_async(args, model_dir))
+    from client_process import ClientProcess
+    throughput.CLIENTS = ClientProcess()
+    try:
+        report = asyncio.run(main_async(args, model_dir))
+    finally:
+        throughput.CLIENTS.close()
     import mlx.core as mx
     head = (f"Model: {args.model or 'random ' + args.shape + ' (' + args.model_dtype + ')'}; "
             f"{args.max_tokens} tokens per request, greedy; {args.rounds} rounds; device "

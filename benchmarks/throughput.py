@@ -206,14 +206,28 @@ async def _one_stream(session: aiohttp.ClientSession, url: str, model: str, prom
     return usage or chunks
 
 
+CLIENTS: Any = None  # a client_process.ClientProcess: the HTTP rounds run there when set
+
+
 async def run_http(name: str, base: str, model: str, concurrency: int, max_tokens: int,
                    unix: str | None = None) -> Round:
+    """One round of `concurrency` streaming clients, in the client process when there is one
+    (the prompts are salted here: one count of rounds for the whole run)."""
+    prompts = salted(PROMPTS[:concurrency])
+    if CLIENTS is not None:
+        return await CLIENTS.run("throughput", "http_round", name, base, model, prompts,
+                                 max_tokens, unix)
+    return await http_round(name, base, model, prompts, max_tokens, unix)
+
+
+async def http_round(name: str, base: str, model: str, prompts: list[str], max_tokens: int,
+                     unix: str | None = None) -> Round:
+    concurrency = len(prompts)
     connector = aiohttp.UnixConnector(path=unix) if unix else aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=3600)
     ttft: list[float] = []
     itl: list[float] = []
     errors: list[str] = []
-    prompts = salted(PROMPTS[:concurrency])
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(
@@ -528,7 +542,13 @@ def main() -> None:
                     "'--ssd-cache off --prompt-cache 0'")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput"))
     args = ap.parse_args()
-    rounds = asyncio.run(main_async(args))
+    global CLIENTS
+    from client_process import ClientProcess
+    CLIENTS = ClientProcess()
+    try:
+        rounds = asyncio.run(main_async(args))
+    finally:
+        CLIENTS.close()
     print(report(rounds, args, args.out))
 
 
