@@ -88,10 +88,11 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
                 out[rid]["client_first"] = time.perf_counter_ns()
 
 
-async def burst(base: str, model: str, streams: int, tokens: int) -> dict[str, dict[str, int]]:
+async def burst(base: str, model: str, streams: int, tokens: int,
+                prompts: list[str] | None = None) -> dict[str, dict[str, int]]:
     """One burst's client stamps (perf_counter_ns: the host's monotonic clock), sent from the
     client process when there is one (`throughput.CLIENTS`)."""
-    prompts = salted(PROMPTS[:streams])  # no round is served from an earlier one's cache
+    prompts = prompts or salted(PROMPTS[:streams])  # no round served from an earlier one's cache
     if throughput.CLIENTS is not None:
         return await throughput.CLIENTS.run("burst", "burst_round", base, model, prompts, tokens)
     return await burst_round(base, model, prompts, tokens)
@@ -179,10 +180,10 @@ def table(streams: int, rels: dict[str, dict[str, list[float]]],
     return "\n".join(lines)
 
 
-def inprocess_first(model_dir: str, streams: int, tokens: int, dtype: str
-                    ) -> tuple[list[float], list[float]]:
+def inprocess_first(model_dir: str, streams: int, tokens: int, dtype: str,
+                    prompts: list[str] | None = None) -> tuple[list[float], list[float]]:
     """The reference's first tokens and first text (ms after its insert of all S prompts)."""
-    rnd = run_inprocess(model_dir, streams, tokens, dtype)
+    rnd = run_inprocess(model_dir, streams, tokens, dtype, prompts)
     return [x * 1e3 for x in rnd.first_token], [x * 1e3 for x in rnd.ttft]
 
 
@@ -215,8 +216,13 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
             ref_first: list[float] = []
             ref_text: list[float] = []
             for i in range(args.rounds):
+                # One set of prompts for the round, the reference's and every daemon's: a
+                # random model's first token often decodes to no text yet (a partial UTF-8
+                # character), and whether it does depends on the prompt, so first *text* is
+                # compared on the same prompts (each daemon has its own caches: no hit).
+                prompts = salted(PROMPTS[:s])
                 with quiet_gc():
-                    f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype)
+                    f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype, prompts)
                 ref_first += f
                 ref_text += t
                 line = [f"streams {s} round {i}: in-process first text {statistics.median(t):.1f}"]
@@ -224,7 +230,7 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
                     # each daemon appends to its own directory for the whole run: a round's
                     # records are told apart by their request ids (the client's)
                     with quiet_gc():
-                        client = await burst(base, model, s, args.max_tokens)
+                        client = await burst(base, model, s, args.max_tokens, prompts)
                     rows = join(Path(trace), client)
                     r, g = relative(rows)
                     t0 = min(row["client_sent"] for row in rows)

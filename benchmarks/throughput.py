@@ -108,7 +108,8 @@ def pct(xs: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------- in-process reference
 
-def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str) -> Round:
+def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str,
+                  texts: list[str] | None = None) -> Round:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
@@ -120,7 +121,7 @@ def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str)
         _LOADED = (model_dir, model, tok)
     _, model, tok = _LOADED
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in salted(PROMPTS[:concurrency])]
+               for p in (texts or salted(PROMPTS[:concurrency]))]
     global _STREAM
     if _STREAM is None:  # one for the whole run: on CUDA a new stream per round decoded 9 %
         _STREAM = mx.new_stream(mx.default_device())  # slower (benchmarks/decode_stream.py)
