@@ -293,7 +293,7 @@ class GroupLeader:
             def _fail_all(self, message: str, held: bool = True) -> None:
                 waiting = [a.request_id for w in self._followers.values() for a in w]
                 waiting += [a.request_id for g in self._groups.values() for a in g.waiting]
-                waiting += [a.request_id for a in self._held] if held else []
+                waiting += [a.request_id for a in self.gate.held] if held else []
                 super()._fail_all(message, held)
                 for rid in waiting:
                     leader.notes.take(rid)

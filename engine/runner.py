@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,8 +24,9 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxd.engine import kv_quant
-from mlxd.engine.batch_budget import Budget, explain, may_admit, reserved_tokens
+from mlxd.engine.batch_budget import Budget
 from mlxd.engine.constraints_overlap import GrammarSteps
+from mlxd.engine.kv_gate import KvGate
 from mlxd.engine.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.runner_messages import (
     AbortRequest,
@@ -150,14 +150,8 @@ class Runner:
         self.spec = speculator  # speculative steps for a row decoding alone
         self._grammar = GrammarSteps()  # constrained rows: masks computed together
         self._batch_size = batch_size
-        self._budget = budget
-        self._context = context
+        self.gate = KvGate(batch_size, budget, context)  # who joins the running rows, when
         self._preparing = preparing or (lambda submitted_by: 0)
-        self._held: deque[AddRequest] = deque()  # waiting for room in the budget, in order
-        self._reserved: dict[str, int] = {}  # request id -> KV tokens it may come to hold
-        self._reserved_total = 0
-        self._last_reserved = 0  # the latest admitted request's: the typical size at idle
-        self._room_changed = False  # reservations were released since the gate last looked
         self._prefill_step = prefill_step
         self._stream = stream
         self._stop_sequences = StopSequences([[e] for e in eos_ids])
@@ -205,7 +199,7 @@ class Runner:
             while self._handle_commands(block=not self._uid_to_rid):
                 if self._uid_to_rid:
                     self._step()
-                if self._held and self._room_changed:  # rows finished: room for more?
+                if self.gate.held and self.gate.room_changed:  # rows ended: room for more?
                     self._admit(self._through_gate([]))
         finally:
             self._gen.close()
@@ -235,11 +229,12 @@ class Runner:
                 aborts = [*self._rid_to_uid, *(a.request_id for w in self._followers.values()
                                                for a in w),
                           *(a.request_id for g in self._groups.values() for a in g.waiting),
-                          *(a.request_id for a in self._held), *(a.request_id for a in adds)]
+                          *(a.request_id for a in self.gate.held),
+                          *(a.request_id for a in adds)]
             gone = set(aborts)
             adds = [a for a in adds if a.request_id not in gone]  # aborted before it started
             self._abort(aborts)
-        if adds or self._held:
+        if adds or self.gate.held:
             admitted = self._through_gate(adds)
             if len(admitted) > 1 and not self._uid_to_rid:
                 self.counters.bursts += 1
@@ -252,7 +247,7 @@ class Runner:
         """One command; False once the runner must stop."""
         match cmd:
             case StopRunner():
-                self._held.extend(adds)  # failed with the rest
+                self.gate.held.extend(adds)  # failed with the rest
                 self._fail_all("engine stopping")
                 return False
             case AddRequest():
@@ -292,41 +287,18 @@ class Runner:
     # ------------------------------------------------------------------ the KV budget
 
     def _through_gate(self, adds: list[AddRequest]) -> list[AddRequest]:
-        """The requests that may join the running rows now, oldest first; the rest wait (a
-        request is never passed by a later one, so none waits for ever)."""
-        self._held.extend(adds)
-        self._room_changed = False
-        admitted = []
-        while self._held:
-            add = self._held[0]
-            need = reserved_tokens(len(add.prompt), add.max_tokens, self._context)
-            if self._budget is not None and not may_admit(
-                    self._budget, len(self._reserved), self._reserved_total, need):
-                break
-            self._held.popleft()
-            self._reserved[add.request_id] = need
-            self._reserved_total += need
-            self._last_reserved = need
-            admitted.append(add)
+        admitted = self.gate.admit(adds)
         self._update_cap()
         return admitted
 
     def _release(self, rids: list[str]) -> None:
-        for rid in rids:
-            self._reserved_total -= self._reserved.pop(rid, 0)
-        self._room_changed = True
+        self.gate.release(rids)
         self._update_cap()
 
     def _update_cap(self) -> None:
         c = self.counters
-        c.waiting = len(self._held)
-        if self._budget is None:
-            c.batch_cap, c.batch_why = self._batch_size, f"--batch {self._batch_size}"
-            return
-        running = len(self._reserved)
-        typical = (self._reserved_total // running if running
-                   else self._last_reserved or self._context or 4096)
-        c.batch_cap, c.batch_why = explain(self._budget, running, self._reserved_total, typical)
+        c.waiting = len(self.gate.held)
+        c.batch_cap, c.batch_why = self.gate.cap()
 
     def set_budget(self, b: Budget) -> None:
         """A new KV budget (the engine's memory share changed; run through `Call`, on the MLX
@@ -334,14 +306,14 @@ class Runner:
         so a smaller one holds new rows back until enough running ones end; a larger one lets
         held rows in at once. The RAM prefix cache takes its new capacity now, and memory MLX
         kept for reuse goes back to the system (another engine may be about to load)."""
+        old = self.gate.budget
         shrunk = b.kv_bytes + b.cache_bytes < (
-            self._budget.kv_bytes + self.cache.max_bytes if self._budget else 0)
-        self._budget = b
+            old.kv_bytes + self.cache.max_bytes if old else 0)
+        self.gate.set_budget(b)
         if kv_quant.cacheable(self._model):
             self.cache.resize(b.cache_bytes)
         if shrunk:
             mx.clear_cache()
-        self._room_changed = True
         self._update_cap()
 
     def _admit(self, adds: list[AddRequest]) -> None:
@@ -486,8 +458,7 @@ class Runner:
         gone = set(rids)
         for waiting in [*self._followers.values(), *(g.waiting for g in self._groups.values())]:
             waiting[:] = [a for a in waiting if a.request_id not in gone]
-        if self._held:
-            self._held = deque(a for a in self._held if a.request_id not in gone)
+        self.gate.drop_held(gone)
         self._release(rids)
         uids = [self._rid_to_uid.pop(r) for r in rids if r in self._rid_to_uid]
         for uid in uids:
@@ -679,14 +650,9 @@ class Runner:
         self._awaiting_first.clear()
         self._logprobs.clear()
         waiting += [a.request_id for g in self._groups.values() for a in g.waiting]
-        if held:
-            waiting += [a.request_id for a in self._held]
-            self._held.clear()
+        waiting += self.gate.clear(held)
         self._groups.clear()
         self._group_leaders.clear()
-        self._reserved.clear()
-        self._reserved_total = 0
-        self._room_changed = True
         self._update_cap()
         if self._uid_to_rid:
             self._gen.remove(list(self._uid_to_rid))

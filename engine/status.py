@@ -28,7 +28,8 @@ def engine_stats(runner: Any, ssd: Any) -> EngineStats:
         to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
         mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
         bursts=c.bursts)
-    budget = getattr(runner, "_budget", None)  # None: no memory rule (a sharded group's rank)
+    gate = getattr(runner, "gate", None)  # an embedding engine's runner has none
+    budget = gate.budget if gate is not None else None  # None: no memory rule
     if budget is not None:
         st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share
     spec = getattr(runner, "spec", None)

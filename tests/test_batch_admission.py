@@ -67,14 +67,14 @@ def test_the_budget_holds_requests_back_in_order_and_admits_them_as_rows_finish(
     for i in range(5):
         r.inbox.put(_add(f"r{i}", prompt, 12))
     r._handle_commands(block=False)
-    assert [a.request_id for a in r._held] == ["r2", "r3", "r4"]
+    assert [a.request_id for a in r.gate.held] == ["r2", "r3", "r4"]
     assert (r.counters.waiting, r.counters.batch_cap) == (3, 2)
     assert "memory" in r.counters.batch_why and "test" in r.counters.batch_why
     order, peak, tokens = _drive(r, outq, {f"r{i}" for i in range(5)})
     assert peak == 2  # never more rows than the budget holds
     assert order == [f"r{i}" for i in range(5)]  # none passed an earlier one
     assert all(len(t) == 12 for t in tokens.values())
-    assert (r.counters.waiting, r._reserved_total, r._reserved) == (0, 0, {})
+    assert (r.counters.waiting, r.gate.reserved_total, r.gate.reserved) == (0, 0, {})
 
 
 def test_an_aborted_request_that_waits_leaves_the_queue(model):
@@ -86,10 +86,10 @@ def test_an_aborted_request_that_waits_leaves_the_queue(model):
     for i in range(3):
         r.inbox.put(_add(f"a{i}", prompt, 8))
     r._handle_commands(block=False)
-    assert [a.request_id for a in r._held] == ["a1", "a2"]
+    assert [a.request_id for a in r.gate.held] == ["a1", "a2"]
     r.inbox.put(AbortRequest("a1"))
     r._handle_commands(block=False)
-    assert [a.request_id for a in r._held] == ["a2"]
+    assert [a.request_id for a in r.gate.held] == ["a2"]
     order, _, _ = _drive(r, outq, {"a0", "a2"})
     assert order == ["a0", "a2"]
 
@@ -103,7 +103,7 @@ def test_an_explicit_batch_caps_rows_whatever_the_memory(model):
     for i in range(5):
         r.inbox.put(_add(f"e{i}", prompt, 6))
     r._handle_commands(block=False)
-    assert len(r._held) == 2 and r.counters.batch_cap == 3
+    assert len(r.gate.held) == 2 and r.counters.batch_cap == 3
     assert r.counters.batch_why.startswith("--batch 3")
     _, peak, _ = _drive(r, outq, {f"e{i}" for i in range(5)})
     assert peak == 3

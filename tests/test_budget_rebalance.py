@@ -51,7 +51,7 @@ def test_a_smaller_budget_lets_running_rows_finish_and_holds_new_ones_then_grows
     for i in range(4):
         r.inbox.put(AddRequest(f"r{i}", prompt, 10, greedy_sampler, []))
     r._handle_commands(block=False)
-    assert len(r._reserved) == 4 and r.counters.batch_cap == 4
+    assert len(r.gate.reserved) == 4 and r.counters.batch_cap == 4
     rows: list[set[str]] = []
     done: list[str] = []
     _step(r, outq, rows, done)
@@ -73,7 +73,7 @@ def test_a_smaller_budget_lets_running_rows_finish_and_holds_new_ones_then_grows
         _step(r, outq, rows, done)
     # all of it again: the three held requests joined r4 at once
     assert max(len(s) for s in rows[rows.index({"r4"}):]) == 4
-    assert (r._reserved, r.counters.waiting) == ({}, 0)
+    assert (r.gate.reserved, r.counters.waiting) == ({}, 0)
     r._gen.close()
 
 

@@ -15,7 +15,7 @@ def turn(runner: Runner) -> None:
     runner._handle_commands(block=False)
     if runner._uid_to_rid:
         runner._step()
-    if runner._held and runner._room_changed:
+    if runner.gate.held and runner.gate.room_changed:
         runner._admit(runner._through_gate([]))
 
 
