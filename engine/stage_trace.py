@@ -21,7 +21,7 @@ from typing import Any
 
 from mlxd.engine.runner_messages import StepTokens
 from mlxd.protocol.messages import Delta
-from mlxd.protocol.stage_trace import TokenTrace, TraceFile, now
+from mlxd.protocol.stage_trace import TokenTrace, TraceFile, flush_requests, now
 
 _current: dict[str, int] | None = None  # the step under way (MLX thread only)
 _in_step = False  # inside GenerationBatch._step: its eval calls are the step's
@@ -133,3 +133,4 @@ class OutputTrace:
         self._pending.clear()
         if finished:
             self.file.flush()
+            flush_requests()

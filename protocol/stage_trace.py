@@ -89,7 +89,11 @@ class TraceFile:
         self._enc = msgspec.json.Encoder()
 
     def add(self, record: TokenTrace) -> None:
-        self._records.append(record)
+        with self._lock:  # `flush` may run on another thread
+            self._records.append(record)
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     def flush(self) -> None:
         with self._lock:
@@ -117,6 +121,18 @@ def stamp_request(request_id: str, stage: str, role: str, last: bool = False,
         if f is None:
             f = _request_files[role] = TraceFile(f"{role}-requests")
         f.add(TokenTrace(request_id, 0, _request_stamps.pop(request_id, stamps)))
+        if len(f) >= FLUSH_AT:
+            f.flush()
+
+
+FLUSH_AT = 256  # request records kept before a write, where nothing calls `flush_requests`
+
+
+def flush_requests() -> None:
+    """Write the request records stamped so far. Called where a request's token records are
+    written (its end), off the path the stamps measure: a file write per request on the MLX
+    thread's insert loop or the proxy's event loop would be part of what a burst times."""
+    for f in list(_request_files.values()):
         f.flush()
 
 

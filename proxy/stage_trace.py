@@ -8,7 +8,7 @@ proxy forgets them with their request."""
 from __future__ import annotations
 
 from mlxd.protocol.messages import Delta
-from mlxd.protocol.stage_trace import TokenTrace, TraceFile, now
+from mlxd.protocol.stage_trace import TokenTrace, TraceFile, flush_requests, now
 
 _file: TraceFile | None = None
 # (request id, token index) -> (received, decoded), until its route takes the delta
@@ -63,3 +63,4 @@ class StreamTrace:
             for key in [k for k in _arrivals if k[0] == rid]:
                 del _arrivals[key]
         trace_file().flush()
+        flush_requests()
