@@ -456,6 +456,9 @@ class Runner:
 
     def _abort(self, rids: list[str]) -> None:
         gone = set(rids)
+        if stage_trace.ON:  # those not inserted yet never reach their last stamp
+            for rid in rids:
+                stage_trace.forget_request(rid)
         for waiting in [*self._followers.values(), *(g.waiting for g in self._groups.values())]:
             waiting[:] = [a for a in waiting if a.request_id not in gone]
         self.gate.drop_held(gone)
@@ -660,5 +663,8 @@ class Runner:
         self._rid_to_uid.clear()
         self.counters.active = 0
         self.counters.busy = False
+        if stage_trace.ON:
+            for rid in waiting:
+                stage_trace.forget_request(rid)
         if rids or waiting:
             self._outbox.put(RequestsRemoved(rids + waiting, error=message))

@@ -94,6 +94,32 @@ def test_an_aborted_request_that_waits_leaves_the_queue(model):
     assert order == ["a0", "a2"]
 
 
+def test_the_stage_clock_forgets_a_request_aborted_before_it_was_inserted(model, tmp_path,
+                                                                          monkeypatch):
+    from mlxd.protocol import stage_trace
+    stamps: dict = {}
+    monkeypatch.setattr(stage_trace, "ON", True)
+    monkeypatch.setattr(stage_trace, "DIR", str(tmp_path))
+    monkeypatch.setattr(stage_trace, "_request_stamps", stamps)
+    monkeypatch.setattr(stage_trace, "_request_files", {})
+    m, tok = model
+    prompt = tok.encode("Hello there, general")
+    outq: queue.Queue = queue.Queue()
+    budget = Budget(kv_bytes=len(prompt) + 8, per_token=1, explicit_cap=None, why="test")
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
+    for i in range(3):
+        r.inbox.put(_add(f"t{i}", prompt, 8))
+    r._handle_commands(block=False)
+    assert set(stamps) == {"t1", "t2"}  # t0 inserted: its record is written, t1 and t2 wait
+    r.inbox.put(AbortRequest("t1"))
+    r._handle_commands(block=False)
+    assert set(stamps) == {"t2"}
+    _drive(r, outq, {"t0", "t2"})
+    assert stamps == {}
+    stage_trace.flush_requests()
+    assert {t.request_id for t in stage_trace.read(tmp_path, requests=True)} == {"t0", "t2"}
+
+
 def test_an_explicit_batch_caps_rows_whatever_the_memory(model):
     m, tok = model
     prompt = tok.encode("Tell me about the sea")
