@@ -86,6 +86,7 @@ class TraceFile:
         self.path = Path(directory or DIR or ".") / f"{role}-{os.getpid()}.jsonl"
         self._records: list[TokenTrace] = []
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._enc = msgspec.json.Encoder()
 
     def add(self, record: TokenTrace) -> None:
@@ -96,10 +97,11 @@ class TraceFile:
         return len(self._records)
 
     def flush(self) -> None:
-        with self._lock:
+        with self._lock:  # held only to take the records: `add` never waits for the disk
             records, self._records = self._records, []
-            if not records:
-                return
+        if not records:
+            return
+        with self._write_lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "ab") as f:
                 f.write(b"".join(self._enc.encode(r) + b"\n" for r in records))
