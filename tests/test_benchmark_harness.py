@@ -39,3 +39,40 @@ def test_proxy_relay_smoke(tmp_path):
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [(x["streams"], x["relayed_tokens"]) for x in rows] == [(1, 40), (3, 120)]
     assert "| 3 | 40 |" in out.read_text()
+
+
+def test_proxy_intake_smoke(tmp_path):
+    """--intake: every one-token request of every burst is answered, and the proxy's own CPU
+    per request is read."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "proxy_relay.py"), "--intake", "--streams",
+         "4", "--rounds", "3", "--client-procs", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(x["burst"], x["requests"]) for x in rows] == [(4, 12)]
+    assert rows[0]["proxy_cpu_ms_per_request"] > 0
+
+
+def test_burst_harness_smoke(tmp_path):
+    """burst.py joins the client's, the proxy's and the engine's stamps of every request (the
+    client in its own process, the stage clock on in the daemon) into its table."""
+    out = tmp_path / "burst.md"
+    dump = tmp_path / "burst.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "burst.py"), "--shape", "tiny", "--streams",
+         "4", "--rounds", "1", "--max-tokens", "4", "--out", str(out), "--dump", str(dump)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [burst] = [b for b in json.loads(dump.read_text()) if b["streams"] == 4]
+    assert len(burst["requests"]) == 4
+    order = ["client_sent", "proxy_in", "sending", "engine_in", "lane", "tokenized",
+             "restore_checked", "prepared", "taken", "inserted", "read_back", "written",
+             "client_first"]
+    for req in burst["requests"]:
+        # every stage up to the insert stamped, by one clock, in order; the first token's
+        # stages too where the random model's first token was not an end (it has no text)
+        assert all(k in req for k in order[:10]), req
+        times = [req[k] for k in order if k in req]
+        assert times == sorted(times), req
+    assert any(all(k in req for k in order) for req in burst["requests"])
