@@ -93,6 +93,7 @@ class Round:
     errors: int = 0  # streams that broke off (connection reset, HTTP error)
     first_token: list[float] = field(default_factory=list)  # in-process: each row's first token
     paired: float = float("nan")  # --interleave: median of its rounds' ratios to in-process
+    paired_each: list[float] = field(default_factory=list)  # --interleave: every round's ratio
 
     @property
     def tok_s(self) -> float:
@@ -416,9 +417,9 @@ async def interleaved(args: argparse.Namespace, model_dir: str, levels: list[int
             for t in targets:
                 r = median_round(tries[t])
                 if "inprocess" in tries:
-                    r.paired = statistics.median(
-                        x.tok_s / ref.tok_s for x, ref in zip(tries[t], tries["inprocess"],
-                                                               strict=True))
+                    r.paired_each = [x.tok_s / ref.tok_s for x, ref in
+                                     zip(tries[t], tries["inprocess"], strict=True)]
+                    r.paired = statistics.median(r.paired_each)
                 rounds.append(r)
                 print(f"{t:14s} c={c:3d} {r.tok_s:9.1f} tok/s, paired ratio {r.paired:.2f}, "
                       f"first text p50 {pct(r.ttft, .5):.3f} s", flush=True)
@@ -494,7 +495,8 @@ def report(rounds: list[Round], args: argparse.Namespace, out: Path) -> str:
         lines += ["", f"Interleaved: each of the {args.repeat} repetitions ran every target in "
                   "turn (the order rotating); paired ratio = median over repetitions of the "
                   "round's tok/s / the in-process round's of the same repetition:", ""]
-        lines += [f"- {r.target} at {r.concurrency}: {r.paired:.2f}" for r in rounds
+        lines += [f"- {r.target} at {r.concurrency}: {r.paired:.2f} (each repetition: "
+                  f"{', '.join(f'{x:.2f}' for x in r.paired_each)})" for r in rounds
                   if r.target != "inprocess"]
     table = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
