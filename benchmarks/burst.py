@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -199,8 +200,12 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
         if window:
             env["MLXD_BURST_WINDOW"] = window
         target = "mlxd-isolate" + (":" + ";".join(settings) if settings else "")
+        # an SSD tier of its own: the daemons are sent the same prompts, and one daemon's
+        # stored blocks must not serve another (a variant's own --ssd-cache comes later, wins)
+        kv = ["--ssd-cache", str(trace_root / f"kv-{len(servers)}")]
         servers[v or "default"] = (start_target(target, model_dir, None, args.dtype,
-                                                extra, env=env), env["MLXD_STAGE_TRACE"])
+                                                [*extra, *kv], env=env),
+                                   env["MLXD_STAGE_TRACE"])
     out = []
     dump: list[dict[str, object]] = []
     try:
@@ -247,6 +252,7 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
     finally:
         for (server, _, _), _ in servers.values():
             server.stop()
+        shutil.rmtree(trace_root, ignore_errors=True)
     if args.dump:
         Path(args.dump).write_text(json.dumps(dump, indent=1))
     return "\n\n".join(out)
