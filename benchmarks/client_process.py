@@ -1,13 +1,13 @@
 """The benchmarks' HTTP clients in a process of their own.
 
 The in-process reference (mlx-lm's BatchGenerator) runs in the benchmark's own process, with
-the model, the tokenizer, MLX's device threads and every library they pull in. A client
-sharing that process was measured lagging behind the server: on the H200 host, in 2 to 4 of 8
-burst rounds, every stream's first content reached the client 100-190 ms after the proxy had
-written it (`burst.py`'s "first token written" against "client: first content"), and turning
-the client's garbage collector off did not remove it. A client in a spawned process (no MLX
-imported, no model) times only the server. Its clock is the parent's: `time.perf_counter` is
-the host's monotonic clock on Linux and macOS alike.
+the model, the tokenizer, MLX's device threads and every library they pull in. A client in a
+spawned process (no MLX imported, no model) shares neither that interpreter's GIL nor its
+garbage, so it times the server and nothing of the reference. (It was made for the 87-190 ms
+lags of some H200 burst rounds between the proxy's write and the client's read; they stayed
+with the client here, and were the rounds' text coming out only with their last token:
+RESULTS.md section 23.) Its clock is the parent's: `time.perf_counter` is the host's monotonic
+clock on Linux and macOS alike.
 
     clients = ClientProcess()
     result = await clients.run("throughput", "http_round", *args)  # module, coroutine, args
@@ -24,7 +24,13 @@ from typing import Any
 
 
 def _serve(conn: Connection) -> None:
-    while (job := conn.recv()) is not None:
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if job is None:
+            return
         module, name, args = job
         try:
             fn = getattr(importlib.import_module(module), name)

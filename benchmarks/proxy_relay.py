@@ -49,68 +49,58 @@ async def _stream(session: aiohttp.ClientSession, url: str, tokens: int) -> int:
     return n
 
 
-def _client(url: str, streams: int, tokens: int, start_at: float, q: mp.Queue) -> None:
-    async def run() -> tuple[int, float, float]:
+def _client(url: str, streams: int, tokens: int, rounds: int, start_at: float,
+            q: mp.Queue) -> None:
+    """`rounds` times, `streams` streams at once of `tokens` tokens each: (tokens relayed,
+    requests that got all their tokens, start, end)."""
+    async def run() -> tuple[int, int, float, float]:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn,
                                          timeout=aiohttp.ClientTimeout(total=600)) as s:
             await asyncio.sleep(max(0.0, start_at - time.time()))
             t0 = time.time()
-            counts = await asyncio.gather(*(_stream(s, url, tokens) for _ in range(streams)))
-            return sum(counts), t0, time.time()
-    q.put(asyncio.run(run()))
-
-
-def _intake_client(url: str, streams: int, rounds: int, start_at: float, q: mp.Queue) -> None:
-    async def run() -> tuple[int, float, float]:
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn,
-                                         timeout=aiohttp.ClientTimeout(total=600)) as s:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-            t0 = time.time()
-            done = 0
+            relayed = whole = 0
             for _ in range(rounds):
-                await asyncio.gather(*(_stream(s, url, 1) for _ in range(streams)))
-                done += streams
-            return done, t0, time.time()
+                counts = await asyncio.gather(*(_stream(s, url, tokens) for _ in range(streams)))
+                relayed += sum(counts)
+                whole += sum(c == tokens for c in counts)
+            return relayed, whole, t0, time.time()
     q.put(asyncio.run(run()))
 
 
-def measure_intake(url: str, streams: int, rounds: int, procs: int, proxy_pid: int) -> dict:
-    import psutil
-    proxy = psutil.Process(proxy_pid)
-    cpu0 = sum(proxy.cpu_times()[:2])
+def _run_clients(url: str, streams: int, tokens: int, rounds: int, procs: int
+                 ) -> tuple[int, int, float]:
+    """The streams spread over `procs` client processes that start together: (tokens
+    relayed, requests answered whole, seconds from the first start to the last end)."""
     q: mp.Queue = mp.Queue()
     start_at = time.time() + 1.0
     per = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
-    ps = [mp.Process(target=_intake_client, args=(url, n, rounds, start_at, q))
+    ps = [mp.Process(target=_client, args=(url, n, tokens, rounds, start_at, q))
           for n in per if n]
     for p in ps:
         p.start()
     results = [q.get() for _ in ps]
     for p in ps:
         p.join()
+    seconds = max(r[3] for r in results) - min(r[2] for r in results)
+    return sum(r[0] for r in results), sum(r[1] for r in results), seconds
+
+
+def measure_intake(url: str, streams: int, rounds: int, procs: int, proxy_pid: int) -> dict:
+    import psutil
+    proxy = psutil.Process(proxy_pid)
+    cpu0 = sum(proxy.cpu_times()[:2])
+    _, answered, seconds = _run_clients(url, streams, 1, rounds, procs)
     cpu = sum(proxy.cpu_times()[:2]) - cpu0
-    total = sum(r[0] for r in results)
-    seconds = max(r[2] for r in results) - min(r[1] for r in results)
-    return {"burst": streams, "rounds": rounds, "requests": total,
-            "seconds": round(seconds, 3), "req_s": round(total / seconds, 1),
-            "ms_per_request": round(1e3 * seconds / total, 3),
-            "proxy_cpu_ms_per_request": round(1e3 * cpu / total, 3)}
+    n = max(answered, 1)
+    return {"burst": streams, "rounds": rounds, "requests": answered,
+            "seconds": round(seconds, 3), "req_s": round(answered / seconds, 1),
+            "ms_per_request": round(1e3 * seconds / n, 3),
+            "proxy_cpu_ms_per_request": round(1e3 * cpu / n, 3)}
 
 
 def measure(url: str, streams: int, tokens: int, procs: int) -> dict:
-    q: mp.Queue = mp.Queue()
-    start_at = time.time() + 1.0
-    per = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
-    ps = [mp.Process(target=_client, args=(url, n, tokens, start_at, q)) for n in per if n]
-    for p in ps:
-        p.start()
-    results = [q.get() for _ in ps]
-    for p in ps:
-        p.join()
-    total = sum(r[0] for r in results)
-    seconds = max(r[2] for r in results) - min(r[1] for r in results)
+    total, _, seconds = _run_clients(url, streams, tokens, 1, procs)
     return {"streams": streams, "tokens_per_stream": tokens, "relayed_tokens": total,
             "seconds": round(seconds, 3), "tok_s": round(total / seconds, 1)}
 

@@ -57,11 +57,11 @@ _ROUNDS = itertools.count()
 
 @contextlib.contextmanager
 def quiet_gc() -> Iterator[None]:
-    """A measured round without this process's garbage collector: the clients share the
-    process with the in-process reference's model, tokenizer and libraries, whose full
-    collection stalled the clients' event loop for ~100 ms in some rounds (first content read
-    that long after the proxy had written it). Collected before, off during; every target,
-    the in-process one included, is measured alike."""
+    """A measured round without this process's garbage collector (collected before, off
+    during), every target alike, the in-process one included: this process holds the
+    reference's model, tokenizer and libraries, whose full collection would land in whichever
+    round it falls in. (It was tried first for the ~100 ms lags of some burst rounds; it did
+    not remove them: RESULTS.md section 23 says what did explain them.)"""
     gc.collect()
     gc.disable()
     try:

@@ -77,15 +77,21 @@ def test_the_budget_holds_requests_back_in_order_and_admits_them_as_rows_finish(
     assert (r.counters.waiting, r.gate.reserved_total, r.gate.reserved) == (0, 0, {})
 
 
-def test_an_aborted_request_that_waits_leaves_the_queue(model):
+def _room_for_one_of_three(model, prefix: str) -> tuple[Runner, queue.Queue]:
+    """A runner whose budget holds one row, sent three requests: PREFIX0 runs, 1 and 2 wait."""
     m, tok = model
     prompt = tok.encode("Hello there, general")
     outq: queue.Queue = queue.Queue()
     budget = Budget(kv_bytes=len(prompt) + 8, per_token=1, explicit_cap=None, why="test")
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
     for i in range(3):
-        r.inbox.put(_add(f"a{i}", prompt, 8))
+        r.inbox.put(_add(f"{prefix}{i}", prompt, 8))
     r._handle_commands(block=False)
+    return r, outq
+
+
+def test_an_aborted_request_that_waits_leaves_the_queue(model):
+    r, outq = _room_for_one_of_three(model, "a")
     assert [a.request_id for a in r.gate.held] == ["a1", "a2"]
     r.inbox.put(AbortRequest("a1"))
     r._handle_commands(block=False)
@@ -102,14 +108,7 @@ def test_the_stage_clock_forgets_a_request_aborted_before_it_was_inserted(model,
     monkeypatch.setattr(stage_trace, "DIR", str(tmp_path))
     monkeypatch.setattr(stage_trace, "_request_stamps", stamps)
     monkeypatch.setattr(stage_trace, "_request_files", {})
-    m, tok = model
-    prompt = tok.encode("Hello there, general")
-    outq: queue.Queue = queue.Queue()
-    budget = Budget(kv_bytes=len(prompt) + 8, per_token=1, explicit_cap=None, why="test")
-    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
-    for i in range(3):
-        r.inbox.put(_add(f"t{i}", prompt, 8))
-    r._handle_commands(block=False)
+    r, outq = _room_for_one_of_three(model, "t")
     assert set(stamps) == {"t1", "t2"}  # t0 inserted: its record is written, t1 and t2 wait
     r.inbox.put(AbortRequest("t1"))
     r._handle_commands(block=False)
