@@ -64,6 +64,8 @@ STAGES = [  # (row label, the stamp's name, whose clock)
     ("first token read back", "read_back", "engine"),
     ("first token sent", "sent", "engine"),
     ("first token written (SSE)", "written", "proxy"),
+    ("client: first event (the role chunk, written with the first token)", "client_event",
+     "client"),
     ("client: first content", "client_first", "client"),
 ]
 
@@ -81,9 +83,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
             if not line.startswith(b"data: {"):
                 continue
             obj = json.loads(line[6:])
-            if rid is None:
+            if rid is None:  # the role chunk: the proxy holds it back until the first token
                 rid = obj["id"]
-                out[rid] = {"client_sent": sent}
+                out[rid] = {"client_sent": sent, "client_event": time.perf_counter_ns()}
             if "client_first" not in out[rid] and any(
                     (ch.get("delta") or {}).get("content") for ch in obj.get("choices") or []):
                 out[rid]["client_first"] = time.perf_counter_ns()
@@ -163,21 +165,26 @@ def table(streams: int, rels: dict[str, dict[str, list[float]]],
             xs = rels[n].get(stage, [])
             cells.append(f"{statistics.median(xs):.1f} / {pct(xs, 0.9):.1f}" if xs else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    ref = (f"{statistics.median(ref_first):.1f} / {pct(ref_first, 0.9):.1f}",
-           f"{statistics.median(ref_text):.1f} / {pct(ref_text, 0.9):.1f}")
+    ref = tuple(f"{statistics.median(xs):.1f} / {pct(xs, 0.9):.1f}" if xs else "no text"
+                for xs in (ref_first, ref_text))
     lines.append(f"| in-process, all inserted at once: first token | {ref[0]} |" +
                  " |" * (len(names) - 1))
     lines.append(f"| in-process: first text | {ref[1]} |" + " |" * (len(names) - 1))
     lines.append("")
     for n in names:
-        cf = rels[n].get("client_first", [])
+        ce, cf = rels[n].get("client_event", []), rels[n].get("client_first", [])
+        parts = []
+        if ce and ref_first:
+            parts.append(f"first token at the client median {statistics.median(ce):.1f} ms "
+                         f"against in-process first token {statistics.median(ref_first):.1f} "
+                         f"ms: **{statistics.median(ce) / statistics.median(ref_first):.2f}x**")
         if cf and ref_text:
-            lines.append(f"- {n}: first content median {statistics.median(cf):.1f} ms against "
-                         f"in-process first text {statistics.median(ref_text):.1f} ms: "
-                         f"**{statistics.median(cf) / statistics.median(ref_text):.2f}x**; "
-                         f"per round, groups inserted together "
-                         f"{[g[0] for g in groups[n]]}, first tokens per step "
-                         f"{[g[1] for g in groups[n]]}")
+            parts.append(f"first content {statistics.median(cf):.1f} ms against in-process "
+                         f"first text {statistics.median(ref_text):.1f} ms: "
+                         f"{statistics.median(cf) / statistics.median(ref_text):.2f}x")
+        lines.append(f"- {n}: " + "; ".join(parts) + f"; per round, groups inserted together "
+                     f"{[g[0] for g in groups[n]]}, first tokens per step "
+                     f"{[g[1] for g in groups[n]]}")
     return "\n".join(lines)
 
 
@@ -230,7 +237,9 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
                     f, t = inprocess_first(model_dir, s, args.max_tokens, args.dtype, prompts)
                 ref_first += f
                 ref_text += t
-                line = [f"streams {s} round {i}: in-process first text {statistics.median(t):.1f}"]
+                line = [f"streams {s} round {i}: in-process first token "
+                        f"{statistics.median(f):.1f}, first text "
+                        f"{statistics.median(t) if t else float('nan'):.1f} ({len(t)} of {s})"]
                 for name, ((_, base, model), trace) in servers.items():
                     # each daemon appends to its own directory for the whole run: a round's
                     # records are told apart by their request ids (the client's)
@@ -245,8 +254,10 @@ async def main_async(args: argparse.Namespace, model_dir: str) -> str:
                     for k, v in r.items():
                         rels[name][k] += v
                     groups[name].append(g)
-                    line.append(f"{name} {statistics.median(r.get('client_first', [0])):.1f} "
-                                f"inserted {g[0]} first tokens per step {g[1]}")
+                    cf = r.get("client_first", [])
+                    line.append(f"{name} first event {statistics.median(r['client_event']):.1f}, "
+                                f"content {statistics.median(cf) if cf else float('nan'):.1f} "
+                                f"({len(cf)}), inserted {g[0]} first tokens per step {g[1]}")
                 print("; ".join(line), flush=True)
             out.append(table(s, rels, groups, ref_first, ref_text))
     finally:

@@ -76,8 +76,10 @@ def test_burst_harness_smoke(tmp_path):
         assert times == sorted(times), req
         # the proxy's write and the client's read both follow the read-back (the client may
         # read before the proxy's `await write` returns and stamps it: no order between them)
-        for later in ("written", "client_first"):
-            if later in req:
+        for later in ("written", "client_event", "client_first"):
+            if later in req and "read_back" in req:
                 assert req[later] >= req["read_back"], req
-    assert any(all(k in req for k in [*order, "written", "client_first"])
+        # the role chunk is held back until the first token, so it comes with or before text
+        assert "client_event" in req and req["client_event"] <= req.get("client_first", 1e9)
+    assert any(all(k in req for k in [*order, "written", "client_event"])
                for req in burst["requests"])
