@@ -155,12 +155,14 @@ ENV_NAMES = {s.env: s for s in SETTINGS}
 # (engine/gil_switch.py), how the SSD write-behind reads KV (engine/ssd_tier.py), the shortest
 # cached prefix lent (engine/runner.py), the MLX stream the engine decodes on (engine/service.py),
 # the lifeline every child inherits (protocol/lifeline.py), the start-up heap's freeze
-# (protocol/heap.py), the order of a constrained step (engine/constraints_overlap.py).
+# (protocol/heap.py), the order of a constrained step (engine/constraints_overlap.py), a burst's
+# prompts tokenized together and the admission lane's threads (engine/prompt_batch.py,
+# engine/admission_lanes.py).
 OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON", "MLXD_ENGINE_MEMORY",
              "MLXD_STAGE_TRACE", "MLXD_EAGER_HANDOFF", "MLXD_BURST_WINDOW",
              "MLXD_GIL_SWITCH_US", "MLXD_SSD_STAGING", "MLXD_MIN_CACHED_TOKENS",
              "MLXD_GEN_STREAM", "MLXD_LIFELINE_FD", "MLXD_GC_FREEZE",
-             "MLXD_GRAMMAR_ORDER"}
+             "MLXD_GRAMMAR_ORDER", "MLXD_PROMPT_BATCH", "MLXD_ADMIT_THREADS"}
 
 TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}

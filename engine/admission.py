@@ -45,12 +45,13 @@ class Answered:
 
 def prepare(msg: Generate, model: LoadedModel | None,
             restore: Callable[[list[int]], RestoredPrefix | None],
-            received_at: float) -> Admitted | Answered:
+            received_at: float, tokens: list[int] | None = None) -> Admitted | Answered:
+    """`tokens`: the prompt's tokens where they were already made (`prompt_batch`), else None."""
     rid = msg.request_id
     try:
         if model is None:
             raise ClientError("the model is still loading", "engine_loading")
-        return _prepare(msg, model, restore, received_at)
+        return _prepare(msg, model, restore, received_at, tokens)
     except ClientError as e:
         return Answered([Delta(rid, finish_reason="error", error=str(e), error_code=e.code)])
     except Exception as e:  # a bad request must never hurt the engine
@@ -61,13 +62,13 @@ def prepare(msg: Generate, model: LoadedModel | None,
 
 def _prepare(msg: Generate, model: LoadedModel,
              restore: Callable[[list[int]], RestoredPrefix | None],
-             received_at: float) -> Admitted | Answered:
+             received_at: float, tokens: list[int] | None) -> Admitted | Answered:
     from mlxd.engine.sampling import make_request_sampler
     rid, tok = msg.request_id, model.tokenizer
-    if stage_trace.ON:
+    if stage_trace.ON and tokens is None:  # a batch's were stamped before its tokenization
         stage_trace.stamp_request(rid, "lane", "engine")
     check_prompt_size(msg, model.context_length, model.max_token_bytes)
-    prompt = prompt_tokens(tok, msg)
+    prompt = checked_prompt(tok, msg, tokens if tokens is not None else prompt_tokens(tok, msg))
     if stage_trace.ON:
         stage_trace.stamp_request(rid, "tokenized", "engine")
     check_logit_bias(msg, len(tok))
@@ -156,16 +157,17 @@ def prompt_tokens(tok: Any, msg: Generate) -> list[int]:
     elif msg.messages is not None:
         try:
             extra: dict[str, Any] = {"tools": msg.tools} if msg.tools else {}
-            if continues_final_message(msg.messages):
-                extra["continue_final_message"] = True
-            prompt = list(tok.apply_chat_template(
-                msg.messages, tokenize=True, add_generation_prompt=msg.add_generation_prompt
-                and "continue_final_message" not in extra, **extra))
+            prompt = list(tok.apply_chat_template(msg.messages, tokenize=True,
+                                                  **template_flags(msg), **extra))
         except Exception as e:  # template errors are the client's messages
             raise ClientError(f"the chat template rejected the messages: {e}",
                               "invalid_messages") from e
     else:
         prompt = list(tok.encode(msg.prompt or ""))
+    return prompt
+
+
+def checked_prompt(tok: Any, msg: Generate, prompt: list[int]) -> list[int]:
     if not prompt:
         raise ClientError("the prompt is empty", "empty_prompt")
     if faults.armed("engine.poison") and "MLXD_POISON" in str(msg.messages or msg.prompt):
@@ -174,6 +176,14 @@ def prompt_tokens(tok: Any, msg: Generate) -> list[int]:
     if any(t < 0 or t >= vocab for t in prompt):
         raise ClientError("a prompt token id is outside the vocabulary", "invalid_token")
     return prompt
+
+
+def template_flags(msg: Generate) -> dict[str, bool]:
+    """The chat template's flags for the request's messages: assistant prefill continues the
+    last turn instead of opening a new one."""
+    if continues_final_message(msg.messages or []):
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": msg.add_generation_prompt}
 
 
 def continues_final_message(messages: list[dict]) -> bool:

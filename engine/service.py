@@ -12,14 +12,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-from mlxd.engine import admission, cuda_attention, gil_switch, step_handoff
+from mlxd.engine import admission, cuda_attention, gil_switch, prompt_batch, step_handoff
 from mlxd.engine.admission import Admitted, Answered
 from mlxd.engine.admission_lanes import AdmissionLanes
 from mlxd.engine.batch_budget import ceiling
@@ -95,7 +95,8 @@ class EngineService:
         self.supervised = supervised
         self.share = launch.pool_share  # the latest the supervisor gave (it changes: a pool)
         self.budget: Any = None  # batch_budget.Budget in force, once measured
-        self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped)
+        self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped,
+                                    prepare_many=self._prepare_many if prompt_batch.ON else None)
         self._token_texts: dict[int, str] = {}  # the output thread's cache
         self._storage_epoch: int | None = None  # the storage worker's, from ChildStates
         self._io = IoThread(ctx, endpoints, launch.engine_id, launch.epoch, supervised, self.ch,
@@ -372,6 +373,21 @@ class EngineService:
         if msg.adapter:
             return self._prepare_adapter(msg)
         return admission.prepare(msg, self.model, self._restore, time.monotonic())
+
+    def _prepare_many(self, msgs: list[Generate]) -> Iterator[Admitted | Answered]:
+        """Requests a lane found waiting together: their chat prompts tokenized in one call
+        where they can be (`prompt_batch`), each then prepared as on its own, in order."""
+        model = self.model
+        if (model is None or self.group is not None or self.vision is not None
+                or self.embedding_model_dir is not None):
+            yield from (self._prepare(m) for m in msgs)
+            return
+        if stage_trace.ON:
+            for m in msgs:
+                stage_trace.stamp_request(m.request_id, "lane", "engine")
+        for msg, tokens in zip(msgs, prompt_batch.chat_tokens(msgs, model), strict=True):
+            yield (self._prepare(msg) if tokens is None else
+                   admission.prepare(msg, model, self._restore, time.monotonic(), tokens))
 
     def _prepare_adapter(self, msg: Generate) -> Admitted | Answered:
         """An adapter's request: its prompt's first token marked with the adapter (see
