@@ -36,28 +36,33 @@ async def main_async(args: argparse.Namespace) -> None:
             for role in ("mlxd.engine", "mlxd.proxy"):
                 if role in cmd:
                     roles[role] = p.pid
-        spies = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration",
-                                   str(args.seconds), "--rate", "200", "--threads",
-                                   "--format", fmt, "--output",
-                                   str(args.out / f"{role.split('.')[-1]}.{ext}")],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for role, pid in roles.items()
-                 for fmt, ext in (("raw", "txt"), ("speedscope", "json"))]
-        t0 = time.time()
-        rounds = []
-        while time.time() - t0 < args.seconds:
-            r = await run_http("mlxd-isolate", base, name, args.concurrency, args.max_tokens)
-            rounds.append(r.tok_s)
-            print(f"round {len(rounds)}: {r.tok_s:.0f} tok/s", flush=True)
-        for s in spies:
-            s.wait()
+        rounds: list[float] = []
+        for mode in args.modes.split(","):  # one after the other: one py-spy per process
+            flags = ["--gil"] if mode == "gil" else []
+            tail = "" if mode == "active" else f"-{mode}"
+            spies = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration",
+                                       str(args.seconds), "--rate", "200", "--threads",
+                                       *flags, "--format", fmt, "--output",
+                                       str(args.out / f"{role.split('.')[-1]}{tail}.{ext}")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for role, pid in roles.items()
+                     for fmt, ext in (("raw", "txt"), ("speedscope", "json"))]
+            t0 = time.time()
+            while time.time() - t0 < args.seconds:
+                r = await run_http("mlxd-isolate", base, name, args.concurrency,
+                                   args.max_tokens)
+                rounds.append(r.tok_s)
+                print(f"{mode} round {len(rounds)}: {r.tok_s:.0f} tok/s", flush=True)
+            for s in spies:
+                s.wait()
     finally:
         server.stop()
 
 
 def summarize(raw: Path, top: int = 25) -> str:
     """Self time by thread and by leaf frame from py-spy's raw output (active samples only:
-    py-spy leaves out threads waiting outside Python without holding the GIL)."""
+    py-spy leaves out threads waiting outside Python without holding the GIL; with --gil,
+    only the thread holding it)."""
     from collections import Counter
     threads: Counter = Counter()
     leaves: Counter = Counter()
@@ -90,6 +95,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--mlxd-args", default="")
+    ap.add_argument("--modes", default="active",
+                    help="py-spy passes, one after the other: 'active' (threads at work) and "
+                         "'gil' (only the thread holding the GIL), comma-separated")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
     args = ap.parse_args()
     if args.summarize is None:
