@@ -59,7 +59,8 @@ def test_a_conversation_the_template_rejects_sends_its_group_back_to_one_at_a_ti
     assert prompt_batch.chat_tokens(msgs, model) == [None, None, None]
     results = [admission.prepare(m, model, lambda p: None, 0.0) for m in msgs]
     assert [type(r) for r in results] == [Admitted, Answered, Admitted]
-    assert results[1].deltas[0].error_code == "invalid_messages"
+    bad = results[1]
+    assert isinstance(bad, Answered) and bad.deltas[0].error_code == "invalid_messages"
 
 
 def test_a_prompt_over_the_size_check_is_left_to_its_own_answer(model):
@@ -93,6 +94,7 @@ class Batches:
             yield Answered([Delta(m.request_id)])
 
     def deliver(self, result: Admitted | Answered) -> None:
+        assert isinstance(result, Answered)  # prepare() and prepare_many() answer each
         self.events.put(("delivered", result.deltas[0].request_id))
 
     def dropped(self, msg: Generate) -> None:
