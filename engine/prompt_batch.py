@@ -31,7 +31,7 @@ ON = os.environ.get("MLXD_PROMPT_BATCH", "") != "0"  # "0": one at a time (for c
 
 def batchable(msg: Generate) -> bool:
     return (msg.messages is not None and msg.suffix is None and msg.prompt_token_ids is None
-            and not msg.tools and not msg.images and not msg.adapter and not msg.count_only)
+            and not msg.tools and not msg.images and not msg.adapter)
 
 
 def chat_tokens(msgs: list[Generate], model: LoadedModel) -> list[list[int] | None]:
