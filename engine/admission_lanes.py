@@ -13,21 +13,34 @@ handover to the runner and a cancellation are decided under one lock.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from mlxd.engine.admission import Admitted, Answered, prompt_chars
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Generate
 
+log = logging.getLogger("mlxd.engine")
+
 LARGE_PROMPT_CHARS = 64 * 1024
-# a core left to the MLX thread; MLXD_ADMIT_THREADS sets another count (for comparisons)
-SMALL_LANE_THREADS = max(1, int(os.environ.get("MLXD_ADMIT_THREADS", "0") or 0)
-                         or min(4, (os.cpu_count() or 1) - 1))
+
+
+def small_lane_threads(value: str | None) -> int:
+    """MLXD_ADMIT_THREADS (for comparisons) where it is a positive count, else up to four,
+    one core left to the MLX thread."""
+    try:
+        n = int(value or 0)
+    except ValueError:
+        n = 0
+    return n if n > 0 else max(1, min(4, (os.cpu_count() or 1) - 1))
+
+
+SMALL_LANE_THREADS = small_lane_threads(os.environ.get("MLXD_ADMIT_THREADS"))
 BATCH_MAX = 64  # small requests a lane thread takes at once, when they are already waiting
 
 
@@ -102,13 +115,30 @@ class AdmissionLanes:
                     break
                 msgs.append(more)
             live = [m for m in msgs if m.request_id not in self._cancelled]
-            if len(live) > 1 and self._prepare_many is not None:
-                results = iter(self._prepare_many(live))
-            else:
-                results = (self._prepare(m) for m in live)
+            results = self._results(live)
             taken = {id(m) for m in live}
-            for m in msgs:  # one at a time (the lazy path: as each is prepared)
+            for m in msgs:  # one at a time, as each is prepared
                 self._hand_over(m, next(results) if id(m) in taken else None)
+
+    def _results(self, live: list[Generate]) -> Iterator[Admitted | Answered | None]:
+        """One result per request, in order; None for one that could not be prepared at all
+        (it is dropped: its client gets an answer, and the lane thread lives on)."""
+        done = 0
+        if len(live) > 1 and self._prepare_many is not None:
+            try:
+                for result in self._prepare_many(live):
+                    done += 1
+                    yield result
+                return
+            except Exception:  # the rest, the failing one included, one at a time
+                log.exception("%d requests could not be prepared together",
+                              len(live) - done)
+        for m in live[done:]:
+            try:
+                yield self._prepare(m)
+            except Exception:
+                log.exception("request %s could not be prepared", m.request_id)
+                yield None
 
     def _hand_over(self, msg: Generate, result: Admitted | Answered | None) -> None:
         rid = msg.request_id

@@ -385,12 +385,7 @@ class EngineService:
         if stage_trace.ON:
             for m in msgs:
                 stage_trace.stamp_request(m.request_id, "lane", "engine")
-        try:
-            batched = prompt_batch.chat_tokens(msgs, model)
-        except Exception:  # never the lane's end: each request on its own
-            log.exception("a burst's prompts could not be tokenized together")
-            batched = [None] * len(msgs)
-        for msg, tokens in zip(msgs, batched, strict=True):
+        for msg, tokens in zip(msgs, prompt_batch.chat_tokens(msgs, model), strict=True):
             yield (self._prepare(msg) if tokens is None else
                    admission.prepare(msg, model, self._restore, time.monotonic(), tokens))
 

@@ -144,3 +144,54 @@ def test_stop_ends_every_lane_thread_even_when_one_drains_the_others_stop():
     assert {b.events.get(timeout=10) for _ in range(4)} == {
         ("delivered", r) for r in ("first", "second", "q1", "q2")}
     assert b.batches == [["q1", "q2"]]
+
+
+def test_a_preparation_that_raises_costs_only_its_request_never_the_lane():
+    """prepare_many() fails after its first result: the rest are prepared one at a time, the
+    failing one again; one that fails on its own too is dropped (its client answered), and
+    the lane thread goes on serving."""
+    events: queue.Queue[tuple[str, str]] = queue.Queue()
+    gate = threading.Event()
+    started = threading.Event()
+
+    def prepare(msg: Generate) -> Answered:
+        if msg.request_id == "first":
+            started.set()
+            assert gate.wait(10)
+        if msg.request_id == "bad":
+            raise RuntimeError("a bug, not the client's")
+        return Answered([Delta(msg.request_id)])
+
+    def prepare_many(msgs: list[Generate]):
+        yield Answered([Delta(msgs[0].request_id)])
+        raise RuntimeError("the batch step broke")
+
+    def deliver(result: Admitted | Answered) -> None:
+        assert isinstance(result, Answered)
+        events.put(("delivered", result.deltas[0].request_id))
+
+    lanes = AdmissionLanes(prepare, deliver, lambda m: events.put(("dropped", m.request_id)),
+                           small_threads=1, prepare_many=prepare_many)
+    try:
+        lanes.submit(chat("first", ("user", "x")))
+        assert started.wait(10)
+        for rid in ("w1", "bad", "w2"):
+            lanes.submit(chat(rid, ("user", "x")))
+        gate.set()
+        assert [events.get(timeout=10) for _ in range(4)] == [
+            ("delivered", "first"), ("delivered", "w1"), ("dropped", "bad"),
+            ("delivered", "w2")]
+        lanes.submit(chat("later", ("user", "x")))
+        assert events.get(timeout=10) == ("delivered", "later")
+        assert lanes.preparing() == 0
+    finally:
+        gate.set()
+        lanes.stop()
+
+
+def test_the_lane_thread_count_setting():
+    from mlxd.engine.admission_lanes import small_lane_threads
+    default = small_lane_threads(None)
+    assert 1 <= default <= 4
+    assert small_lane_threads("2") == 2
+    assert small_lane_threads("zero") == small_lane_threads("-3") == default
