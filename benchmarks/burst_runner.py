@@ -45,7 +45,7 @@ def make_runner(model: Any, eos: list[int], variant: str) -> tuple[Any, queue.Qu
     made on that thread, as the engine's is (MLX streams belong to the thread that made them)."""
     import mlx.core as mx
 
-    from mlxd.engine.runner import Runner
+    from mlxd.engine.batch.runner import Runner
     outq: queue.Queue = queue.Queue()
     made: queue.Queue = queue.Queue()
 
@@ -71,8 +71,8 @@ def one_round(runner: Any, outq: queue.Queue, prompts: list[list[int]], tokens: 
     """Each request's time from the put to its first token (ms)."""
     from mlx_lm.sample_utils import greedy_sampler
 
-    from mlxd.engine import runner as runner_module
-    from mlxd.engine.runner_messages import AddRequest, StepTokens
+    from mlxd.engine.batch import runner as runner_module
+    from mlxd.engine.batch.messages import AddRequest, StepTokens
     runner_module.GROUP_MIN_CACHED_GPU = 0 if variant in ("cache-all", "cache-eval") else 64
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -101,8 +101,8 @@ def main() -> None:
     args = ap.parse_args()
     import mlx.core as mx
 
-    from mlxd.engine.model_loader import load_model
-    from mlxd.engine.runner_messages import StopRunner
+    from mlxd.engine.batch.messages import StopRunner
+    from mlxd.engine.load.loader import load_model
     model, tok, _ = load_model(model_for(args), Path(tempfile.gettempdir()) / "mlxd-bench-cache",
                                args.model_dtype)
     eos = sorted(tok.eos_token_ids)

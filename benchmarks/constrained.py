@@ -189,10 +189,10 @@ def engine_rounds(args: argparse.Namespace) -> dict:
     from mlx_lm.sample_utils import greedy_sampler
 
     from mlxd.daemon.paths import default_cache_dir
-    from mlxd.engine.constraints import GrammarProcessor, TokenizerCache
-    from mlxd.engine.model_loader import load_model, resolve_model_dir
-    from mlxd.engine.runner import Runner
-    from mlxd.engine.runner_messages import AddRequest, StepTokens
+    from mlxd.engine.batch.messages import AddRequest, StepTokens
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.grammar.processor import GrammarProcessor, TokenizerCache
+    from mlxd.engine.load.loader import load_model, resolve_model_dir
     spec = throughput.model_for(args)
     cache = default_cache_dir()
     model, tok, _ = load_model(spec, cache, args.dtype)

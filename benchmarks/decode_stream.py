@@ -73,7 +73,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    from mlxd.engine.model_loader import load_model
+    from mlxd.engine.load.loader import load_model
     model, tok, _ = load_model(model_for(args), Path(tempfile.gettempdir()) / "mlxd-bench-cache",
                                args.model_dtype)
     device = mx.default_device()

@@ -82,7 +82,7 @@ def apply_cost_batched(vocab: int, rows: int, on_device: bool, reps: int = 50) -
     import mlx.core as mx
     import numpy as np
 
-    from mlxd.engine.constraints import apply_mask, unpack_bits
+    from mlxd.engine.grammar.processor import apply_mask, unpack_bits
     logits = mx.random.normal((rows, vocab))
     bits = np.full((rows, (vocab + 31) // 32), -1, dtype=np.int32)
     mx.eval(logits)
@@ -135,7 +135,7 @@ def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlxd.daemon.paths import default_cache_dir
-    from mlxd.engine.model_loader import resolve_model_dir
+    from mlxd.engine.load.loader import resolve_model_dir
     model_dir = resolve_model_dir(args.model, default_cache_dir())
     tok = load_tokenizer(model_dir)
     hf = tok._tokenizer

@@ -39,11 +39,11 @@ from mlx_lm.sample_utils import greedy_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from mlxd.daemon.paths import default_cache_dir
-from mlxd.engine import kv_quant
-from mlxd.engine.batch_sizing import kv_shape
-from mlxd.engine.model_loader import load_model, resolve_model_dir
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest, StepTokens
+from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.batch.sizing import kv_shape
+from mlxd.engine.kv import quant as kv_quant
+from mlxd.engine.load.loader import load_model, resolve_model_dir
 from support.random_model import write_random_model
 
 PROMPTS = [

@@ -36,10 +36,10 @@ from mlx_lm.sample_utils import greedy_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from mlxd.daemon.paths import default_cache_dir
-from mlxd.engine.lora import apply_adapters, mark_prompt
-from mlxd.engine.model_loader import load_model, resolve_model_dir
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest, StepTokens
+from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.kinds.text.lora import apply_adapters, mark_prompt
+from mlxd.engine.load.loader import load_model, resolve_model_dir
 from support.lora_adapters import write_random_adapter
 
 PROMPT = "Write a story about a lighthouse keeper."  # short: prefill is not what is measured

@@ -36,7 +36,7 @@ def main() -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxd.engine import kv_quant
+    from mlxd.engine.kv import quant as kv_quant
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", choices=sorted(throughput.SHAPES))
     ap.add_argument("--model-dtype", default="float32")

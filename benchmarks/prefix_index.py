@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 
 def load(rev: str | None) -> ModuleType:
     if rev is None:
-        from mlxd.engine import prefix_cache
+        from mlxd.engine.kv import prefix_cache
         return prefix_cache
     src = subprocess.run(["git", "-C", str(HERE.parent), "show", f"{rev}:engine/prefix_cache.py"],
                          check=True, capture_output=True, text=True).stdout

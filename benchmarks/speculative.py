@@ -104,7 +104,7 @@ def prompt_messages(new_name: str) -> list[dict[str, str]]:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    from mlxd.engine.model_loader import load_model
+    from mlxd.engine.load.loader import load_model
     cache = Path(args.cache_dir)
     model_dir, draft_dir = args.model, args.draft_model
     if args.shape:
@@ -133,8 +133,8 @@ def run(model: Any, prompts: list[list[int]], max_tokens: int, spec: Any,
     import mlx.core as mx
     from mlx_lm.sample_utils import greedy_sampler
 
-    from mlxd.engine.runner import Runner
-    from mlxd.engine.runner_messages import AddRequest, StepTokens
+    from mlxd.engine.batch.messages import AddRequest, StepTokens
+    from mlxd.engine.batch.runner import Runner
     q: queue.Queue[Any] = queue.Queue()
     # a RAM prefix cache as mlxd has by default: prompts sharing the code prefill it once
     r = Runner(model, [], batch_size=max(8, len(prompts)), prefill_step=prefill_step,
@@ -194,7 +194,7 @@ def forward_cost(model: Any, prompt: list[int], n: int, reps: int = 5) -> float:
 
 
 def speculator(args: argparse.Namespace, draft: Any, forced: bool) -> Any:
-    from mlxd.engine.speculative_step import Speculator
+    from mlxd.engine.speculative.step import Speculator
     spec = Speculator(args.num_draft_tokens, draft, args.prefill_step)
     spec.policy.judge = not forced
     return spec

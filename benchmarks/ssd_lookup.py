@@ -37,8 +37,8 @@ def main() -> None:
         sys.path.insert(0, str(tree_view(args.tree)))
     sys.path.insert(0, str(here.parent / "tests"))
     import mlxd
-    from mlxd.engine.ssd_restore import SsdReader
-    from mlxd.engine.ssd_tier import SsdStats
+    from mlxd.engine.kv.ssd_restore import SsdReader
+    from mlxd.engine.kv.ssd_tier import SsdStats
     from support.blocks import write_block  # the storage worker's own writer
 
     print(f"mlxd from {Path(mlxd.__file__).parent}")
@@ -51,7 +51,7 @@ def main() -> None:
         reader = SsdReader(probe.namespace, root / "ns", probe.layout, 256, True, SsdStats(),
                            lambda names: None)
         try:
-            from mlxd.engine.tail_index import TailIndex
+            from mlxd.engine.kv.tail_index import TailIndex
         except ImportError:  # an older tree: no tail index
             TailIndex = None  # type: ignore[assignment,misc]
         for target in (int(x) for x in args.stored.split(",")):

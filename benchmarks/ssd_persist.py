@@ -48,8 +48,8 @@ def main() -> None:
     import zmq
 
     import mlxd
-    from mlxd.engine.prefix_cache import Entry
-    from mlxd.engine.ssd_tier import SsdTier
+    from mlxd.engine.kv.prefix_cache import Entry
+    from mlxd.engine.kv.ssd_tier import SsdTier
     from mlxd.protocol.block_format import Layout
     print(f"mlxd from {Path(mlxd.__file__).parent}; device {mx.default_device()}")
     dt = getattr(mx, args.dtype)

@@ -85,8 +85,8 @@ def inprocess(model_dir: str, streams: int, tokens: int, dtype: str) -> dict[str
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from mlxd.engine import stage_trace as et
-    from mlxd.engine.model_loader import load_model
+    from mlxd.engine import stage_clock as et
+    from mlxd.engine.load.loader import load_model
     from mlxd.protocol.stage_trace import now
     et.install()
     global _loaded

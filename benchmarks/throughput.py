@@ -114,7 +114,7 @@ def run_inprocess(model_dir: str, concurrency: int, max_tokens: int, dtype: str,
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from mlxd.engine.model_loader import load_model
+    from mlxd.engine.load.loader import load_model
     global _LOADED
     if _LOADED is None or _LOADED[0] != model_dir:
         cache_dir = Path(tempfile.gettempdir()) / "mlxd-bench-cache"

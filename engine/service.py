@@ -19,19 +19,22 @@ from typing import Any
 import msgspec
 import zmq
 
-from mlxd.engine import admission, cuda_attention, gil_switch, prompt_batch, step_handoff
-from mlxd.engine.admission import Admitted, Answered
-from mlxd.engine.admission_lanes import AdmissionLanes
-from mlxd.engine.batch_budget import ceiling
-from mlxd.engine.embedding_engine import Embedding
-from mlxd.engine.io_thread import Handlers, IoThread
-from mlxd.engine.output_thread import OutputThread
-from mlxd.engine.prefix_cache import RestoredPrefix
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AbortRequest, Call, RequestsRemoved, StepTokens, StopRunner
+from mlxd.engine.admit import prepare as admission
+from mlxd.engine.admit import prompt_batch
+from mlxd.engine.admit.lanes import AdmissionLanes
+from mlxd.engine.admit.prepare import Admitted, Answered
+from mlxd.engine.batch import handoff as step_handoff
+from mlxd.engine.batch.budget import ceiling
+from mlxd.engine.batch.handoff import ReleasingInbox, StepOutbox
+from mlxd.engine.batch.messages import AbortRequest, Call, RequestsRemoved, StepTokens, StopRunner
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.embeddings.batching import Embedding
+from mlxd.engine.kv.prefix_cache import RestoredPrefix
+from mlxd.engine.load import cuda_attention, gil_switch
 from mlxd.engine.state import Channels, LoadedModel, Registered, StatusTick
-from mlxd.engine.status import engine_status
-from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
+from mlxd.engine.wire.io_thread import Handlers, IoThread
+from mlxd.engine.wire.output_thread import OutputThread
+from mlxd.engine.wire.status import engine_status
 from mlxd.protocol import exit_codes, faults, heap, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import (
@@ -132,18 +135,18 @@ class EngineService:
     def _load_and_serve(self) -> int:
         import mlx.core as mx
 
-        from mlxd.engine import kv_quant
-        from mlxd.engine.batch_sizing import measure_budget
-        from mlxd.engine.embedding_model import (
+        from mlxd.engine.batch.sizing import measure_budget
+        from mlxd.engine.embeddings.models import (
             CausalLMEmbedder,
             load_encoder,
             model_kind,
         )
-        from mlxd.engine.lora import AdapterError, apply_adapters
-        from mlxd.engine.model_loader import ModelLoadError, load_model, resolve_model_dir
-        from mlxd.engine.ssd_tier import open_ssd_tier
-        from mlxd.engine.vision_engine import VisionAdmission
-        from mlxd.engine.vision_model import is_vision_dir, load_vision
+        from mlxd.engine.kinds.text.lora import AdapterError, apply_adapters
+        from mlxd.engine.kinds.vision.model import is_vision_dir, load_vision
+        from mlxd.engine.kinds.vision.prompt import VisionAdmission
+        from mlxd.engine.kv import quant as kv_quant
+        from mlxd.engine.kv.ssd_tier import open_ssd_tier
+        from mlxd.engine.load.loader import ModelLoadError, load_model, resolve_model_dir
         launch, settings = self.launch, self.launch.settings
         t0 = time.monotonic()
         try:
@@ -160,7 +163,7 @@ class EngineService:
                 self.vision = VisionAdmission(parts, lambda p: self.runner.cache.peek(p)
                                               if self.runner is not None else 0)
             elif launch.group:  # rank 0 of a sharded engine: it starts and joins the group
-                from mlxd.engine.group_leader import start_group
+                from mlxd.engine.kinds.group.leader import start_group
                 self.group = start_group(launch, model_dir, self.supervised)
                 model, tokenizer, config = self.group.load()
             else:
@@ -235,7 +238,7 @@ class EngineService:
         """--draft-model, loaded as the served model is; its vocabulary must be the model's."""
         import mlx.core as mx
 
-        from mlxd.engine.model_loader import ModelLoadError, load_model
+        from mlxd.engine.load.loader import ModelLoadError, load_model
         settings = self.launch.settings
         assert settings.draft_model is not None
         draft, _, _ = load_model(settings.draft_model, Path(self.launch.cache_dir),
@@ -251,7 +254,7 @@ class EngineService:
         """Speculative decoding for rows decoding alone (--speculative), where the engine can
         verify drafts: not a sharded group (its followers repeat plain steps), nor rows with
         LoRA adapters or images (their forward passes take more than tokens)."""
-        from mlxd.engine.speculative_step import Speculator
+        from mlxd.engine.speculative.step import Speculator
         settings = self.launch.settings
         if not settings.speculative or self.group is not None or self.lora is not None \
                 or getattr(self, "vision", None) is not None:
@@ -392,7 +395,7 @@ class EngineService:
     def _prepare_adapter(self, msg: Generate) -> Admitted | Answered:
         """An adapter's request: its prompt's first token marked with the adapter (see
         lora.py), so that its rows run the adapter and its cache keys are the adapter's."""
-        from mlxd.engine.lora import mark_prompt, unmarked_processors
+        from mlxd.engine.kinds.text.lora import mark_prompt, unmarked_processors
         index = self.lora.index(msg.adapter) if self.lora is not None else None
         if index is None:
             return Answered([Delta(msg.request_id, finish_reason="error", error_code=
@@ -463,7 +466,7 @@ class EngineService:
     def _apply_share(self, runner: Runner) -> None:
         """On the MLX thread: the budget for the latest share, from the figures measured at
         load; one line in the log per change."""
-        from mlxd.engine.batch_budget import rebudget
+        from mlxd.engine.batch.budget import rebudget
         old, share = self.budget, self.share
         if old is None or old.sizing is None or abs(old.share - share.fraction) < 1e-9:
             return
@@ -573,8 +576,8 @@ def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str
 
 
 def _loaded(tokenizer: Any, config: dict) -> LoadedModel:
-    from mlxd.engine.constraints import TokenizerCache
-    from mlxd.engine.model_loader import context_length
+    from mlxd.engine.grammar.processor import TokenizerCache
+    from mlxd.engine.load.loader import context_length
     eos = frozenset(tokenizer.eos_token_ids)
     return LoadedModel(tokenizer=tokenizer, context_length=context_length(config, tokenizer),
                        eos_ids=eos, max_token_bytes=admission.max_token_bytes(tokenizer),

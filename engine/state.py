@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.engine.output import RequestOutput
+from mlxd.engine.wire.output import RequestOutput
 from mlxd.protocol.messages import Delta
 
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from mlxd.engine.admission import Admitted, Answered
-from mlxd.engine.admission_lanes import LARGE_PROMPT_CHARS, AdmissionLanes
+from mlxd.engine.admit.lanes import LARGE_PROMPT_CHARS, AdmissionLanes
+from mlxd.engine.admit.prepare import Admitted, Answered
 from mlxd.protocol.messages import Delta, Generate, SamplingParams
 from mlxd.proxy.health import verdict
 

@@ -16,12 +16,12 @@ import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon, stop_and_check
-from mlxd.engine import runner as runner_mod
-from mlxd.engine.batch_budget import CEILING, Budget
-from mlxd.engine.batch_sizing import MEMORY_ENV, measure_budget
-from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AbortRequest, AddRequest, RequestStarted, StepTokens
+from mlxd.engine.batch import runner as runner_mod
+from mlxd.engine.batch.budget import CEILING, Budget
+from mlxd.engine.batch.messages import AbortRequest, AddRequest, RequestStarted, StepTokens
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.batch.sizing import MEMORY_ENV, measure_budget
+from mlxd.engine.load.loader import load_model
 from support.runner_drive import turn
 
 TINY_KV_PER_TOKEN = 2 * 2 * (16 + 16) * 4  # layers x kv heads x (k + v head dims) x float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxd.daemon.memory_share import Engine, shares, weight_bytes_on_disk
-from mlxd.engine.batch_budget import (
+from mlxd.engine.batch.budget import (
     CEILING,
     Budget,
     KvShape,
@@ -20,7 +20,7 @@ from mlxd.engine.batch_budget import (
     rebudget,
     reserved_tokens,
 )
-from mlxd.engine.batch_sizing import MEMORY_ENV, free_based
+from mlxd.engine.batch.sizing import MEMORY_ENV, free_based
 from mlxd.protocol.settings import PoolShare
 
 GiB = 2**30

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from mlxd.engine.ssd_restore import SsdReader
-from mlxd.engine.ssd_tier import SsdStats
+from mlxd.engine.kv.ssd_restore import SsdReader
+from mlxd.engine.kv.ssd_tier import SsdStats
 from mlxd.protocol.block_format import (
     BadBlock,
     block_key,

@@ -10,10 +10,10 @@ import queue
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlxd.engine.batch_budget import CEILING, KvShape, budget, rebudget
-from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest, Call, StepTokens
+from mlxd.engine.batch.budget import CEILING, KvShape, budget, rebudget
+from mlxd.engine.batch.messages import AddRequest, Call, StepTokens
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.load.loader import load_model
 from mlxd.protocol.settings import PoolShare
 from support.runner_drive import turn
 

@@ -366,7 +366,7 @@ def test_the_engine_gil_switch_interval_and_its_override(monkeypatch):
     """The engine's process hands the GIL back within 200 µs, not CPython's 5 ms (a thread
     returning from a device wait would otherwise queue behind a busy one); MLXD_GIL_SWITCH_US
     is a known variable, and a bad value falls back to the default rather than failing."""
-    from mlxd.engine import gil_switch
+    from mlxd.engine.load import gil_switch
     assert gil_switch.interval_s(None) == pytest.approx(200e-6)
     assert gil_switch.interval_s("5000") == pytest.approx(5e-3)
     assert gil_switch.interval_s("fast") == gil_switch.interval_s("-3") == pytest.approx(200e-6)

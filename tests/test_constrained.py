@@ -222,8 +222,8 @@ SMALL: dict[str, object] = {
 
 @pytest.fixture(scope="module")
 def engine_parts(tiny_model, tmp_path_factory):
-    from mlxd.engine.constraints import TokenizerCache
-    from mlxd.engine.model_loader import load_model
+    from mlxd.engine.grammar.processor import TokenizerCache
+    from mlxd.engine.load.loader import load_model
     m, tok, _ = load_model(str(tiny_model), tmp_path_factory.mktemp("grammar"))
     vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
     return m, tok, TokenizerCache(tok._tokenizer, vocab, sorted(tok.eos_token_ids))
@@ -238,8 +238,8 @@ def grammars() -> dict[str, str]:
 
 def decode_rows(parts, rows, batch: int = 8) -> dict[str, list[int]]:
     """Run `rows` [(id, prompt, max_tokens, sampler, processors)] through one Runner."""
-    from mlxd.engine.runner import Runner
-    from mlxd.engine.runner_messages import AddRequest
+    from mlxd.engine.batch.messages import AddRequest
+    from mlxd.engine.batch.runner import Runner
     from support.runner_drive import run_together
     m, tok, _ = parts
     outq: queue.Queue = queue.Queue()
@@ -253,9 +253,9 @@ def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,
               sampler_of=None):
     """The same rows decoded with the new processor and the reference; returns both outputs
     and how many steps the new one masked through the batched plan."""
-    from mlxd.engine import constraints_overlap
-    from mlxd.engine.constraints import GrammarProcessor
-    from mlxd.engine.sampling import make_request_sampler
+    from mlxd.engine.admit.sampling import make_request_sampler
+    from mlxd.engine.grammar import steps as constraints_overlap
+    from mlxd.engine.grammar.processor import GrammarProcessor
     from mlxd.protocol.messages import SamplingParams
     _, tok, tc = parts
     g = grammars()
@@ -309,7 +309,7 @@ def test_overlapped_masks_equal_the_per_row_processor_in_a_mixed_batch(engine_pa
                                                                         fill_first):
     """Greedy and seeded grammar rows beside free rows, in one batch; in either order of a
     step (masks filled while the forward pass is dispatched, or after)."""
-    from mlxd.engine import constraints_overlap
+    from mlxd.engine.grammar import steps as constraints_overlap
     monkeypatch.setattr(constraints_overlap, "FILL_FIRST", fill_first)
     kinds: list[str | None] = ["json", None, "regex", "json", None, "regex"]
     seeds = [-1, -1, 7, 11, 5, -1]
@@ -369,7 +369,7 @@ def test_resumed_rows_replay_their_tokens_first(engine_parts, monkeypatch):
 
 def test_token_feed_consumes_each_position_once_and_in_order():
     """The feed between the plan, the per-row path and the matcher, on a fake sequence."""
-    from mlxd.engine.constraints import OutOfOrder, TokenFeed
+    from mlxd.engine.grammar.processor import OutOfOrder, TokenFeed
 
     class Fake:
         def __init__(self) -> None:
@@ -397,7 +397,7 @@ def test_token_feed_consumes_each_position_once_and_in_order():
 def test_bitmasks_unpack_to_the_tokens_they_allow(vocab, on_device):
     import numpy as np
 
-    from mlxd.engine.constraints import unpack_bits
+    from mlxd.engine.grammar.processor import unpack_bits
     rng = np.random.default_rng(vocab)
     words = rng.integers(-2**31, 2**31, size=(3, (vocab + 31) // 32), dtype=np.int64)
     bits = words.astype(np.int32)

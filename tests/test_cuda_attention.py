@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from mlxd.engine import cuda_attention
+from mlxd.engine.load import cuda_attention
 
 
 def test_an_engine_turns_cudnn_attention_off_unless_the_user_chose(

@@ -81,8 +81,8 @@ def _ollama_metadata_of_the_default_model(d, cache_dir) -> None:
 
 
 def test_interrupted_conversion_is_never_used(tmp_path):
-    from mlxd.engine.gguf_convert import convert_gguf
-    from mlxd.engine.model_loader import default_gguf_path
+    from mlxd.engine.load.gguf_convert import convert_gguf
+    from mlxd.engine.load.loader import default_gguf_path
     gguf = default_gguf_path()
     out = tmp_path / "models" / gguf.stem
     torn = tmp_path / "models" / f".{gguf.stem}.partial"

@@ -22,8 +22,8 @@ from conftest import start_daemon
 from conftest import stop_and_check as stop
 from mlxd.daemon.client import format_status
 from mlxd.daemon.group import ShardError, layout_for
-from mlxd.engine import group_log
-from mlxd.engine.group_log import (
+from mlxd.engine.kinds.group import log as group_log
+from mlxd.engine.kinds.group.log import (
     Follower,
     GInsert,
     GNew,
@@ -33,7 +33,7 @@ from mlxd.engine.group_log import (
     Notes,
     Row,
 )
-from mlxd.engine.group_plan import (
+from mlxd.engine.kinds.group.plan import (
     FollowerLaunch,
     GroupError,
     Layout,
@@ -86,7 +86,7 @@ def test_local_plan_ring_hostfile_and_commands():
     assert [r.connect for r in p.ranks] == ["tcp://127.0.0.1:5002", "tcp://127.0.0.1:5004"]
     cmd = follower_command("/py", p.ranks[1], p.env(1, "/run/h.json"), p.hostfile, "/w")
     assert cmd == ["/usr/bin/env", "MLX_RANK=1", "MLX_HOSTFILE=/run/h.json", "/py", "-m",
-                   "mlxd.engine.group_follower"]
+                   "mlxd.engine.kinds.group.follower"]
     # on CUDA GPUs: NCCL's rendezvous at rank 0, one GPU per rank of this machine
     g = plan(Layout("tensor", 2), None, [5001, 5002, 5003, 5004, 5005], backend="nccl")
     assert g.env(1, "/run/h.json", visible="4,5") == {
@@ -105,7 +105,7 @@ def test_hosts_file_in_mlx_launch_format_and_ssh_commands():
     assert cmd[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET"]
     assert cmd[5] == "mac-2" and "-tt" not in cmd  # its stdin's end must reach the follower
     assert "export MLX_RANK=1" in cmd[6] and "MLX_HOSTFILE=$fname" in cmd[6]
-    assert "mlxd.engine.group_follower" in cmd[6]
+    assert "mlxd.engine.kinds.group.follower" in cmd[6]
     # rank 0's attention kernels (engine/cuda_attention.py) travel to a remote rank too
     cmd = follower_command("/py", p.ranks[1], p.env(1, None, attention="1"), p.hostfile, "/w")
     assert "export MLX_CUDA_USE_CUDNN_SDPA=1" in cmd[6]
@@ -136,11 +136,11 @@ def test_the_ssh_start_script_sets_a_remote_rank_up_as_mlx_launch_does(tmp_path)
     os.unlink(hostfile)
     assert "rank=1" in out and f"cwd={tmp_path}" in out
     assert json.loads(out[2]) == [["127.0.0.1:32323"], ["10.0.0.2:32324"]]
-    assert "args=-m mlxd.engine.group_follower" in out
+    assert "args=-m mlxd.engine.kinds.group.follower" in out
 
 
 def test_a_model_that_cannot_be_split_so_is_refused_before_any_rank_starts(tiny_model):
-    from mlxd.engine.group_leader import check_model
+    from mlxd.engine.kinds.group.leader import check_model
     assert check_model(tiny_model, Layout("tensor", 2))["num_key_value_heads"] == 2
     with pytest.raises(GroupError, match="4 attention heads and 2 KV heads must both divide"):
         check_model(tiny_model, Layout("tensor", 4))
@@ -202,7 +202,7 @@ def _leader_and_follower(model_dir):
 
     import mlx_lm
 
-    from mlxd.engine.runner import Runner
+    from mlxd.engine.batch.runner import Runner
     model_a, tok = mlx_lm.load(str(model_dir))[:2]
     model_b = mlx_lm.load(str(model_dir))[0]
     log: list = []
@@ -231,8 +231,8 @@ def _leader_and_follower(model_dir):
 
 
 def test_a_follower_replaying_the_log_makes_the_same_rows_and_tokens(tiny_model):
-    from mlxd.engine.runner_messages import AbortRequest, AddRequest, RequestStarted, StepTokens
-    from mlxd.engine.sampling import make_request_processors, make_request_sampler
+    from mlxd.engine.admit.sampling import make_request_processors, make_request_sampler
+    from mlxd.engine.batch.messages import AbortRequest, AddRequest, RequestStarted, StepTokens
     runner, out, log, notes, follower, tok = _leader_and_follower(tiny_model)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
     tokens: dict[str, list[int]] = {}
@@ -301,7 +301,7 @@ def test_a_groups_kv_blocks_are_keyed_apart_from_the_whole_engines(tiny_model, t
     rank 0's blocks hold its shard of the heads, and a whole engine never reads them."""
     import mlx_lm
 
-    from mlxd.engine import ssd_tier
+    from mlxd.engine.kv import ssd_tier
     from mlxd.protocol.block_format import namespace_key
     from mlxd.protocol.settings import EngineLaunch, EngineSettings
     seen: list[str] = []
@@ -345,7 +345,7 @@ def _engine(d, model_id):
 
 def _followers(pid):
     return [p for p in psutil.Process(pid).children(recursive=True)
-            if "mlxd.engine.group_follower" in " ".join(p.cmdline())]
+            if "mlxd.engine.kinds.group.follower" in " ".join(p.cmdline())]
 
 
 def _complete(d, model, messages, stream, max_tokens=24, on_chunk=None, **sampling):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxd.engine.output import RequestOutput, ThinkSplitter, ToolCallSplitter, stop_hold_length
+from mlxd.engine.wire.output import RequestOutput, ThinkSplitter, ToolCallSplitter, stop_hold_length
 from mlxd.protocol.messages import Delta
 from support.random_model import write_random_model
 

@@ -3,9 +3,9 @@ aborts, a new budget. Pure bookkeeping: no model, no generator."""
 
 from __future__ import annotations
 
-from mlxd.engine.batch_budget import Budget
-from mlxd.engine.kv_gate import KvGate
-from mlxd.engine.runner_messages import AddRequest
+from mlxd.engine.batch.budget import Budget
+from mlxd.engine.batch.kv_gate import KvGate
+from mlxd.engine.batch.messages import AddRequest
 
 
 def _add(rid: str, prompt_tokens: int, max_tokens: int) -> AddRequest:

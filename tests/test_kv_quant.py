@@ -16,12 +16,12 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.engine import kv_quant
-from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest
-from mlxd.engine.ssd_restore import SsdReader
-from mlxd.engine.ssd_tier import SsdStats
+from mlxd.engine.batch.messages import AddRequest
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.kv import quant as kv_quant
+from mlxd.engine.kv.ssd_restore import SsdReader
+from mlxd.engine.kv.ssd_tier import SsdStats
+from mlxd.engine.load.loader import load_model
 from mlxd.protocol.block_format import (
     BadBlock,
     Layout,
@@ -115,7 +115,7 @@ def test_rows_of_different_lengths_equal_each_alone(qmodel):
 def test_quantized_cache_is_smaller_and_install_refuses_what_it_cannot_do(qmodel, tiny_model,
                                                                           tmp_path):
     _, m, _ = qmodel
-    from mlxd.engine.batch_sizing import kv_shape
+    from mlxd.engine.batch.sizing import kv_shape
     stream = mx.default_stream(mx.default_device())
     kv_quant.uninstall(m)
     plain = kv_shape(m, stream).bytes_per_token

@@ -17,10 +17,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from mlxd.daemon.settings import ConfigError
-from mlxd.engine.lora import AdapterError, apply_adapters, mark_prompt, unmarked_processors
-from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest
+from mlxd.engine.batch.messages import AddRequest
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.kinds.text.lora import (
+    AdapterError,
+    apply_adapters,
+    mark_prompt,
+    unmarked_processors,
+)
+from mlxd.engine.load.loader import load_model
 from mlxd.protocol.block_format import chain_keys
 from mlxd.protocol.models import adapter_bytes
 from support.lora_adapters import write_random_adapter

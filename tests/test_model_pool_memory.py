@@ -11,7 +11,7 @@ import pytest
 
 from conftest import start_daemon, stop_and_check
 from mlxd.daemon.client import format_status
-from mlxd.engine.batch_sizing import MEMORY_ENV
+from mlxd.engine.batch.sizing import MEMORY_ENV
 from support.random_model import write_random_model
 
 KV_A = 2 * 2 * (16 + 16) * 4  # tiny-llama: layers x kv heads x (k + v head dims) x float32

@@ -10,7 +10,7 @@ import pytest
 
 from mlxd.daemon.children import Child
 from mlxd.daemon.memory_share import Engine, engines_of, holds_share, rebalance, shares
-from mlxd.engine import batch_budget
+from mlxd.engine.batch import budget as batch_budget
 from mlxd.protocol.messages import ChildState
 from mlxd.protocol.settings import PoolShare
 from mlxd.proxy.model_pool import (

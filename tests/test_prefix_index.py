@@ -10,7 +10,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from mlxd.engine.prefix_cache import Entry, PrefixCache, _Node, common_prefix
+from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, _Node, common_prefix
 
 
 def layers_for(tokens: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:

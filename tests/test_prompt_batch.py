@@ -11,9 +11,10 @@ import threading
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxd.engine import admission, prompt_batch
-from mlxd.engine.admission import Admitted, Answered
-from mlxd.engine.admission_lanes import AdmissionLanes
+from mlxd.engine.admit import prepare as admission
+from mlxd.engine.admit import prompt_batch
+from mlxd.engine.admit.lanes import AdmissionLanes
+from mlxd.engine.admit.prepare import Admitted, Answered
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import Delta, Generate, SamplingParams
 
@@ -190,7 +191,7 @@ def test_a_preparation_that_raises_costs_only_its_request_never_the_lane():
 
 
 def test_the_lane_thread_count_setting():
-    from mlxd.engine.admission_lanes import small_lane_threads
+    from mlxd.engine.admit.lanes import small_lane_threads
     default = small_lane_threads(None)
     assert 1 <= default <= 4
     assert small_lane_threads("2") == 2

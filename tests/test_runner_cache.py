@@ -11,9 +11,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import GROUP_MIN_CACHED_GPU, Runner
-from mlxd.engine.runner_messages import AddRequest, StepTokens
+from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.runner import GROUP_MIN_CACHED_GPU, Runner
+from mlxd.engine.load.loader import load_model
 from support.runner_drive import run_one, run_together
 
 
@@ -43,7 +43,7 @@ def test_a_finished_history_is_reused_token_exactly(model):
 def test_a_hit_shorter_than_the_minimum_is_prefilled_whole(model, monkeypatch):
     """MLXD_MIN_CACHED_TOKENS (engine/runner.py): a shorter hit is not lent, a longer one is,
     and the answer is the same either way."""
-    from mlxd.engine import runner as runner_module
+    from mlxd.engine.batch import runner as runner_module
     m, tok = model
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
@@ -62,8 +62,8 @@ def test_a_hit_shorter_than_the_minimum_is_prefilled_whole(model, monkeypatch):
 
 def test_lend_floor_holds_back_short_hits_only_for_rows_admitted_together_on_a_gpu(
         monkeypatch):
-    from mlxd.engine import runner as runner_module
-    from mlxd.engine.runner import GROUP_MIN_CACHED_GPU, lend_floor
+    from mlxd.engine.batch import runner as runner_module
+    from mlxd.engine.batch.runner import GROUP_MIN_CACHED_GPU, lend_floor
     assert lend_floor(1, gpu=True) == 0  # a lone request: any hit
     assert lend_floor(2, gpu=True) == GROUP_MIN_CACHED_GPU
     assert lend_floor(32, gpu=False) == 0  # a CPU's prefill is bound by its tokens

@@ -14,11 +14,11 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.engine.model_loader import load_model
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest, StepTokens
-from mlxd.engine.sampling import make_request_sampler
-from mlxd.engine.speculative import (
+from mlxd.engine.admit.sampling import make_request_sampler
+from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.load.loader import load_model
+from mlxd.engine.speculative.policy import (
     BACKOFF_MAX,
     BACKOFF_MIN,
     NEVER_PAYS_MAX,
@@ -26,7 +26,7 @@ from mlxd.engine.speculative import (
     SpecPolicy,
     accepted,
 )
-from mlxd.engine.speculative_step import Speculator, sampler_position
+from mlxd.engine.speculative.step import Speculator, sampler_position
 from mlxd.protocol.messages import SamplingParams
 from support.harness import stream_chat
 
@@ -246,7 +246,7 @@ def test_rows_asking_for_logprobs_or_with_penalties_are_decoded_plain(models):
     prompt = tok.encode(CODE)
     spec = forced(4, target)
     drive(target, spec, [AddRequest("a", prompt, 20, greedy(), [], logprobs=2)])
-    from mlxd.engine.sampling import make_request_processors
+    from mlxd.engine.admit.sampling import make_request_processors
     procs = make_request_processors(SamplingParams(repetition_penalty=1.3))
     drive(target, spec, [AddRequest("b", prompt, 20, greedy(), procs)])
     assert spec.counters.steps == 0

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.engine.ssd_health import Admit, Change, Refusal, WriteHealth
+from mlxd.engine.kv.ssd_health import Admit, Change, Refusal, WriteHealth
 from mlxd.protocol import faults
 from mlxd.storage_worker.block_store import BlockStore, refusal
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import zmq
 
-from mlxd.engine.prefix_cache import Entry
-from mlxd.engine.ssd_tier import SsdTier
+from mlxd.engine.kv.prefix_cache import Entry
+from mlxd.engine.kv.ssd_tier import SsdTier
 from mlxd.protocol.block_format import Layout
 from mlxd.protocol.messages import StoreBlocks
 

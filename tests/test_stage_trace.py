@@ -9,8 +9,8 @@ import queue
 import threading
 
 from conftest import start_daemon, stop_and_check
-from mlxd.engine.runner_messages import RequestStarted, StepTokens
-from mlxd.engine.step_handoff import ReleasingInbox, StepOutbox
+from mlxd.engine.batch.handoff import ReleasingInbox, StepOutbox
+from mlxd.engine.batch.messages import RequestStarted, StepTokens
 from mlxd.protocol import stage_trace
 from mlxd.protocol.stage_trace import ENGINE_STAGES, PROXY_STAGES, REQUEST_STAGES, read
 from support.harness import stream_chat
@@ -132,7 +132,7 @@ def test_a_step_is_held_until_the_mlx_thread_waits_or_goes_idle():
 
 
 def test_mlx_calls_of_the_generator_release_held_steps():
-    from mlxd.engine import step_handoff
+    from mlxd.engine.batch import handoff as step_handoff
     step_handoff.install()  # (idempotent; the engine installs it the same way)
     import importlib
 

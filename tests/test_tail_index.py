@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from mlxd.engine.ssd_restore import SsdReader
-from mlxd.engine.ssd_tier import SsdStats
-from mlxd.engine.tail_index import TailIndex
+from mlxd.engine.kv.ssd_restore import SsdReader
+from mlxd.engine.kv.ssd_tier import SsdStats
+from mlxd.engine.kv.tail_index import TailIndex
 from mlxd.protocol.block_format import block_key, namespace_key
 from support.blocks import write_block
 

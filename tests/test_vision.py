@@ -237,7 +237,7 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
     entry be evicted before the prefill, the MLX thread computes them after all."""
     import mlx.core as mx
 
-    from mlxd.engine.vision_model import VIRTUAL_BASE, ImageTable
+    from mlxd.engine.kinds.vision.model import VIRTUAL_BASE, ImageTable
     from mlxd.protocol.messages import ImageInput, image_key
     calls: list[str] = []
 

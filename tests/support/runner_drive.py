@@ -5,8 +5,8 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from mlxd.engine.runner import Runner
-from mlxd.engine.runner_messages import AddRequest, RequestStarted, StepTokens
+from mlxd.engine.batch.messages import AddRequest, RequestStarted, StepTokens
+from mlxd.engine.batch.runner import Runner
 
 
 def turn(runner: Runner) -> None:

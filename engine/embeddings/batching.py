@@ -1,0 +1,226 @@
+"""An engine's embeddings, in both kinds of engine.
+
+The embedding lane (a thread of its own, never the I/O thread) tokenizes each `Embed` and
+checks it; the MLX thread embeds what is queued in forward passes of up to 64 inputs, across
+requests, and hands each finished request's vectors to the output thread as one `Embeddings`
+(float32 bytes). In an embedding engine the MLX thread runs `serve`; in a generating engine a
+queued request wakes the runner with a `Call`, which embeds between generation steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+
+from mlxd.engine.admit.prepare import ClientError
+from mlxd.engine.embeddings.models import MAX_STEP_INPUTS, check_token_ids, normalized, plan_steps
+from mlxd.protocol import faults
+from mlxd.protocol.messages import Delta, Embed, Embeddings, EngineStatus
+
+log = logging.getLogger("mlxd.engine")
+
+
+class Embedder(Protocol):
+    max_tokens: int
+    vocab: int
+    dimensions: int  # 0 until the first forward pass
+
+    def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]: ...
+
+    def forward(self, batch: list[list[int]]) -> np.ndarray: ...
+
+
+@dataclass
+class EmbedJob:
+    """One request on its way through the MLX thread."""
+    request_id: str
+    inputs: list[list[int]]
+    dimensions: int
+    vectors: list[np.ndarray | None] = field(default_factory=list)
+    left: int = 0
+    failed: bool = False
+
+
+@dataclass
+class EmbedCounters:
+    """Advanced on the MLX thread, read by the output thread (plain integers)."""
+    requests: int = 0
+    inputs: int = 0
+    tokens: int = 0
+    steps: int = 0
+    peak_batch: int = 0
+    active: int = 0  # requests queued or being embedded
+    busy: bool = False
+
+
+class Embedding:
+    def __init__(self, embedder: Embedder, outq: queue.Queue[Any], engine_id: str, epoch: int,
+                 wake: Callable[[], None] | None = None) -> None:
+        self.embedder = embedder
+        self.outq = outq
+        self.engine_id, self.epoch = engine_id, epoch
+        self.wake = wake or (lambda: None)
+        self.counters = EmbedCounters()
+        self._active_lock = threading.Lock()  # `active` moves on three threads
+        self._requests: queue.Queue[Embed | None] = queue.Queue()
+        self._ready: queue.Queue[EmbedJob] = queue.Queue()  # lane -> MLX thread
+        self._rows: list[tuple[EmbedJob, int]] = []  # the MLX thread's, in arrival order
+        threading.Thread(target=self._lane, name="engine-embed", daemon=True).start()
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def submit(self, msg: Embed) -> None:
+        self._count_active(1)
+        self._requests.put(msg)
+
+    def _count_active(self, n: int) -> None:
+        with self._active_lock:
+            self.counters.active += n
+
+    def stop(self) -> None:
+        self._requests.put(None)
+
+    # ------------------------------------------------------------------ embedding lane
+
+    def _lane(self) -> None:
+        while (msg := self._requests.get()) is not None:
+            try:
+                job = self._prepare(msg)
+            except ClientError as e:
+                self._fail(msg.request_id, str(e), e.code)
+                continue
+            except Exception as e:  # a bad request must never hurt the engine
+                log.exception("embedding request %s could not be prepared", msg.request_id)
+                self._fail(msg.request_id, f"invalid request: {str(e)[:500]}", "invalid_request")
+                continue
+            self._ready.put(job)
+            self.wake()
+
+    def _prepare(self, msg: Embed) -> EmbedJob:
+        e = self.embedder
+        if msg.input_token_ids:
+            inputs = check_token_ids(msg.input_token_ids, e.vocab, e.max_tokens, msg.truncate)
+        else:
+            for i, text in enumerate(msg.inputs):
+                if not text:
+                    raise ClientError(f"input[{i}] is empty", "invalid_request")
+            inputs = e.tokenize(list(msg.inputs), msg.truncate)
+        if not inputs:
+            raise ClientError("there is nothing to embed", "invalid_request")
+        if e.dimensions and msg.dimensions > e.dimensions:
+            raise _too_many_dimensions(msg.dimensions, e.dimensions)
+        return EmbedJob(msg.request_id, inputs, msg.dimensions, [None] * len(inputs),
+                        len(inputs))
+
+    def _fail(self, request_id: str, error: str, code: str) -> None:
+        self._count_active(-1)
+        self.outq.put(Delta(request_id, finish_reason="error", error=error, error_code=code))
+
+    # ------------------------------------------------------------------ MLX thread
+
+    def serve(self, stop: threading.Event) -> None:
+        """An embedding engine's MLX loop: embed whatever is queued until `stop` is set."""
+        while not stop.is_set():
+            try:
+                job = self._ready.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._rows.extend((job, i) for i in range(len(job.inputs)))
+            self.run_pending()
+
+    def run_pending(self, on_step: Callable[[], None] = lambda: None) -> None:
+        """Embed every queued input, up to MAX_STEP_INPUTS per forward pass; requests that
+        arrive meanwhile join the next pass. `on_step` hears each pass."""
+        while True:
+            while True:
+                try:
+                    job = self._ready.get_nowait()
+                except queue.Empty:
+                    break
+                self._rows.extend((job, i) for i in range(len(job.inputs)))
+            if not self._rows:
+                return
+            window, self._rows = self._rows[:MAX_STEP_INPUTS], self._rows[MAX_STEP_INPUTS:]
+            for step in plan_steps([len(job.inputs[i]) for job, i in window]):
+                self._step([window[k] for k in step])
+                on_step()
+
+    def _step(self, rows: list[tuple[EmbedJob, int]]) -> None:
+        c = self.counters
+        c.busy = True
+        try:
+            faults.hit("engine.embed")
+            vectors = self.embedder.forward([job.inputs[i] for job, i in rows])
+        except ClientError as e:
+            self._fail_jobs(rows, str(e), e.code)
+            return
+        except Exception as e:  # the requests fail, the engine serves on
+            log.exception("an embedding step failed")
+            self._fail_jobs(rows, f"embedding failed: {str(e)[:500]}", "engine_error")
+            return
+        finally:
+            c.busy = False
+        c.steps += 1
+        c.peak_batch = max(c.peak_batch, len(rows))
+        for (job, i), vector in zip(rows, vectors, strict=True):
+            job.vectors[i] = vector
+            job.left -= 1
+            if job.left == 0 and not job.failed:
+                self._finish(job)
+
+    def _fail_jobs(self, rows: list[tuple[EmbedJob, int]], error: str, code: str) -> None:
+        jobs = {id(job): job for job, _ in rows if not job.failed}
+        for job in jobs.values():
+            job.failed = True
+            self._fail(job.request_id, error, code)
+        self._rows = [(job, i) for job, i in self._rows if not job.failed]
+
+    def _finish(self, job: EmbedJob) -> None:
+        matrix = np.stack([v for v in job.vectors if v is not None])
+        if job.dimensions:
+            if job.dimensions > matrix.shape[1]:
+                e = _too_many_dimensions(job.dimensions, matrix.shape[1])
+                self._fail(job.request_id, str(e), e.code)
+                return
+            matrix = normalized(matrix[:, :job.dimensions])
+        c = self.counters
+        tokens = sum(len(x) for x in job.inputs)
+        c.requests += 1
+        c.inputs += len(job.inputs)
+        c.tokens += tokens
+        self._count_active(-1)
+        self.outq.put(Embeddings(self.engine_id, self.epoch, job.request_id, matrix.shape[0],
+                                 matrix.shape[1], matrix.astype("<f4").tobytes(), tokens))
+
+    # ------------------------------------------------------------------ output thread
+
+    def status(self, status: EngineStatus, model_dir: Path | None) -> EngineStatus:
+        """The engine's status with the embedding figures; `model_dir` set for an embedding
+        engine (then these are all it does)."""
+        c = self.counters
+        stats = msgspec.structs.replace(
+            status.stats, embed_requests=c.requests, embed_inputs=c.inputs,
+            embed_tokens=c.tokens, embed_steps=c.steps, embed_peak_batch=c.peak_batch)
+        if model_dir is None:
+            return msgspec.structs.replace(status, stats=stats)
+        return msgspec.structs.replace(
+            status, stats=stats, active=c.active, steps=c.steps, peak_batch=c.peak_batch,
+            prompt_tokens_total=c.tokens, context_length=self.embedder.max_tokens,
+            model_dir=str(model_dir), capabilities=["embedding"])
+
+    def progress(self) -> tuple[int, bool]:
+        """The hang watchdog's view of an embedding engine: steps taken, and whether busy."""
+        return self.counters.steps, self.counters.busy
+
+
+def _too_many_dimensions(asked: int, has: int) -> ClientError:
+    return ClientError(f"`dimensions` is {asked}, but this model's vectors have {has}",
+                       "invalid_request")

@@ -1,0 +1,190 @@
+"""What an engine embeds with, and which kind of engine a model directory needs.
+
+An encoder model (BERT-family and similar, loaded through mlx-embeddings) gets an engine of
+its own kind that only embeds; a causal LM embeds beside generating, as the mean of its last
+hidden states. Either way vectors are L2-normalized float32. `tokenize` runs on the embedding
+lane, `forward` on the MLX thread; `plan_steps` (pure) says which inputs share a forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from mlxd.engine.admit.prepare import ClientError
+
+log = logging.getLogger("mlxd.engine")
+
+EngineKind = Literal["generate", "embed"]
+
+# Model types mlx-embeddings loads as text encoders.
+ENCODER_TYPES = frozenset({"bert", "xlm_roberta", "modernbert", "llama_bidirec"})
+# A sentence-transformers directory holds an embedding model whatever its architecture
+# (Qwen3-Embedding, EmbeddingGemma: decoder stacks trained to embed).
+SENTENCE_TRANSFORMERS_FILES = ("config_sentence_transformers.json", "modules.json")
+
+MAX_STEP_INPUTS = 64  # inputs embedded in one forward pass at most
+MAX_STEP_TOKENS = 32768  # padded tokens (inputs x the longest of them) in one forward pass
+NO_EMBEDDINGS = ("embedding models need the packages mlx-embeddings and mlx-vlm, installed "
+                 "without their dependencies: pip install --no-deps mlx-embeddings mlx-vlm")
+
+
+def model_kind(model_dir: Path) -> EngineKind:
+    """`embed` for an encoder or a sentence-transformers model, else `generate`."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "generate"  # the loader says what is wrong with it
+    if any((model_dir / name).is_file() for name in SENTENCE_TRANSFORMERS_FILES):
+        return "embed"
+    model_type = str(config.get("model_type", "")).replace("-", "_").lower()
+    return "embed" if model_type in ENCODER_TYPES else "generate"
+
+
+def plan_steps(lengths: list[int], max_inputs: int = MAX_STEP_INPUTS,
+               max_tokens: int = MAX_STEP_TOKENS) -> list[list[int]]:
+    """Indices of `lengths` grouped into forward passes: similar lengths together (less
+    padding), at most `max_inputs` per pass and `max_tokens` padded tokens (one input longer
+    than that still gets a pass of its own)."""
+    steps: list[list[int]] = []
+    step: list[int] = []
+    longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        longest_if = max(longest, lengths[i])
+        if step and (len(step) >= max_inputs or (len(step) + 1) * longest_if > max_tokens):
+            steps.append(step)
+            step, longest_if = [], lengths[i]
+        step.append(i)
+        longest = longest_if
+    if step:
+        steps.append(step)
+    return steps
+
+
+def normalized(vectors: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+def check_token_ids(inputs: list[list[int]], vocab: int, max_tokens: int,
+                    truncate: bool) -> list[list[int]]:
+    """Token-id inputs as given: each non-empty, within the vocabulary and the length."""
+    out = []
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise ClientError(f"input[{i}] is empty", "invalid_request")
+        if vocab and max(ids) >= vocab:
+            raise ClientError(f"input[{i}] holds token id {max(ids)}, outside this model's "
+                              f"vocabulary of {vocab}", "invalid_token")
+        out.append(_fit(ids, i, max_tokens, truncate))
+    return out
+
+
+def _fit(ids: list[int], i: int, max_tokens: int, truncate: bool) -> list[int]:
+    if len(ids) <= max_tokens:
+        return ids
+    if truncate:
+        return ids[:max_tokens]
+    raise ClientError(f"input[{i}] is {len(ids)} tokens, more than the {max_tokens} this model "
+                      "embeds at once", "context_length_exceeded")
+
+
+class EncoderEmbedder:
+    """An mlx-embeddings model: its own pooling (`text_embeds`), or the mean of its last
+    hidden states where it has none."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: dict, stream: Any) -> None:
+        self.model, self.tokenizer, self.stream = model, tokenizer, stream
+        limits = [config.get("max_position_embeddings") or 0,
+                  getattr(tokenizer, "model_max_length", 0) or 0]
+        sane = [n for n in limits if isinstance(n, int) and 0 < n < 10**7]
+        self.max_tokens = min(sane) if sane else 512
+        self.vocab = int(config.get("vocab_size") or 0)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_left = getattr(tokenizer, "padding_side", "right") == "left"
+        self.dimensions = 0  # known after the first forward pass
+
+    def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        ids = self.tokenizer(texts, truncation=truncate,
+                             max_length=self.max_tokens if truncate else None)["input_ids"]
+        return [_fit(list(x), i, self.max_tokens, truncate) for i, x in enumerate(ids)]
+
+    def forward(self, batch: list[list[int]]) -> np.ndarray:
+        import mlx.core as mx
+        ids, mask = _padded(batch, self.pad_id, self.pad_left)
+        with mx.stream(self.stream):
+            out = self.model(mx.array(ids), attention_mask=mx.array(mask))
+            pooled = out.text_embeds
+            if pooled is None:
+                pooled = _mean(out.last_hidden_state, mx.array(mask))
+            vectors = np.array(pooled.astype(mx.float32))
+        self.dimensions = vectors.shape[-1]
+        return normalized(vectors)
+
+
+class CausalLMEmbedder:
+    """A causal LM's mean-pooled last hidden states (after its final norm). Inputs are
+    right-padded: a causal mask keeps the padding out of every real position."""
+
+    def __init__(self, model: Any, tokenizer: Any, context_length: int, vocab: int,
+                 stream: Any) -> None:
+        inner = getattr(model, "model", None)
+        self.hidden = inner if callable(inner) else None  # the transformer without its head
+        self.tokenizer, self.stream = tokenizer, stream
+        self.max_tokens = context_length
+        self.vocab = vocab
+        self.dimensions = 0
+
+    def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        return [_fit(list(self.tokenizer.encode(t)), i, self.max_tokens, truncate)
+                for i, t in enumerate(texts)]
+
+    def forward(self, batch: list[list[int]]) -> np.ndarray:
+        import mlx.core as mx
+        if self.hidden is None:
+            raise ClientError("this model's architecture gives no hidden states to embed with",
+                              "invalid_request")
+        ids, mask = _padded(batch, 0, pad_left=False)
+        with mx.stream(self.stream):
+            h = self.hidden(mx.array(ids))
+            vectors = np.array(_mean(h, mx.array(mask)).astype(mx.float32))
+        self.dimensions = vectors.shape[-1]
+        return normalized(vectors)
+
+
+def _padded(batch: list[list[int]], pad_id: int, pad_left: bool
+            ) -> tuple[np.ndarray, np.ndarray]:
+    longest = max(len(x) for x in batch)
+    ids = np.full((len(batch), longest), pad_id, dtype=np.int32)
+    mask = np.zeros((len(batch), longest), dtype=np.int32)
+    for row, x in enumerate(batch):
+        where = slice(longest - len(x), longest) if pad_left else slice(0, len(x))
+        ids[row, where] = x
+        mask[row, where] = 1
+    return ids, mask
+
+
+def _mean(hidden: Any, mask: Any) -> Any:
+    import mlx.core as mx
+    m = mask[..., None].astype(mx.float32)
+    return (hidden.astype(mx.float32) * m).sum(axis=1) / mx.maximum(m.sum(axis=1), 1.0)
+
+
+def load_encoder(model_dir: Path, dtype: str, stream: Any) -> EncoderEmbedder:
+    """Load an encoder through mlx-embeddings (ModelLoadError if it cannot be)."""
+    from mlxd.engine.load.loader import ModelLoadError, _cast_for_device
+    try:
+        import mlx_embeddings
+    except ImportError as e:
+        raise ModelLoadError(f"{NO_EMBEDDINGS} ({e})") from e
+    try:
+        model, tokenizer = mlx_embeddings.load(str(model_dir))
+        _cast_for_device(model, dtype)
+        config = json.loads((model_dir / "config.json").read_text())
+    except Exception as e:  # any failure here means the model cannot load
+        raise ModelLoadError(f"cannot load embedding model from {model_dir}: {e}") from e
+    return EncoderEmbedder(model, tokenizer, config, stream)

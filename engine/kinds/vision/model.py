@@ -1,0 +1,273 @@
+"""A vision-language model (through mlx-vlm) served by the text engine's machinery.
+
+The model directory decides: a `config.json` with a `vision_config` is a vision model. mlx-vlm
+loads it (its model classes, its processor); what the runner drives is `VisionLM`, the model's
+own language model behind the call mlx-lm's `BatchGenerator` makes (`model(tokens, cache=)`),
+so vision rows join the same continuous batch as text rows, and the RAM prefix cache, the SSD
+tier, checkpoints and resume work on them unchanged.
+
+An image's place in a prompt is held by *image tokens*: ids above the vocabulary
+(`VIRTUAL_BASE` and up), one per position the image takes, each derived from the blake3 of the
+image's decoded pixels and the position (`image_token_ids`). The prompt's token ids therefore
+name the image's content: the prefix cache's trie and the SSD tier's chained block keys, which
+are built from token ids alone, hit on the same image and never on another one. `VisionLM`
+looks those ids up in its `ImageTable` and feeds the image's features (the vision tower and
+projector, run on the MLX thread, only for positions a cache did not cover) in their place.
+
+Families: those whose image features replace the image token's embeddings one for one and
+whose language model numbers positions in one dimension (`SUPPORTED`). Families with 3-D
+rotary positions (Qwen2-VL and later) or images tiled into a variable number of tokens are not
+served yet: the engine refuses to load them with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from blake3 import blake3
+
+from mlxd.protocol.messages import ImageInput, image_key
+
+log = logging.getLogger("mlxd.engine")
+
+SUPPORTED = frozenset({"llava"})
+VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
+IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
+IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
+
+
+def is_vision_dir(model_dir: Path) -> bool:
+    """A model directory whose config has a `vision_config`: mlx-vlm serves it."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def image_token_ids(key: bytes, n: int) -> list[int]:
+    """The `n` ids an image with content hash `key` takes in a prompt: position i's id is 30
+    bits of blake3(key, i) above VIRTUAL_BASE, so a sequence of them names the image (two
+    images share one id by chance at 2^-30; all of a prompt's, never in practice)."""
+    return [VIRTUAL_BASE | (int.from_bytes(blake3(key + i.to_bytes(4, "little")).digest(4),
+                                           "little") & (VIRTUAL_BASE - 1))
+            for i in range(n)]
+
+
+def pixels_key(width: int, height: int, pixels: bytes) -> bytes:
+    """The content hash of a decoded RGB image (what the proxy computed and sent)."""
+    return image_key(width, height, pixels)
+
+
+@dataclass
+class _Image:
+    image: ImageInput | None  # the decoded pixels, until encoded
+    pixel_values: np.ndarray | None  # the processor's output, until encoded
+    features: mx.array | None  # (tokens, hidden), once the vision tower ran
+    ids: list[int]
+    used: float
+    nbytes: int
+
+
+class ImageTable:
+    """Image token id -> (image, position), and each image's pixels or features. Registered
+    on an admission lane, read on the MLX thread (one lock). An image registered without
+    pixel values (a cache covered it at admission) gets them on the MLX thread if a cache
+    eviction in between makes its features needed after all."""
+
+    def __init__(self, encode: Any, preprocess: Any,
+                 max_bytes: int = IMAGE_TABLE_BYTES) -> None:
+        self._encode = encode  # pixel_values (numpy) -> features (tokens, hidden); MLX thread
+        self.preprocess = preprocess  # ImageInput -> pixel_values (numpy); the processor
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._images: OrderedDict[bytes, _Image] = OrderedDict()
+        self._where: dict[int, tuple[bytes, int]] = {}
+        self._bytes = 0
+        self.encoded = 0  # images the vision tower ran for (a figure for tests and stats)
+
+    def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None) -> list[int]:
+        """The image's token ids; `pixel_values` None: not computed (a cache covers it)."""
+        key = image.key
+        ids = image_token_ids(key, n)
+        with self._lock:
+            img = self._images.get(key)
+            if img is not None:
+                img.used = time.monotonic()
+                self._images.move_to_end(key)
+                if img.features is None and img.pixel_values is None \
+                        and pixel_values is not None:
+                    img.pixel_values = pixel_values
+                    img.nbytes += pixel_values.nbytes
+                    self._bytes += pixel_values.nbytes
+                return img.ids
+            for i, vid in enumerate(ids):
+                if self._where.get(vid, (key, i)) != (key, i):
+                    raise ValueError("two images' token ids collide; send the request again "
+                                     "with the image re-encoded")
+            for i, vid in enumerate(ids):
+                self._where[vid] = (key, i)
+            nbytes = len(image.pixels) + (pixel_values.nbytes if pixel_values is not None
+                                          else 0)
+            self._images[key] = _Image(image, pixel_values, None, ids, time.monotonic(), nbytes)
+            self._bytes += nbytes
+            self._evict()
+        return ids
+
+    def _evict(self) -> None:
+        old = time.monotonic() - IMAGE_TTL_S
+        while self._bytes > self._max_bytes and self._images:
+            key, img = next(iter(self._images.items()))
+            if img.used > old:
+                return
+            del self._images[key]
+            self._bytes -= img.nbytes
+            for vid in img.ids:
+                self._where.pop(vid, None)
+
+    def embed(self, inputs: mx.array, embed_tokens: Any) -> mx.array | None:
+        """On the MLX thread: the input embeddings of `inputs` (batch, length) with image
+        features in place of image token ids, or None when there are none. Sampled tokens
+        (uint32, decode steps) are never image tokens and are not even looked at."""
+        if inputs.dtype == mx.uint32:
+            return None
+        ids = np.array(inputs)
+        virtual = ids >= VIRTUAL_BASE
+        if not virtual.any():
+            return None
+        rows = np.zeros(ids.shape, dtype=np.int32)
+        tables: list[mx.array] = []
+        offsets: dict[bytes, int] = {}
+        total = 0
+        with self._lock:
+            for pos in zip(*np.nonzero(virtual), strict=True):
+                where = self._where.get(int(ids[pos]))
+                if where is None:
+                    raise RuntimeError("an image token of a prompt names no known image")
+                key, i = where
+                if key not in offsets:
+                    feats = self._features(key)
+                    offsets[key] = total
+                    tables.append(feats)
+                    total += feats.shape[0]
+                rows[pos] = offsets[key] + i
+        base = embed_tokens(mx.array(np.where(virtual, 0, ids)))
+        table = mx.concatenate(tables) if len(tables) > 1 else tables[0]
+        feats = table[mx.array(rows)].astype(base.dtype)
+        return mx.where(mx.array(virtual)[..., None], feats, base)
+
+    def _features(self, key: bytes) -> mx.array:
+        img = self._images[key]
+        img.used = time.monotonic()
+        if img.features is None:
+            if img.pixel_values is None:  # a cache covered it at admission, not any more
+                assert img.image is not None
+                img.pixel_values = self.preprocess(img.image)
+            feats = self._encode(img.pixel_values)
+            mx.eval(feats)
+            self.encoded += 1
+            self._bytes += feats.nbytes - img.nbytes
+            img.features, img.pixel_values, img.image = feats, None, None
+            img.nbytes = feats.nbytes
+        return img.features
+
+
+class VisionLM(nn.Module):
+    """What the runner drives: mlx-vlm's language model, fed image features for image token
+    ids. `layers` and the call are what mlx-lm's generator and cache helpers use."""
+
+    def __init__(self, vlm: Any, images: ImageTable) -> None:
+        super().__init__()
+        self.vlm = vlm
+        self.images = images
+
+    @property
+    def layers(self) -> list[Any]:
+        return list(self.vlm.language_model.layers)
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        lm = self.vlm.language_model
+        embeds = self.images.embed(inputs, lm.model.embed_tokens)
+        out = lm(inputs, inputs_embeds=embeds, cache=cache)
+        return out.logits if hasattr(out, "logits") else out
+
+
+@dataclass(frozen=True)
+class VisionParts:
+    """What admission needs to turn images into prompt tokens."""
+    image_processor: Any  # pixel values for the vision tower (off the MLX thread)
+    image_token: str  # the text that marks an image in a rendered prompt ("<image>")
+    image_token_id: int
+    tokens_per_image: int
+    images: ImageTable
+    model_type: str
+
+
+def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, VisionParts]:
+    """(the model the runner drives, mlx-lm's tokenizer wrapper, config, VisionParts)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxd.engine.load.loader import ModelLoadError, _cast_for_device
+    try:
+        from mlx_vlm.utils import load_image_processor, load_model, load_processor
+        from PIL import Image
+    except ImportError as e:
+        raise ModelLoadError(f"{model_dir.name} is a vision model: serving it needs mlx-vlm "
+                             "and Pillow (pip install --no-deps mlx-vlm; pip install pillow): "
+                             f"{e}") from e
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = str(config.get("model_type", ""))
+    if model_type not in SUPPORTED:
+        raise ModelLoadError(f"{model_dir.name} is a {model_type or 'unknown'} vision model; "
+                             f"mlxd serves vision models of the families "
+                             f"{', '.join(sorted(SUPPORTED))}")
+    try:
+        vlm = load_model(model_dir)
+        _cast_for_device(vlm, dtype)
+        mx.eval(vlm.parameters())
+        processor = load_processor(model_dir, add_detokenizer=False)
+        custom = load_image_processor(model_dir)
+        image_processor: Any = custom if custom is not None else processor.image_processor
+        eos = config.get("eos_token_id") or config.get("text_config", {}).get("eos_token_id")
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=eos)
+        image_token = str(getattr(processor, "image_token", "<image>"))
+        image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
+        if image_token_id < 0:
+            image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
+        # The processor's own expansion of one image marker says how many positions an image
+        # takes (fixed for these families: the processor resizes to one size).
+        probe = Image.new("RGB", (32, 32), (127, 127, 127))
+        out = processor(images=[probe], text=[image_token])
+        n = int((np.array(out["input_ids"]) == image_token_id).sum())
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load vision model from {model_dir}: {e}") from e
+    if n < 1:
+        raise ModelLoadError(f"{model_dir.name}: its processor gives an image no image tokens")
+
+    def encode(pixel_values: np.ndarray) -> mx.array:
+        ids = mx.array([[image_token_id] * n])
+        got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values))
+        return got.inputs_embeds[0]
+
+    def preprocess(image: ImageInput) -> np.ndarray:
+        pil = Image.frombytes("RGB", (image.width, image.height), image.pixels)
+        values = image_processor(images=[pil], return_tensors="np")["pixel_values"]
+        return np.asarray(values, dtype=np.float32)
+
+    table = ImageTable(encode, preprocess)
+    parts = VisionParts(image_processor, image_token, image_token_id, n, table, model_type)
+    config = {**config.get("text_config", {}), **{k: v for k, v in config.items()
+                                                  if not isinstance(v, dict)}}
+    return VisionLM(vlm, table), tokenizer, config, parts

@@ -1,0 +1,156 @@
+"""Admission of requests with images to a vision engine (on an admission lane, never the MLX
+thread): the prompt rendered with the processor's image marker where each image goes, each
+marker expanded into the image's token ids (see `vision_model.py`), the image's pixel values
+computed by the model's image processor and registered for the MLX thread. The proxy decoded
+the images and checked their limits; here the pixels' size and content hash are checked again
+(a request can never make the engine read past its buffer or reuse another image's cache).
+Requests without images go through the text engine's admission unchanged."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+
+from mlxd.engine.admit import prepare as admission
+from mlxd.engine.admit.prepare import Admitted, Answered, ClientError
+from mlxd.engine.batch.messages import AddRequest
+from mlxd.engine.kinds.vision.model import VIRTUAL_BASE, VisionParts, image_token_ids, pixels_key
+from mlxd.engine.kv.prefix_cache import RestoredPrefix
+from mlxd.engine.state import LoadedModel
+from mlxd.protocol.messages import Delta, Generate, ImageInput
+
+log = logging.getLogger("mlxd.engine")
+
+
+class VisionAdmission:
+    def __init__(self, parts: VisionParts, peek: Callable[[list[int]], int]) -> None:
+        self.parts = parts
+        self.peek = peek  # prompt -> tokens the RAM prefix cache would serve now
+
+    def prepare(self, msg: Generate, model: LoadedModel | None,
+                restore: Callable[[list[int]], RestoredPrefix | None],
+                received_at: float) -> Admitted | Answered:
+        if not msg.images:
+            return admission.prepare(msg, model, restore, received_at)
+        try:
+            if model is None:
+                raise ClientError("the model is still loading", "engine_loading")
+            return self._prepare(msg, model, restore, received_at)
+        except ClientError as e:
+            return Answered([Delta(msg.request_id, finish_reason="error", error=str(e),
+                                   error_code=e.code)])
+        except Exception as e:  # a bad request must never hurt the engine
+            log.exception("request %s (with images) could not be prepared", msg.request_id)
+            return Answered([Delta(msg.request_id, finish_reason="error", error=f"invalid "
+                                   f"request: {str(e)[:500]}", error_code="invalid_request")])
+
+    def _prepare(self, msg: Generate, model: LoadedModel,
+                 restore: Callable[[list[int]], RestoredPrefix | None],
+                 received_at: float) -> Admitted | Answered:
+        from mlxd.engine.admit.sampling import make_request_sampler
+        rid, tok, parts = msg.request_id, model.tokenizer, self.parts
+        if msg.prompt_token_ids is not None or msg.suffix is not None:
+            raise ClientError("images go with chat messages or a text prompt, not with token "
+                              "ids or fill-in-the-middle", "invalid_request")
+        admission.check_prompt_size(msg, model.context_length, model.max_token_bytes)
+        marked = admission.prompt_tokens(tok, self._with_markers(msg, tok))
+        marks = sum(1 for t in marked if t == parts.image_token_id)
+        if marks != len(msg.images):
+            raise ClientError(f"the prompt holds {marks} image markers ({parts.image_token!r}) "
+                              f"for {len(msg.images)} images", "invalid_request")
+        for i, img in enumerate(msg.images):
+            _check(i, img)
+        ids = iter([image_token_ids(img.key, parts.tokens_per_image) for img in msg.images])
+        prompt: list[int] = []
+        ends: list[int] = []  # where each image's tokens end
+        for t in marked:
+            if t == parts.image_token_id:
+                prompt.extend(next(ids))
+                ends.append(len(prompt))
+            else:
+                prompt.append(t)
+        if prompt[-1] >= VIRTUAL_BASE:
+            raise ClientError("the prompt ends with an image: add text after it",
+                              "invalid_request")
+        admission.check_logit_bias(msg, len(tok))
+        if msg.count_only:
+            return Answered([Delta(rid, prompt_tokens=len(prompt)),
+                             Delta(rid, finish_reason="length", prompt_tokens=len(prompt))])
+        p = msg.sampling
+        max_tokens = max(1, min(p.max_tokens, admission.room_for(prompt, model.context_length)))
+        resumed = list(msg.resume_token_ids)
+        shown = [t if t < VIRTUAL_BASE else parts.image_token_id for t in prompt]
+        out = admission.request_output(tok, msg, shown, model.eos_ids)
+        if resumed:
+            out.prime(resumed, msg.resume_text_len)
+            max_tokens -= len(resumed)
+            prompt = prompt + resumed
+            if max_tokens < 1:
+                return Answered([Delta(rid, prompt_tokens=out.prompt_tokens),
+                                 Delta(rid, finish_reason="length",
+                                       prompt_tokens=out.prompt_tokens,
+                                       completion_tokens=out.completion_tokens)])
+        # An image a cache covers needs no pixel values: the processor runs only for the rest.
+        restored = restore(prompt)
+        cached = max(self.peek(prompt), restored.tokens if restored is not None else 0)
+        for img, end in zip(msg.images, ends, strict=True):
+            values = None if end <= cached else parts.images.preprocess(img)
+            parts.images.register(img, parts.tokens_per_image, values)
+        request = AddRequest(rid, prompt, max_tokens,
+                             make_request_sampler(p, start_position=len(resumed)),
+                             _real_ids(admission.processors(msg, model.grammar_tokenizer,
+                                                            resumed), parts.image_token_id),
+                             restored=restored, received_at=received_at,
+                             logprobs=p.logprobs, group=msg.prefill_group,
+                             group_size=msg.group_size)
+        return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
+
+    def _with_markers(self, msg: Generate, tok: Any) -> Generate:
+        """The request as text: each image part becomes the processor's image marker (inside
+        the messages' text for templates that take strings; as an image part for templates
+        that render parts themselves); with a plain prompt, the images come first."""
+        marker = self.parts.image_token
+        if msg.messages is None:
+            return msgspec.structs.replace(msg, prompt=marker * len(msg.images)
+                                           + (msg.prompt or ""))
+        takes_parts = "image" in str(getattr(tok, "chat_template", None) or "")
+        messages = []
+        for m in msg.messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                if takes_parts:
+                    content = [{"type": "image"} if c.get("type") == "image" else c
+                               for c in content]
+                else:
+                    content = "".join(marker if c.get("type") == "image"
+                                      else str(c.get("text") or "") for c in content)
+                m = {**m, "content": content}
+            messages.append(m)
+        return msgspec.structs.replace(msg, messages=messages)
+
+
+
+def _check(i: int, img: ImageInput) -> None:
+    """The pixels fit the size, and the content hash is theirs."""
+    if img.width < 1 or img.height < 1 or len(img.pixels) != img.width * img.height * 3:
+        raise ClientError(f"image {i}: its pixels do not match its size", "invalid_request")
+    if pixels_key(img.width, img.height, img.pixels) != img.key:
+        raise ClientError(f"image {i}: its content hash does not match its pixels",
+                          "invalid_request")
+
+
+def _real_ids(processors: list, image_token_id: int) -> list:
+    """Logits processors that see real token ids in their context (penalties index the
+    logits by the context's ids; an image's ids are beyond the vocabulary)."""
+    def wrap(p: Callable[[mx.array, mx.array], mx.array]) -> Callable[[mx.array, mx.array],
+                                                                       mx.array]:
+        def real(tokens: mx.array, logits: mx.array) -> mx.array:
+            if tokens is not None:
+                tokens = mx.where(tokens >= VIRTUAL_BASE, image_token_id, tokens)
+            return p(tokens, logits)
+        return real
+    return [wrap(p) for p in processors]

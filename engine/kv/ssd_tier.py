@@ -1,0 +1,560 @@
+"""The engine's side of the SSD tier.
+
+- Write-behind: the MLX thread picks a new RAM entry's blocks that the disk lacks and a free
+  slot of this engine's shared-memory arena for each (with none free the block is skipped,
+  counted, rather than stall decoding); the storage thread copies each block's span of the
+  entry's arrays into its slot, and a `StoreBlocks` message names the slots. No hashing of
+  payloads, writing or fsync on the MLX thread, and no waiting. The storage thread reads the
+  entry's own arrays and the MLX thread runs no kernel (`MLXD_SSD_STAGING=device`: the MLX
+  thread gathers the blocks into one staging array on the device first; `device_staging`).
+- A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
+  is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
+  one probe block decides whether it recovers. A flush probes at once and answers promptly with
+  the refusal's code instead of retrying until its deadline.
+- The storage thread owns the DEALER to the storage worker: it sends, frees slots on
+  `StoreDone`, and reclaims slots a dead worker never answered for.
+- Restore: `ssd_restore.SsdReader` (`self.reader`), on the admission lanes; it finds tails
+  through `self.tails` (`tail_index.TailIndex`), which the storage thread's confirmed
+  writes keep current.
+- Wiring: `open_ssd_tier` derives the block layout and the namespace from the loaded model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from mlxd.engine.kv.prefix_cache import Entry
+from mlxd.engine.kv.ssd_health import Admit, Change, Refusal, WriteHealth
+from mlxd.engine.kv.ssd_restore import SsdReader
+from mlxd.engine.kv.tail_index import TailIndex
+from mlxd.protocol import codec, shm
+from mlxd.protocol.block_format import (
+    KvDtype,
+    Layout,
+    block_file,
+    block_spans,
+    namespace_key,
+)
+from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
+
+log = logging.getLogger("mlxd.engine")
+
+RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead worker is assumed
+
+
+def device_staging() -> bool:
+    """Whether blocks are gathered on the device before the host reads them
+    (`MLXD_SSD_STAGING=device`; default `views`: the storage thread reads the entries' arrays
+    themselves). On CUDA a host read moves an array's buffer to managed memory; staging was
+    meant to avoid that, and measured no better on the H200 (benchmarks/RESULTS.md section 18)."""
+    return os.environ.get("MLXD_SSD_STAGING", "") == "device"
+
+
+@dataclass
+class SsdStats:
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    blocks_queued: int = 0
+    blocks_written: int = 0
+    blocks_existed: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    skipped_no_slot: int = 0
+    skipped_degraded: int = 0  # blocks not queued while the disk refused writes
+    bad_blocks: int = 0
+    disk_bytes: int = 0
+    disk_blocks: int = 0
+    evicted: int = 0
+    error: str | None = None  # "<code>: <message>" while degraded
+
+
+@dataclass
+class FlushResult:
+    written: int  # blocks written during the flush
+    failed: int  # blocks the disk refused during the flush
+    unwritten: int  # blocks of cached entries not on disk at the end
+    error_code: str | None  # None: every cached entry is durable
+    error: str | None
+
+
+@dataclass
+class _Block:
+    slot: int
+    parts: Any  # the entry's arrays in slot order (`_host_parts`); None once copied
+    start: int  # the block's token span in them
+    end: int
+    write: BlockWrite
+    staged: Any = None  # device staging: the call's staging array, this block's bytes at
+    offset: int = 0  # `offset` (`parts` is then None)
+    nbytes: int = 0
+
+
+@dataclass
+class _Pending:
+    sent_at: float
+    keys: list[bytes] = field(default_factory=list)
+    tail: tuple[bytes, int, bytes] | None = None  # (parent, tokens, key) of a tail block
+
+
+def weights_digest(model_dir: Path) -> str:
+    """Cheap identity of the weights: config plus every safetensors header and size."""
+    h = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.json")) + sorted(model_dir.glob("*.safetensors")):
+        h.update(path.name.encode())
+        h.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors":
+                n = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(n, 1 << 24)))
+            elif path.name == "config.json":
+                h.update(f.read())
+    return h.hexdigest()
+
+
+class _ReclaimAll:
+    pass
+
+
+class SsdTier:
+    def __init__(self, *, root: Path, layout: Layout, description: str, block_tokens: int,
+                 run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
+                 ctx: zmq.Context, endpoint: str) -> None:
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self.namespace = namespace_key(description)
+        self.ns_dir = root / self.namespace.hex()[:16]
+        self.verify = verify
+        self.engine_id, self.epoch = engine_id, epoch
+        self.slot_bytes = layout.payload_bytes(block_tokens)
+        self.segment = shm.segment_name(run_dir, engine_id, epoch)
+        self._shm = shm.create(run_dir, self.segment, self.slot_bytes * slots)
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(slots):
+            self._free.put(i)
+        self._pending: dict[int, _Pending] = {}
+        self._queued_keys: set[bytes] = set()
+        self._out: queue.Queue[Any] = queue.Queue()
+        self._idle = threading.Condition()  # guards _pending and health; notified on answers
+        self.health = WriteHealth()
+        self.stats = SsdStats()
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._stop = threading.Event()
+        self.device_staging = device_staging()
+        self.tails = TailIndex(block_tokens)
+        self.tails.scan_in_background(self.ns_dir)
+        self.reader = SsdReader(self.namespace, self.ns_dir, layout, block_tokens, verify,
+                                self.stats, lambda names: self._out.put(
+                                    TouchBlocks(self.namespace, names)), self.tails)
+        self._thread = threading.Thread(target=self._client_loop, name="engine-ssd", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._shm.close()
+        shm.unlink(self.segment)
+
+    # ------------------------------------------------------------------ keys
+
+    def _blocks_of(self,
+                   tokens: tuple[int, ...] | list[int]) -> list[tuple[int, int, bytes, bytes]]:
+        """(start, end, parent, key) for every full block and the tail of `tokens`."""
+        return block_spans(self.namespace, tokens, self.block_tokens)
+
+    # ------------------------------------------------------------------ write-behind (MLX thread)
+
+    def _missing(self, entry: Entry) -> list[tuple[int, int, bytes, bytes]]:
+        # os.path.exists: False on any OSError (an unreadable folder: the write then fails in
+        # the worker and the tier degrades), where Path.exists raises on some, on the MLX thread
+        ns_dir = str(self.ns_dir)
+        return [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
+                if k not in self._queued_keys
+                and not os.path.exists(block_file(ns_dir, p, e - s, k))]
+
+    def persist_all(self, entries: list[Entry]) -> int:
+        """Queue the entries' missing blocks for the storage worker; return how many were
+        queued. The MLX thread runs no kernel for it: it only makes sure the entries' arrays
+        are evaluated (one `async_eval` for all, usually nothing left to do); the storage
+        thread reads each block's span of them as host memory (unified memory: no copy) and
+        copies it into its shared-memory slot, so decoding never waits for a copy. Building a
+        contiguous array per block on the device instead took ~64 kernels a block: about 4 ms
+        of the MLX thread per finished request on the H200, 7 ms a block on the CPU backend
+        (`benchmarks/ssd_persist.py`). While the disk refuses writes, nothing is queued but
+        one probe block per backoff."""
+        import mlx.core as mx
+        blocks: list[_Block] = []
+        for entry in entries:
+            blocks += self._stage(entry)
+        if not blocks:
+            return 0
+        try:
+            if self.device_staging:
+                mx.async_eval(self._stage_on_device(blocks))
+            else:
+                mx.async_eval(list({id(a): a for b in blocks for a in b.parts}.values()))
+        except Exception as e:  # e.g. no device memory left: these blocks fail, not the step
+            log.exception("staging KV blocks for the SSD tier failed")
+            for entry in entries:
+                entry.persisted = False  # an eviction tries it again
+            self._register(blocks)
+            self._done(StoreDone([b.slot for b in blocks], failed=len(blocks),
+                                 error=f"staging the blocks failed: {e}",
+                                 error_code="copy_failed"))
+            return 0
+        self.stats.blocks_queued += len(blocks)
+        self._register(blocks)
+        self._out.put(blocks)
+        return len(blocks)
+
+    def _register(self, blocks: list[_Block]) -> None:
+        with self._idle:
+            for b in blocks:
+                w = b.write
+                self._pending[b.slot] = _Pending(
+                    time.monotonic(), [w.key],
+                    (w.parent, len(w.tokens), w.key) if w.tail else None)
+
+    def _stage(self, entry: Entry) -> list[_Block]:
+        """The entry's missing blocks that get a slot now (marks it persisted if all do)."""
+        todo = self._missing(entry)
+        if not todo:
+            entry.persisted = True
+            return []
+        with self._idle:
+            admit = self.health.admit(time.monotonic())
+        if admit is Admit.SKIP:
+            self.stats.skipped_degraded += len(todo)
+            entry.persisted = False
+            return []
+        chosen = todo if admit is Admit.WRITE else todo[:1]
+        self.stats.skipped_degraded += len(todo) - len(chosen)
+        blocks = []
+        parts = self._host_parts(entry)
+        for start, end, parent, key in chosen:
+            try:
+                slot = self._free.get_nowait()
+            except queue.Empty:
+                self.stats.skipped_no_slot += 1
+                continue
+            blocks.append(_Block(slot, parts, start, end, BlockWrite(
+                slot, parent, key, list(entry.tokens[start:end]),
+                tail=end - start < self.block_tokens)))
+            self._queued_keys.add(key)
+        if admit is Admit.PROBE and blocks:
+            with self._idle:
+                self.health.probing(blocks[0].slot)
+        entry.persisted = len(blocks) == len(todo)
+        return blocks
+
+    def _host_parts(self, entry: Entry) -> list[Any]:
+        """The entry's arrays in the order a slot holds a block: per layer, keys then values,
+        each (1, kv_heads, T, width); quantized, keys and values are triplets (packed, scales,
+        biases; `Layout.parts`). bfloat16 is viewed as uint16 (numpy has no bfloat16)."""
+        import mlx.core as mx
+        arrays = [a for k, v in entry.layers
+                  for a in ((*k, *v) if self.layout.kv_bits else (k, v))]
+        return [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
+
+    def _stage_on_device(self, blocks: list[_Block]) -> Any:
+        """One uint8 array holding every block's slot bytes, one block after the other, built
+        by the device (each block's spans of its entry's arrays, in slot order); each block
+        records where its bytes start. An entry whose arrays share shape and dtype (unquantized
+        KV, keys and values alike) is stacked once, so a block costs three ops whatever the
+        layer count; otherwise each array's span is taken on its own."""
+        import mlx.core as mx
+        pieces: list[Any] = []
+        offset = 0
+        by_entry: dict[int, list[_Block]] = {}
+        for b in blocks:
+            by_entry.setdefault(id(b.parts), []).append(b)
+        for group in by_entry.values():
+            parts = group[0].parts
+            lo, hi = min(b.start for b in group), max(b.end for b in group)
+            uniform = len({(a.shape, a.dtype) for a in parts}) == 1
+            if uniform:
+                if lo > 0 or hi < parts[0].shape[2]:  # only the blocks' span is copied
+                    parts = [a[:, :, lo:hi, :] for a in parts]
+                stacked = mx.concatenate(parts, axis=0)  # (arrays, kv_heads, T, width)
+            for b in group:
+                if uniform:
+                    spans = [stacked[:, :, b.start - lo:b.end - lo, :]]
+                else:
+                    spans = [a[0, :, b.start:b.end, :] for a in parts]
+                b.offset, b.nbytes = offset, 0
+                for span in spans:
+                    piece = mx.flatten(span).view(mx.uint8)
+                    pieces.append(piece)
+                    b.nbytes += piece.size
+                offset += b.nbytes
+                b.parts = None
+        staged = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        for b in blocks:
+            b.staged = staged
+        return staged
+
+    def _copy(self, blocks: list[_Block]) -> StoreBlocks:
+        """Storage thread: each block's span of its entry's arrays (read as host memory once
+        evaluated; each array once for all the blocks of its entry) into its slot, array after
+        array, each (kv_heads, tokens, width) in C order."""
+        host: dict[int, list[np.ndarray]] = {}
+        for b in blocks:
+            if b.staged is not None:  # device staging: the block's bytes, as they go
+                staged = host.get(id(b.staged))
+                if staged is None:
+                    staged = host[id(b.staged)] = [np.asarray(b.staged)]
+                np.ndarray((b.nbytes,), dtype=np.uint8, buffer=self._shm.buf,
+                           offset=b.slot * self.slot_bytes)[...] = \
+                    staged[0][b.offset:b.offset + b.nbytes]
+                b.staged = None
+                continue
+            views = host.get(id(b.parts))
+            if views is None:
+                views = host[id(b.parts)] = [np.asarray(a) for a in b.parts]
+            off = b.slot * self.slot_bytes
+            for a in views:
+                span = a[0, :, b.start:b.end, :]
+                np.ndarray(span.shape, dtype=span.dtype, buffer=self._shm.buf,
+                           offset=off)[...] = span
+                off += span.nbytes
+            b.parts = None  # the MLX arrays (and the cache they view) are released here
+        return StoreBlocks(self.engine_id, self.epoch, self.segment, self.slot_bytes,
+                           self.namespace, self.layout, [b.write for b in blocks])
+
+    def flush(self, run_on_mlx: Callable[[Callable[[], int]], int | None],
+              entries: Callable[[], list[Entry]], timeout: float) -> FlushResult:
+        """Make every entry durable; answer once every queued write is durable, or the disk
+        refused one (its code in the result), or `timeout` passed. Runs on a helper thread:
+        only the copies run on the MLX thread (through `run_on_mlx`), in rounds as slots free
+        up, so decoding never waits for the disk. A degraded tier is probed at once (an
+        explicit flush does not wait out the backoff); a refusal ends the flush."""
+        deadline = time.monotonic() + timeout
+        w0, f0 = self.stats.blocks_written, self.stats.write_failures
+        with self._idle:
+            self.health.retry_now(time.monotonic())
+
+        def copy_round() -> int:
+            held = entries()
+            self.persist_all(held)
+            return sum(len(self._missing(entry)) for entry in held)
+
+        missing: int | None = None
+        while time.monotonic() < deadline:
+            missing = run_on_mlx(copy_round)  # None: the MLX thread did not answer in time
+            if not missing:
+                break
+            if not self._wait_for_progress(deadline) or self._refused():
+                break
+        with self._idle:
+            while self._pending and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
+            refusal, pending = self.health.refusal, len(self._pending)
+        written = self.stats.blocks_written - w0
+        failed = self.stats.write_failures - f0
+        # Durable: the last round queued every missing block and every answer came back; a
+        # failure among the last answers leaves the tier degraded (an earlier one was followed
+        # by a round that re-queued its blocks). Not "every block on disk now": the byte cap
+        # may have evicted some meanwhile, by design.
+        if missing == 0 and pending == 0 and (refusal is None or failed == 0):
+            return FlushResult(written, failed, 0, None, None)
+        # what is not on disk now (failed blocks included); informative only, see above
+        left = run_on_mlx(lambda: sum(len(self._missing(e)) for e in entries())) or missing or 0
+        if refusal is not None:
+            return FlushResult(written, failed, left, refusal.code, refusal.message)
+        return FlushResult(written, failed, left, "timeout",
+                           f"the flush did not finish within {timeout:g} s "
+                           f"({pending} writes still queued)")
+
+    def _wait_for_progress(self, deadline: float) -> bool:
+        """Until a slot is free and no probe awaits its answer; False at the deadline."""
+        with self._idle:
+            while (self._free.empty() or self.health.probe_slot is not None) \
+                    and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
+        return time.monotonic() < deadline
+
+    def _refused(self) -> bool:
+        with self._idle:
+            return self.health.refused(time.monotonic())
+
+    def fill_stats(self, out: EngineStats) -> None:
+        """The tier's figures and health: `ssd_state` "ok" or "degraded: <code>: <why>; ...",
+        the code, seconds until writes are tried again."""
+        now = time.monotonic()
+        with self._idle:
+            refusal, retry_in = self.health.refusal, self.health.retry_in(now)
+        st = self.stats
+        out.ssd_state = "ok"
+        if refusal is not None:
+            when = f"next try in {retry_in:.1f} s" if retry_in > 0 \
+                else "next try with the next write"
+            out.ssd_state = f"degraded: {refusal.code}: {refusal.message}; writes paused, {when}"
+            out.ssd_error_code, out.ssd_retry_in_s = refusal.code, round(retry_in, 1)
+        out.ssd_hits, out.ssd_misses = st.hits, st.misses
+        out.ssd_restored_tokens, out.ssd_blocks_queued = st.restored_tokens, st.blocks_queued
+        out.ssd_blocks_written, out.ssd_blocks_existed = st.blocks_written, st.blocks_existed
+        out.ssd_bytes_written, out.ssd_write_failures = st.bytes_written, st.write_failures
+        out.ssd_skipped_no_slot, out.ssd_skipped_degraded = st.skipped_no_slot, st.skipped_degraded
+        out.ssd_bad_blocks, out.ssd_evicted = st.bad_blocks, st.evicted
+        out.ssd_bytes, out.ssd_blocks = st.disk_bytes, st.disk_blocks
+        out.ssd_write_queue = self.queue_depth
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ storage thread
+
+    def _client_loop(self) -> None:
+        enc, dec = codec.to_storage(), codec.from_storage()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        sock.connect(self._endpoint)
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        msg = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(msg, list):
+                        try:
+                            msg = self._copy(msg)
+                        except Exception as e:  # a failed copy fails its blocks
+                            log.exception("copying KV blocks to shared memory failed")
+                            self._done(StoreDone([b.slot for b in msg], failed=len(msg),
+                                                 error=f"copy failed: {e}",
+                                                 error_code="copy_failed"))
+                            continue
+                    if isinstance(msg, _ReclaimAll):
+                        if self._pending:
+                            self._done(StoreDone(list(self._pending), failed=len(self._pending),
+                                                 error="the storage worker restarted before "
+                                                 "answering", error_code="worker_gone"))
+                        continue
+                    try:
+                        sock.send(enc.encode(msg))
+                    except zmq.Again:
+                        self._fail(msg, "the storage worker is not reachable")
+                if sock.poll(50, zmq.POLLIN):
+                    self._done(dec.decode(sock.recv()))
+                self._reclaim()
+        finally:
+            sock.close()
+
+    def _fail(self, msg: Any, error: str) -> None:
+        if isinstance(msg, StoreBlocks):
+            self._done(StoreDone([b.slot for b in msg.blocks], failed=len(msg.blocks),
+                                 error=error, error_code="worker_gone"))
+
+    def _done(self, done: StoreDone) -> None:
+        s = self.stats
+        s.blocks_written += done.written
+        s.blocks_existed += done.existed
+        s.bytes_written += done.bytes_written
+        s.write_failures += done.failed
+        s.evicted += done.evicted
+        if done.disk_blocks or done.disk_bytes:
+            s.disk_bytes, s.disk_blocks = done.disk_bytes, done.disk_blocks
+            self.tails.rebuild_if_stale(self.ns_dir, done.disk_blocks)
+        refusal = Refusal(done.error_code or "io_error", done.error or "the write failed") \
+            if done.failed else None
+        with self._idle:
+            change = self.health.answered(done.slots, refusal, time.monotonic())
+            current, backoff = self.health.refusal, self.health.backoff
+            for slot in done.slots:
+                p = self._pending.pop(slot, None)
+                if p is not None:
+                    self._queued_keys.difference_update(p.keys)
+                    self._free.put(slot)
+                    if p.tail is not None and not done.failed:  # on disk now (or already)
+                        self.tails.add(*p.tail)
+            self._idle.notify_all()
+        s.error = f"{current.code}: {current.message}" if current else None
+        if change is Change.DEGRADED and current:
+            log.warning("SSD tier degraded (%s): %s; writes paused, next try in %g s",
+                        current.code, current.message, backoff)
+        elif change is Change.STILL_DEGRADED and current:
+            log.info("SSD tier still refuses writes (%s); next try in %g s", current.code, backoff)
+        elif change is Change.RECOVERED:
+            log.info("SSD tier writable again")
+
+    def worker_restarted(self) -> None:
+        """The storage worker was replaced: what the dead one held will never be answered."""
+        self._out.put(_ReclaimAll())
+
+    def _reclaim(self) -> None:
+        now = time.monotonic()
+        stale = [slot for slot, p in list(self._pending.items()) if now - p.sent_at > RECLAIM_AFTER]
+        if stale:
+            log.warning("storage worker never answered for %d blocks; reclaiming their slots",
+                        len(stale))
+            self._done(StoreDone(stale, failed=len(stale), error="the storage worker died",
+                                 error_code="worker_gone"))
+
+
+def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> SsdTier | None:
+    """The SSD tier for a loaded model, or None (off, a cache mlx-lm cannot slice into blocks,
+    or no shared memory). The namespace names everything a block's bytes depend on."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from mlxd.engine.kinds.text.lora import lora_of
+    from mlxd.engine.kv.quant import QuantizedRowCache, config_of
+    from mlxd.engine.load.loader import resolve_model_dir
+    from mlxd.protocol.models import model_id
+    if launch.ssd_root is None or not endpoint:
+        return None
+    probe = make_prompt_cache(model)
+    if not all(type(c) in (KVCache, QuantizedRowCache) for c in probe):
+        log.info("this model's cache is not a plain KV cache: no SSD tier")
+        return None
+    model(mx.array([[0]]), cache=probe)
+    k, v = probe[0].keys, probe[0].values
+    quant = config_of(model)  # --kv-bits: blocks hold the quantized triplets as they are
+    bits, group = quant if quant is not None else (0, 0)
+    if quant is not None:  # (packed, scales, biases): the head size is the scales' times group
+        k, v = k[1], v[1]
+    kv_dtypes: dict[Any, KvDtype] = {mx.float32: "float32", mx.float16: "float16",
+                                    mx.bfloat16: "bfloat16"}
+    dtype = kv_dtypes.get(k.dtype)
+    if dtype is None:
+        log.info("this model's KV dtype %s has no block format: no SSD tier", k.dtype)
+        return None
+    layout = Layout(len(probe), k.shape[1], k.shape[3] * (group or 1), v.shape[3] * (group or 1),
+                    dtype, bits, group)
+    block_tokens = launch.settings.block_tokens
+    digest = weights_digest(resolve_model_dir(launch.model, Path(launch.cache_dir)))
+    mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
+    description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
+                   f"mlx {mlx_version}|{layout}")
+    lora = lora_of(model)  # what each adapter index means: blocks under it are keyed apart
+    if quant is not None:  # also in the layout above; named here too, plainly
+        description += f"|kv {bits} bits, group {group}"
+    if lora is not None:
+        description += f"|lora {lora.identity()}"
+    if getattr(launch, "group", ""):  # a sharded engine's blocks hold rank 0's shard only
+        description += f"|group {launch.group} rank 0"
+    try:
+        return SsdTier(root=Path(launch.ssd_root), layout=layout, description=description,
+                       block_tokens=block_tokens, run_dir=Path(launch.run_dir),
+                       engine_id=launch.engine_id, epoch=launch.epoch,
+                       slots=launch.settings.kv_slots, verify=launch.settings.ssd_cache_verify,
+                       ctx=ctx, endpoint=endpoint)
+    except OSError as e:
+        log.error("no SSD tier: cannot create shared memory: %s", e)
+        return None

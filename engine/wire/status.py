@@ -1,0 +1,64 @@
+"""The engine's report of itself to the proxy (`EngineStatus`): state, batch figures, and the
+prompt, timing and KV-cache figures of both tiers. Built on the output thread from counters
+the other threads advance (plain integers: a read is never torn)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mlxd.engine.admit.prepare import capabilities
+from mlxd.engine.state import LoadedModel
+from mlxd.protocol.messages import EngineState, EngineStats, EngineStatus
+from mlxd.protocol.models import model_id, model_names
+
+
+def engine_stats(runner: Any, ssd: Any) -> EngineStats:
+    if runner is None:
+        return EngineStats()
+    import mlx.core as mx
+    c, cache = runner.counters, runner.cache
+    st = EngineStats(
+        ram_bytes=cache.nbytes, ram_entries=len(cache), ram_capacity_bytes=cache.max_bytes,
+        ram_hits=cache.stats.hits, ram_misses=cache.stats.misses,
+        ram_evictions=cache.stats.evictions, prompt_tokens=c.prompt_tokens,
+        prefilled_tokens=c.prefilled_tokens, cached_tokens=c.cached_tokens,
+        checkpoints=c.checkpoints, checkpoint_s=round(c.checkpoint_s, 4),
+        step_s=round(c.step_s, 4), first_tokens=c.first_tokens,
+        to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
+        mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
+        bursts=c.bursts)
+    gate = getattr(runner, "gate", None)  # an embedding engine's runner has none
+    budget = gate.budget if gate is not None else None  # None: no memory rule
+    if budget is not None:
+        st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share
+    spec = getattr(runner, "spec", None)
+    if spec is not None:
+        sc = spec.counters
+        st.spec_mode, st.spec_steps, st.spec_drafted = spec.mode, sc.steps, sc.drafted
+        st.spec_accepted, st.spec_tokens, st.spec_skipped = sc.accepted, sc.tokens, sc.skipped
+        st.spec_missed = sc.missed
+        st.spec_acceptance = round(sc.accepted / sc.drafted, 4) if sc.drafted else 0.0
+        st.spec_tokens_per_step = round(sc.tokens / sc.steps, 3) if sc.steps else 0.0
+    if ssd is not None:
+        ssd.fill_stats(st)
+    return st
+
+
+def engine_status(engine_id: str, epoch: int, spec: str, state: EngineState,
+                  error: str | None, model: LoadedModel | None, runner: Any,
+                  ssd: Any) -> EngineStatus:
+    c = runner.counters if runner is not None else None
+    return EngineStatus(
+        engine_id=engine_id, epoch=epoch, pid=os.getpid(), model_id=model_id(spec),
+        model_names=model_names(spec), state=state, active=c.active if c else 0,
+        peak_batch=c.peak_batch if c else 0, steps=c.steps if c else 0,
+        context_length=model.context_length if model else 0, error=error,
+        prompt_tokens_total=c.prompt_tokens if c else 0,
+        generated_tokens_total=c.generated_tokens if c else 0, model_spec=spec,
+        stats=engine_stats(runner, ssd),
+        max_token_bytes=model.max_token_bytes if model else 0,
+        model_dir=str(getattr(model.tokenizer, "name_or_path", "")) if model else "",
+        capabilities=capabilities(model.tokenizer) if model else [],
+        batch_cap=c.batch_cap if c else 0, batch_why=c.batch_why if c else "",
+        waiting=c.waiting if c else 0)
