@@ -216,7 +216,7 @@ def engine_rounds(args: argparse.Namespace) -> dict:
         done = tokens = 0
         t0 = None
         while done < n:
-            runner._step()
+            runner.step()
             while not outq.empty():
                 item = outq.get()
                 if isinstance(item, StepTokens):

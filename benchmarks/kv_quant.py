@@ -86,7 +86,7 @@ def runner_for(model: Any, rows: int) -> tuple[Runner, queue.Queue]:
 
 
 def step(runner: Runner, outq: queue.Queue, into: dict[str, list[int]] | None = None) -> int:
-    runner._step()
+    runner.step()
     rows = 0
     while not outq.empty():
         item = outq.get()

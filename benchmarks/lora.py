@@ -61,7 +61,7 @@ class Streams:
             decoding = max(decoding, self._step())
 
     def _step(self) -> int:
-        self.runner._step()
+        self.runner.step()
         rows = 0
         while not self.outq.empty():
             item = self.outq.get()

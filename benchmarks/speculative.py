@@ -149,7 +149,7 @@ def run(model: Any, prompts: list[list[int]], max_tokens: int, spec: Any,
     tokens: dict[str, list[int]] = {}
     done = 0
     while done < len(prompts):
-        r._step()
+        r.step()
         now = time.perf_counter()
         while not q.empty():
             item = q.get()

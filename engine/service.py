@@ -578,11 +578,12 @@ def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str
 def _loaded(tokenizer: Any, config: dict) -> LoadedModel:
     from mlxd.engine.grammar.processor import TokenizerCache
     from mlxd.engine.load.loader import context_length
+    from mlxd.engine.mlx_lm_internals import hf_tokenizer
     eos = frozenset(tokenizer.eos_token_ids)
     return LoadedModel(tokenizer=tokenizer, context_length=context_length(config, tokenizer),
                        eos_ids=eos, max_token_bytes=admission.max_token_bytes(tokenizer),
                        grammar_tokenizer=TokenizerCache(
-                           tokenizer._tokenizer, int(config.get("vocab_size") or len(tokenizer)),
+                           hf_tokenizer(tokenizer), int(config.get("vocab_size") or len(tokenizer)),
                            sorted(eos)))
 
 

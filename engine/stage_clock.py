@@ -2,12 +2,10 @@
 only when MLXD_STAGE_TRACE is set.
 
 MLX thread: without a line in the runner, the step's boundaries are taken where mlx-lm makes
-them: `BatchGenerator.next` (in, out), `GenerationBatch._step` (out: tokens read back) and the
-`mx.async_eval` / `mx.eval` calls inside that step (graph built, dispatched, device done), by
-wrapping those two methods and giving `mlx_lm.generate` a module object whose `eval` and
-`async_eval` stamp before delegating to the module it had. The runner's put and the hand-off
-are stamped by the output queue (`step_handoff.StepOutbox`), which attaches the step's stamps
-to its `StepTokens`.
+them: the generator's `next` (in, out), and inside a decode step its graph built, dispatched,
+the device done and the tokens read back (`mlx_lm_internals.observe_steps`). The runner's put
+and the hand-off are stamped by the output queue (`batch/handoff.StepOutbox`), which attaches
+the step's stamps to its `StepTokens`.
 The output thread adds its own stamps per row (`OutputTrace`).
 
 The benchmark's in-process reference installs the same hooks (`install`), so both sides of
@@ -16,7 +14,6 @@ the comparison are measured by the same clock at the same places.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 from mlxd.engine.batch.messages import StepTokens
@@ -24,7 +21,6 @@ from mlxd.protocol.messages import Delta
 from mlxd.protocol.stage_trace import TokenTrace, TraceFile, flush_requests, now
 
 _current: dict[str, int] | None = None  # the step under way (MLX thread only)
-_in_step = False  # inside GenerationBatch._step: its eval calls are the step's
 last_step: dict[str, int] = {}  # the latest finished step's stamps
 steps: list[dict[str, int]] = []  # every finished step's, when `keep_steps` (in-process)
 keep_steps = False
@@ -39,66 +35,20 @@ def attach() -> OutputTrace:
 
 
 def install() -> None:
-    """Wrap mlx-lm's step boundaries once per process."""
+    """Observe mlx-lm's step boundaries once per process (through mlx-lm's one door), and
+    stamp the speculative step's."""
     global _installed
     if _installed:
         return
-    import importlib
-
-    g: Any = importlib.import_module("mlx_lm.generate")  # (mlx_lm.generate is also a function)
-    mx = g.mx  # mlx.core, or step_handoff's module over it
-
-    next_, step_ = g.BatchGenerator.next, g.GenerationBatch._step
-
-    def traced_next(self: Any) -> Any:
-        global _current, last_step
-        cur = _current = {"next_in": now()}
-        try:
-            return next_(self)
-        finally:
-            cur["next_out"] = now()
-            _current = None
-            if "read_back" in cur:  # a decode step (not prompt processing alone)
-                last_step = cur
-                if keep_steps:
-                    steps.append(cur)
-
-    def traced_step(self: Any) -> Any:
-        global _in_step
-        _in_step = True
-        try:
-            return step_(self)
-        finally:
-            _in_step = False
-            if _current is not None:
-                _current["read_back"] = now()
-
-    def async_eval(*args: Any) -> Any:
-        cur = _current if _in_step else None
-        if cur is not None and "graph_built" not in cur:
-            cur["graph_built"] = now()
-            out = mx.async_eval(*args)
-            cur["dispatched"] = now()
-            return out
-        return mx.async_eval(*args)
-
-    def eval_(*args: Any) -> None:
-        mx.eval(*args)  # (after step_handoff's release, when installed)
-        cur = _current if _in_step else None
-        if cur is not None and "device_done" not in cur:
-            cur["device_done"] = now()
-
-    shim = types.ModuleType("mlx.core")  # mlx.core for mlx-lm's generate module, stamping
-    shim.__dict__.update({k: v for k, v in vars(mx).items() if not k.startswith("__")})
-    shim.__dict__.update(async_eval=async_eval, eval=eval_)
-    g.mx = shim
+    from mlxd.engine.mlx_lm_internals import observe_steps
     from mlxd.engine.speculative.step import Speculator
+    observe_steps(_StepStamps())
     speculate = Speculator._speculate
 
-    def traced_speculate(self: Any, gen: Any, gb: Any) -> Any:
+    def traced_speculate(self: Any, gen: Any, batch: Any) -> Any:
         global last_step
         t0 = now()
-        out = speculate(self, gen, gb)
+        out = speculate(self, gen, batch)
         if out is not None:  # tokens of a draft-and-verify step, not of gen.next()
             last_step = {"next_in": t0, "next_out": now(), "speculative": 1}
             if keep_steps:
@@ -106,9 +56,45 @@ def install() -> None:
         return out
 
     Speculator._speculate = traced_speculate  # type: ignore[method-assign]
-    g.BatchGenerator.next = traced_next
-    g.GenerationBatch._step = traced_step
     _installed = True
+
+
+class _StepStamps:
+    """A generator call's stamps: in and out of `next`; inside a decode step, the graph
+    built (its first async_eval), dispatched, the device done (its first eval) and the
+    tokens read back."""
+
+    def next_started(self) -> None:
+        global _current
+        _current = {"next_in": now()}
+
+    def next_ended(self) -> None:
+        global _current, last_step
+        cur = _current
+        _current = None
+        if cur is None:
+            return
+        cur["next_out"] = now()
+        if "read_back" in cur:  # a decode step (not prompt processing alone)
+            last_step = cur
+            if keep_steps:
+                steps.append(cur)
+
+    def step_read_back(self) -> None:
+        if _current is not None:
+            _current["read_back"] = now()
+
+    def dispatching(self) -> None:
+        if _current is not None and "graph_built" not in _current:
+            _current["graph_built"] = now()
+
+    def dispatched(self) -> None:
+        if _current is not None and "dispatched" not in _current:
+            _current["dispatched"] = now()
+
+    def device_done(self) -> None:
+        if _current is not None and "device_done" not in _current:
+            _current["device_done"] = now()
 
 
 class OutputTrace:

@@ -158,7 +158,7 @@ def test_a_burst_reaching_an_idle_engine_is_prefilled_as_one_batch(model, monkey
     assert len(started) == 4 and r.counters.bursts == 1
     first_rows = None
     while first_rows is None:
-        r._step()
+        r.step()
         steps = [x for x in list(outq.queue) if isinstance(x, StepTokens)]
         first_rows = steps[0].rows if steps else None
     assert len(first_rows) == 4  # every first token from one step: one prefill batch

@@ -248,7 +248,7 @@ def test_a_follower_replaying_the_log_makes_the_same_rows_and_tokens(tiny_model)
         while not done():
             runner._handle_commands(block=False)
             if runner._uid_to_rid:
-                runner._step()
+                runner.step()
             while not out.empty():
                 item = out.get()
                 if isinstance(item, RequestStarted):

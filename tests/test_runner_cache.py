@@ -126,7 +126,7 @@ def test_a_steps_new_entries_go_to_the_ssd_tier_together_after_its_tokens(model)
         r.inbox.put(AddRequest(f"r{i}", p, 6, greedy_sampler, []))
     r._handle_commands(block=False)
     while r._uid_to_rid:
-        r._step()
+        r.step()
     assert len(calls) == 1, [len(e) for e, _ in calls]
     entries, tokens_out_first = calls[0]
     assert tokens_out_first

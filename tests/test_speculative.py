@@ -157,7 +157,7 @@ def drive(model, spec, requests, joins=None, max_steps=2000):
         if step in joins:
             r.inbox.put(joins.pop(step))
         r._handle_commands(block=False)
-        r._step()
+        r.step()
         while not q.empty():
             item = q.get()
             if isinstance(item, StepTokens):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import types
 from typing import Any
 
 from mlxd.engine.batch.messages import RequestStarted, StepTokens
@@ -140,33 +139,8 @@ def _release_all() -> None:
             box.release()
 
 
-_installed = False
-
-
 def install() -> None:
-    """Give mlx-lm's generate module and the speculative step an `mx` whose `eval` and
-    `async_eval` first release held tokens (once per process; the stage clock's wrappers,
-    installed later, stamp around these)."""
-    global _installed
-    if _installed:
-        return
-    import importlib
-
-    import mlx.core as mx
-
-    def async_eval(*args: Any) -> None:
-        _release_all()
-        mx.async_eval(*args)
-
-    def eval_(*args: Any) -> None:
-        _release_all()
-        mx.eval(*args)
-
-    for name in ("mlx_lm.generate", "mlxd.engine.speculative.step"):
-        module: Any = importlib.import_module(name)
-        base = module.mx
-        shim = types.ModuleType("mlx.core")
-        shim.__dict__.update({k: v for k, v in vars(base).items() if not k.startswith("__")})
-        shim.__dict__.update(async_eval=async_eval, eval=eval_)
-        module.mx = shim
-    _installed = True
+    """Release held tokens before every device wait of mlx-lm's generator and of the
+    speculative step (through mlx-lm's one door; once per process)."""
+    from mlxd.engine.mlx_lm_internals import on_device_wait
+    on_device_wait(_release_all)

@@ -198,7 +198,7 @@ class Runner:
         try:
             while self._handle_commands(block=not self._uid_to_rid):
                 if self._uid_to_rid:
-                    self._step()
+                    self.step()
                 if self.gate.held and self.gate.room_changed:  # rows ended: room for more?
                     self._admit(self._through_gate([]))
         finally:
@@ -490,15 +490,15 @@ class Runner:
 
     # ------------------------------------------------------------------ steps
 
-    def _step(self) -> None:
+    def step(self) -> None:
         t0 = time.perf_counter()
         try:
-            self._step_inner()
+            self._generate()
             self._persist_new_entries()  # after the step's tokens went out
         finally:
             self.counters.step_s += time.perf_counter() - t0
 
-    def _step_inner(self) -> None:
+    def _generate(self) -> None:
         faults.hit("engine.step")
         try:
             with self._grammar.step(self._gen):

@@ -150,10 +150,10 @@ class Embedding:
                 return
             window, self._rows = self._rows[:MAX_STEP_INPUTS], self._rows[MAX_STEP_INPUTS:]
             for step in plan_steps([len(job.inputs[i]) for job, i in window]):
-                self._step([window[k] for k in step])
+                self._embed_step([window[k] for k in step])
                 on_step()
 
-    def _step(self, rows: list[tuple[EmbedJob, int]]) -> None:
+    def _embed_step(self, rows: list[tuple[EmbedJob, int]]) -> None:
         c = self.counters
         c.busy = True
         try:

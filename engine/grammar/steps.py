@@ -51,6 +51,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from mlxd.engine.grammar.processor import GrammarProcessor, apply_mask, unpack_bits
+from mlxd.engine.mlx_lm_internals import RunningBatch, running_batch
 
 # The order of a constrained step (MLXD_GRAMMAR_ORDER): "fill-first" (the default) reads the
 # previous tokens before dispatching the forward pass, so that the masks are filled on
@@ -141,10 +142,11 @@ class GrammarSteps:
 
     @contextmanager
     def step(self, gen: Any) -> Iterator[None]:
-        plan = plan_for(gen)
+        batch = running_batch(gen)
+        plan = plan_for(batch) if batch is not None else None
         masked = None
-        if plan is not None and covers(plan, gen._generation_batch.logits_processors):
-            masked = WholeBatchMask(plan, gen._generation_batch)
+        if plan is not None and batch is not None and covers(plan, batch.processors):
+            masked = WholeBatchMask(plan, batch)
         try:
             yield
         finally:
@@ -164,7 +166,7 @@ class WholeBatchMask:
     still sees that the rows are constrained, and if it does not call the forward pass,
     nothing changes."""
 
-    def __init__(self, plan: StepPlan, batch: Any) -> None:
+    def __init__(self, plan: StepPlan, batch: RunningBatch) -> None:
         self.plan, self.batch = plan, batch
         self.model = batch.model
         self.taken: tuple[list[int], list[Any]] | None = None
@@ -173,9 +175,10 @@ class WholeBatchMask:
     def forward(self, inputs: mx.array, cache: Any = None) -> mx.array:
         b, plan = self.batch, self.plan
         logits = self.model(inputs, cache=cache)
-        self.taken = (list(b.uids), b.logits_processors)
-        b.logits_processors = [[] for _ in b.uids]
-        plan._whole = len(b.uids)
+        uids = b.uids
+        self.taken = (uids, b.processors)
+        b.processors = [[] for _ in uids]
+        plan._whole = len(uids)
         plan._compute(logits[:, -1, :])
         for _, p, _ in plan.rows:
             p.skip_call()  # as if mlx-lm had called it: its positions stay in step
@@ -187,8 +190,8 @@ class WholeBatchMask:
         b.model = self.model
         if self.taken is not None:  # rows may have finished (filtered) or joined (extended)
             mine = dict(zip(*self.taken, strict=True))
-            now = b.logits_processors
-            b.logits_processors = [mine.get(u, now[k]) for k, u in enumerate(b.uids)]
+            now = b.processors
+            b.processors = [mine.get(u, now[k]) for k, u in enumerate(b.uids)]
 
 
 def covers(plan: StepPlan, processors: list) -> bool:
@@ -198,16 +201,15 @@ def covers(plan: StepPlan, processors: list) -> bool:
         sum(1 for ps in processors if ps) == len(plan.rows)
 
 
-def plan_for(gen: Any) -> StepPlan | None:
+def plan_for(batch: RunningBatch) -> StepPlan | None:
     """The constrained rows of the generator's running batch, each told of the plan; None
-    when there are none or the generator is not shaped as expected (the per-row path then)."""
-    batch = getattr(gen, "_generation_batch", None)
-    processors = getattr(batch, "logits_processors", None)
+    when there are none or the batch is not shaped as expected (the per-row path then)."""
+    processors = batch.processors
     if not processors or not any(processors):
         return None
     rows = [(i, p, p.calls - 1) for i, ps in enumerate(processors) for p in ps or ()
             if type(p) is GrammarProcessor and p.calls > 0]
-    tokens = getattr(batch, "_next_tokens", None)
+    tokens = batch.pending
     if not rows or not isinstance(tokens, mx.array) or tokens.shape != (len(processors),):
         return None
     plan = StepPlan(rows, tokens)

@@ -28,10 +28,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, dynamic_roll
 
 from mlxd.engine.kv.prefix_cache import kv_slice
 from mlxd.engine.load.loader import ModelLoadError
+from mlxd.engine.mlx_lm_internals import BaseCache
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -60,7 +61,7 @@ def _cat(a: tuple[Any, ...], b: tuple[Any, ...], axis: int) -> tuple[mx.array, .
     return tuple(mx.concatenate([x, y], axis=axis) for x, y in zip(a, b, strict=True))
 
 
-class BatchQuantizedKVCache(_BaseCache):
+class BatchQuantizedKVCache(BaseCache):
     """BatchKVCache over quantized triplets: `keys`/`values` are (packed, scales, biases),
     each (B, kv_heads, T, ...); rows are left-padded as in BatchKVCache."""
 

@@ -54,8 +54,8 @@ def resolve_model_dir(spec: str, cache_dir: Path, on_progress: ProgressFn | None
             raise ModelLoadError(f"{path} is not an MLX model directory (no config.json)")
         return path
     try:
-        from mlx_lm.utils import _download  # resolves a repo id the way mlx_lm.load does
-        return Path(_download(spec))
+        from mlxd.engine.mlx_lm_internals import download
+        return download(spec)
     except Exception as e:  # any failure here means the model cannot load
         raise ModelLoadError(f"cannot resolve model {spec!r}: {e}") from e
 

@@ -2,14 +2,12 @@
 decoding alone, drafts tokens (prompt lookup or a draft model) and verifies them in one
 forward pass of the target, in the spirit of mlx-lm's `speculative_generate_step`.
 
-It works on the generator's own state rather than beside it: the lone row's KV cache (a
-`BatchKVCache` of one row, trimmed back with `trim_prompt_cache` past the last accepted
-token), its token history, stop matcher, token count, and the token it has sampled but not
-yet fed (`_next_tokens`). So a speculative step leaves the generator exactly as the same
-number of plain steps would have, and plain steps continue from it whenever the batch grows:
-a request arriving mid-way waits for one step at most. mlx-lm 0.32's `BatchGenerator`
-internals are read here (`_generation_batch`, `_prompt_batch`, `_unprocessed_sequences`);
-pyproject pins mlx-lm below 0.33.
+It works on the generator's own state rather than beside it, through mlx-lm's one door
+(`mlx_lm_internals.RunningBatch`): the lone row's KV cache (a `BatchKVCache` of one row,
+trimmed back past the last accepted token), its token history, stop matcher, token count,
+and the token it has sampled but not yet fed. So a speculative step leaves the generator
+exactly as the same number of plain steps would have, and plain steps continue from it
+whenever the batch grows: a request arriving mid-way waits for one step at most.
 
 Rows never speculated: those with logits processors (penalties, grammars: each position
 would need the context of the drafts before it), those asking for log-probabilities, and a
@@ -26,6 +24,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxd.engine.mlx_lm_internals import (
+    RunningBatch,
+    decoding_alone,
+    device_async_eval,
+    device_eval,
+    running_batch,
+)
 from mlxd.engine.speculative.policy import NgramIndex, SpecCounters, SpecPolicy, accepted
 
 Draw = Callable[[mx.array, int], mx.array]
@@ -94,7 +99,7 @@ class DraftModelDrafter:
         while len(feed) > 2:  # a new row's context (a one-off, like a prefill): apart
             step = min(len(feed) - 1, self.prefill_step)
             self.model(mx.array([feed[:step]]), cache=self._cache)
-            mx.eval([c.state for c in self._cache])
+            device_eval([c.state for c in self._cache])
             self._tokens += feed[:step]
             feed = feed[step:]
         self.catch_up_s = time.perf_counter() - t0
@@ -105,7 +110,7 @@ class DraftModelDrafter:
         drafts = [y]
         for j in range(1, k):
             y = draw(self.model(y[:, None], cache=self._cache)[:, -1], j)
-            mx.async_eval(y)
+            device_async_eval(y)
             drafts.append(y)
         out = cast(list[int], mx.concatenate(drafts).tolist())  # 1-D: a list of ints
         self._tokens += out[:-1]  # the last draft was never fed
@@ -141,13 +146,13 @@ class Speculator:
         return self.policy.counters
 
     def next(self, gen: Any, exclude: Container[int]) -> tuple[list[Any], list[Any]]:
-        gb = self._lone_row(gen, exclude)
-        if gb is not None:
-            out = self._speculate(gen, gb)  # None: a plain step; `_prev` "miss" if it synced
+        batch = self._lone_row(gen, exclude)
+        if batch is not None:
+            out = self._speculate(gen, batch)  # None: a plain step; `_prev` "miss" if it synced
             if out is not None:
                 self._prev = "spec"
                 return [], out
-        alone = _alone(gen)
+        alone = decoding_alone(gen)
         t0 = time.perf_counter()
         result = gen.next()
         if alone:
@@ -156,35 +161,35 @@ class Speculator:
         self._prev = "lone" if alone else "other"
         return result
 
-    def _lone_row(self, gen: Any, exclude: Container[int]) -> Any:
-        if not _alone(gen):
+    def _lone_row(self, gen: Any, exclude: Container[int]) -> RunningBatch | None:
+        if not decoding_alone(gen):
             return None
-        gb = gen._generation_batch
-        if gb.uids[0] in exclude or (gb.logits_processors and gb.logits_processors[0]):
+        batch = running_batch(gen)
+        if batch is None or batch.uids[0] in exclude or batch.processors[0]:
             return None
-        if not all(type(c) is BatchKVCache for c in gb.prompt_cache):
+        if not all(type(c) is BatchKVCache for c in batch.cache):
             return None
-        sampler = (gb.samplers[0] if gb.samplers else None) or gb.fallback_sampler
+        sampler = batch.sampler(0)
         if sampler is not greedy_sampler and sampler_position(sampler) is None:
             return None
-        return gb
+        return batch
 
-    def _speculate(self, gen: Any, gb: Any) -> list[Any] | None:
-        k = self.policy.draft_len(gb.max_tokens[0] - gb._num_tokens[0])
+    def _speculate(self, gen: Any, batch: RunningBatch) -> list[Any] | None:
+        k = self.policy.draft_len(batch.remaining(0))
         if k <= 0:
             return None
-        sampler = (gb.samplers[0] if gb.samplers else None) or gb.fallback_sampler
+        sampler = batch.sampler(0)
         position = None if sampler is greedy_sampler else sampler_position(sampler)
         if isinstance(self.drafter, NgramDrafter) and not self.drafter.likely(
-                (id(gen), gb.uids[0]), gb.tokens[0]):
+                (id(gen), batch.uids[0]), batch.history(0)):
             return None
         with mx.stream(gen.stream):
-            mx.eval(gb._next_tokens)  # the previous step's work ends here, not in our timing
+            device_eval(batch.pending)  # the previous step's work ends here, not in our timing
             t0 = time.perf_counter()
-            last = int(gb._next_tokens.item())
-            uid = gb.uids[0]
+            last = int(batch.pending.item())
+            uid = batch.uids[0]
             draw, start = _drawer(sampler, position)
-            drafts = self.drafter.propose((id(gen), uid), gb.tokens[0], last, k, draw)[:k]
+            drafts = self.drafter.propose((id(gen), uid), batch.history(0), last, k, draw)[:k]
             if position is not None:
                 position[0] = start
             if not drafts:
@@ -192,56 +197,23 @@ class Speculator:
                 self._prev = "miss"  # the plain step that follows waits on no device work
                 return None
             k = len(drafts)
-            logits = gb.model(mx.array([[last, *drafts]], dtype=mx.uint32),
-                              cache=gb.prompt_cache)[0]
+            logits = batch.model(mx.array([[last, *drafts]], dtype=mx.uint32),
+                                 cache=batch.cache)[0]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             if position is None:
                 sampled = sampler(logprobs)  # greedy: every position in one call
             else:
                 sampled = mx.concatenate([sampler(logprobs[j:j + 1]) for j in range(k + 1)])
-            mx.eval(sampled, logprobs)
+            device_eval(sampled, logprobs)
             n = accepted(drafts, cast(list[int], sampled.tolist()))
             if position is not None:
                 position[0] = start + n + 1  # the draws past the accepted ones never happened
-            out = self._emit(gen, gb, uid, [last, *drafts[:n]],
-                             [gb._next_logprobs[0], *(logprobs[j] for j in range(n))],
-                             k, sampled[n:n + 1], logprobs[n])
+            out = batch.advance_alone([last, *drafts[:n]],
+                                      [batch.pending_logprobs(0),
+                                       *(logprobs[j] for j in range(n))],
+                                      k, sampled[n:n + 1], logprobs[n])
         catch_up = getattr(self.drafter, "catch_up_s", 0.0)  # a one-off: not the step's cost
         self.policy.record_spec(time.perf_counter() - t0 - catch_up, k, n, len(out))
-        return out
-
-    @staticmethod
-    def _emit(gen: Any, gb: Any, uid: int, tokens: list[int], logprobs: list[Any],
-              drafted: int, next_token: mx.array, next_logprobs: mx.array) -> list[Any]:
-        """Account the produced tokens as plain steps would (count, stop matcher, finish),
-        trim the cache to them, and leave the next sampled token to be fed."""
-        finish = None
-        produced = 0
-        for t in tokens:
-            produced += 1
-            gb._num_tokens[0] += 1
-            if gb._num_tokens[0] >= gb.max_tokens[0]:
-                finish = "length"
-            if gb._matchers[0].advance(t):
-                finish = "stop"
-            if finish is not None:
-                break
-        tokens = tokens[:produced]
-        trim_prompt_cache(gb.prompt_cache, drafted + 1 - produced)
-        gb.tokens[0].extend(tokens)
-        gen._counters.generation_tokens += produced
-        gen._counters.generation_steps += 1
-        Response = type(gb).Response
-        out = [Response(uid, t, lp, None, None, None)
-               for t, lp in zip(tokens[:-1], logprobs, strict=False)]
-        if finish is not None:
-            out.append(Response(uid, tokens[-1], logprobs[produced - 1], finish,
-                                gb.extract_cache(0), gb.tokens[0]))
-            gb.filter([])
-        else:
-            out.append(Response(uid, tokens[-1], logprobs[produced - 1], None, None, None))
-            gb._next_tokens = next_token
-            gb._next_logprobs = [next_logprobs]
         return out
 
 
@@ -255,9 +227,3 @@ def _drawer(sampler: Callable[..., Any], position: list[int] | None) -> tuple[Dr
         position[0] = start + j
         return cast(mx.array, sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
     return draw, start
-
-
-def _alone(gen: Any) -> bool:
-    """One row decoding and no prompt waiting or being prefilled."""
-    return (len(gen._generation_batch) == 1 and len(gen._prompt_batch) == 0
-            and not gen._unprocessed_sequences)

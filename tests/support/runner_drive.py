@@ -14,7 +14,7 @@ def turn(runner: Runner) -> None:
     once rows finished (what `Runner.run` does between steps)."""
     runner._handle_commands(block=False)
     if runner._uid_to_rid:
-        runner._step()
+        runner.step()
     if runner.gate.held and runner.gate.room_changed:
         runner._admit(runner._through_gate([]))
 
@@ -27,7 +27,7 @@ def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
     tokens: list[int] = []
     started: Any = None
     while True:
-        runner._step()
+        runner.step()
         while not outq.empty():
             item = outq.get()
             if isinstance(item, RequestStarted):
@@ -51,7 +51,7 @@ def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
     started: dict[str, RequestStarted] = {}
     done: set[str] = set()
     while len(done) < len(adds):
-        runner._step()
+        runner.step()
         while not outq.empty():
             item = outq.get()
             if isinstance(item, RequestStarted):

@@ -56,8 +56,9 @@ def main() -> int:
     grammar_tokenizer = None
     try:
         from mlxd.engine.grammar.processor import TokenizerCache
+        from mlxd.engine.mlx_lm_internals import hf_tokenizer
         grammar_tokenizer = TokenizerCache(
-            tokenizer._tokenizer, int(config.get("vocab_size") or len(tokenizer)),
+            hf_tokenizer(tokenizer), int(config.get("vocab_size") or len(tokenizer)),
             sorted(tokenizer.eos_token_ids))
     except Exception as e:  # noqa: BLE001  only constrained requests need it
         log.warning("no grammar tokenizer on this rank: %s", e)

@@ -94,10 +94,10 @@ def check_model(model_dir: Path, layout: Layout) -> dict:
     any rank is started."""
     import sys as _sys
 
-    from mlx_lm.utils import _get_classes
+    from mlxd.engine.mlx_lm_internals import model_classes
     try:
         config = json.loads((model_dir / "config.json").read_text())
-        model_class = _get_classes(config)[0]
+        model_class = model_classes(config)[0]
     except (OSError, ValueError) as e:
         raise GroupError(f"cannot read the model's config: {e}") from e
     kind, n = layout.kind, layout.size

@@ -14,14 +14,12 @@ row running with its own adapter (or none) in the same forward pass.
     a block computed under one adapter is never used under another, with no change to the
     runner or the caches;
   - the token embedding takes ids modulo the vocabulary (its class is swapped likewise);
-  - before each forward pass mlx-lm's batch objects make (prompt chunks in
-    `PromptProcessingBatch.prompt`, decode steps in `GenerationBatch._step`), the rows'
-    adapter indices are read from each row's first cached token (`batch.tokens[i][0]`), in
-    the batch's own row order, which mlx-lm keeps aligned through every insert, split, filter
-    and extend. Those two methods are wrapped once per process (`_install_row_hooks`); for a
-    model without adapters the wrappers only look up an attribute.
-- A forward pass made outside those two methods (the SSD probe, embeddings, the warm-up) runs
-  the base for every row.
+  - before each forward pass of the generator's batches (prompt chunks, decode steps), the
+    rows' adapter indices are read from each row's first token, in the batch's own row
+    order (`mlx_lm_internals.hook_forward_passes`, installed once per process; for a model
+    without adapters the hook only looks up an attribute).
+- A forward pass made outside the generator (the SSD probe, embeddings, the warm-up) runs the
+  base for every row.
 """
 
 from __future__ import annotations
@@ -83,6 +81,9 @@ class LoraSet:
         """Names everything the adapter indices mean (for the SSD tier's namespace)."""
         return ",".join(f"{a.index}:{a.digest}" for a in
                         sorted(self.adapters.values(), key=lambda a: a.index))
+
+    def clear(self) -> None:
+        self.rows.current = None
 
     def set_rows(self, first_tokens: list[int]) -> None:
         idx = [t // self.vocab if t >= self.vocab else 0 for t in first_tokens]
@@ -295,52 +296,9 @@ def lora_of(model: Any) -> LoraSet | None:
 
 # ---------------------------------------------------------------------- row hooks
 
-_installed = False
-
-
-def _first_tokens(tokens: list[list[int]], inputs: Any) -> list[int]:
-    """Each row's first token: its first cached one, or (a one-token prompt going straight
-    to decoding) the token it is about to feed."""
-    out = [t[0] if t else -1 for t in tokens]
-    if -1 in out and inputs is not None:
-        fed = inputs.reshape(-1).tolist()
-        out = [fed[i] if t < 0 else t for i, t in enumerate(out)]
-    return out
-
 
 def _install_row_hooks() -> None:
-    """Wrap the two mlx-lm methods that run a batch's forward pass, so that the model's LoRA
-    layers know each row's adapter (in the batch's row order) during that pass."""
-    global _installed
-    if _installed:
-        return
-    from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
-
-    prompt, step = PromptProcessingBatch.prompt, GenerationBatch._step
-
-    def prompt_with_rows(self: Any, tokens: list[list[int]]) -> Any:
-        lset = getattr(self.model, LORA_ATTR, None)
-        if lset is None or not tokens:
-            return prompt(self, tokens)
-        # mlx-lm adds the chunk to self.tokens before its forward passes; the first token
-        # of a row is its first cached one or the first of this chunk
-        lset.set_rows([t[0] if t else (c[0] if c else -1)
-                       for t, c in zip(self.tokens, tokens, strict=True)])
-        try:
-            return prompt(self, tokens)
-        finally:
-            lset.rows.current = None
-
-    def step_with_rows(self: Any) -> Any:
-        lset = getattr(self.model, LORA_ATTR, None)
-        if lset is None:
-            return step(self)
-        lset.set_rows(_first_tokens(self.tokens, self._next_tokens))
-        try:
-            return step(self)
-        finally:
-            lset.rows.current = None
-
-    PromptProcessingBatch.prompt = prompt_with_rows  # type: ignore[method-assign]
-    GenerationBatch._step = step_with_rows  # type: ignore[method-assign]
-    _installed = True
+    """Before each forward pass of a batch, the model's LoRA layers learn each row's adapter
+    (in the batch's row order), through mlx-lm's one door (once per process)."""
+    from mlxd.engine.mlx_lm_internals import hook_forward_passes
+    hook_forward_passes(lora_of)

@@ -1,0 +1,366 @@
+"""The one door to mlx-lm's internals.
+
+mlx-lm's public API (`load`, `BatchGenerator`'s insert / next / remove / extract_cache, the
+cache classes, the samplers) is used wherever the engine needs it. What mlx-lm does not
+expose, mlxd reads or patches here and nowhere else, so that an mlx-lm upgrade breaks one
+module, loudly, instead of five, silently:
+
+- the rows a `BatchGenerator` is decoding (its `GenerationBatch`: the tokens sampled but not
+  yet fed, token counts, stop matchers, logits processors, the model it calls), read and
+  advanced as its own steps would (`RunningBatch`): speculative steps, grammar masks;
+- hooks around the generator's forward passes (`hook_forward_passes`: LoRA rows), its device
+  waits (`on_device_wait`: the step hand-off) and its step boundaries (`observe_steps`: the
+  stage clock), made by wrapping two of its methods and giving `mlx_lm.generate` an `mx`
+  module whose `eval` / `async_eval` run the hooks first;
+- private helpers: a config's model classes, a repo id's download, the cache base class, the
+  Hugging Face tokenizer inside mlx-lm's wrapper.
+
+Importing this module checks that the installed mlx-lm is one it was written for
+(`TESTED_RANGE`); on another it raises `UnsupportedMlxLm`, whose message is one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import _BaseCache, trim_prompt_cache
+
+TESTED_RANGE = ("0.32.2", "0.33")  # [low, high): the versions this module was written for
+
+
+class UnsupportedMlxLm(ImportError):
+    """The installed mlx-lm is outside `TESTED_RANGE` (an ImportError: the engine cannot use
+    its internals)."""
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def check_version(found: str | None = None) -> None:
+    """Raise `UnsupportedMlxLm` unless `found` (default: the installed mlx-lm) is in
+    `TESTED_RANGE`."""
+    found = found if found is not None else str(getattr(mlx_lm, "__version__", "unknown"))
+    low, high = TESTED_RANGE
+    if not _version_tuple(low) <= _version_tuple(found) < _version_tuple(high):
+        raise UnsupportedMlxLm(
+            f"mlxd's engine was written for mlx-lm >= {low}, < {high} and this environment "
+            f"has mlx-lm {found}: install a version in that range "
+            f"(pip install 'mlx-lm>={low},<{high}')")
+
+
+check_version()
+
+BaseCache = _BaseCache  # the base of mlx-lm's cache classes (a new batched cache derives it)
+
+
+def hf_tokenizer(wrapper: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper`."""
+    return wrapper._tokenizer
+
+
+def model_classes(config: dict) -> tuple[type, type]:
+    """(Model, ModelArgs) for a model config, as `mlx_lm.load` picks them."""
+    from mlx_lm.utils import _get_classes
+    classes: tuple[type, type] = _get_classes(config)
+    return classes
+
+
+def download(repo: str) -> Path:
+    """A Hugging Face repo id resolved to a local directory, as `mlx_lm.load` resolves it."""
+    from mlx_lm.utils import _download
+    return Path(_download(repo))
+
+
+# ---------------------------------------------------------------------- the running rows
+
+
+class RunningBatch:
+    """The rows a `BatchGenerator` is decoding (mlx-lm 0.32's `GenerationBatch`), read and
+    advanced as its own steps would. Valid until the generator's next call."""
+
+    def __init__(self, gen: BatchGenerator, batch: Any) -> None:
+        self.gen = gen
+        self._b = batch
+
+    def __len__(self) -> int:
+        return len(self._b)
+
+    @property
+    def uids(self) -> list[int]:
+        return list(self._b.uids)
+
+    @property
+    def processors(self) -> list[list[Any]]:
+        """Each row's logits processors (set: the step uses the ones given)."""
+        return list(self._b.logits_processors)
+
+    @processors.setter
+    def processors(self, value: list[list[Any]]) -> None:
+        self._b.logits_processors = value
+
+    @property
+    def model(self) -> Any:
+        """What the step's forward pass calls (set: a wrapper around it)."""
+        return self._b.model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        self._b.model = value
+
+    @property
+    def cache(self) -> list[Any]:
+        return list(self._b.prompt_cache)
+
+    @property
+    def pending(self) -> Any:
+        """The tokens the last step sampled and the next one feeds (an array of one per row),
+        or None."""
+        return getattr(self._b, "_next_tokens", None)
+
+    def pending_logprobs(self, row: int) -> mx.array:
+        return self._b._next_logprobs[row]
+
+    def sampler(self, row: int) -> Callable[..., Any]:
+        b = self._b
+        return (b.samplers[row] if b.samplers else None) or b.fallback_sampler
+
+    def history(self, row: int) -> list[int]:
+        """The row's tokens so far (prompt and generated), the pending one excepted."""
+        tokens: list[int] = self._b.tokens[row]
+        return tokens
+
+    def remaining(self, row: int) -> int:
+        """Tokens the row may still generate."""
+        b = self._b
+        return int(b.max_tokens[row] - b._num_tokens[row])
+
+    def advance_alone(self, tokens: list[int], logprobs: list[Any], drafted: int,
+                      next_token: mx.array, next_logprobs: mx.array) -> list[Any]:
+        """The lone row produced `tokens` (its pending token and the accepted drafts) in one
+        forward pass over `drafted` drafts: account them as that many plain steps would
+        (token count, stop matcher, finish, the generator's counters), trim the row's cache
+        back to them and leave `next_token` to be fed next. mlx-lm's responses, in order."""
+        gen, b = self.gen, self._b
+        finish = None
+        produced = 0
+        for t in tokens:
+            produced += 1
+            b._num_tokens[0] += 1
+            if b._num_tokens[0] >= b.max_tokens[0]:
+                finish = "length"
+            if b._matchers[0].advance(t):
+                finish = "stop"
+            if finish is not None:
+                break
+        tokens = tokens[:produced]
+        trim_prompt_cache(b.prompt_cache, drafted + 1 - produced)
+        b.tokens[0].extend(tokens)
+        gen._counters.generation_tokens += produced
+        gen._counters.generation_steps += 1
+        uid = b.uids[0]
+        response = type(b).Response
+        out = [response(uid, t, lp, None, None, None)
+               for t, lp in zip(tokens[:-1], logprobs, strict=False)]
+        if finish is not None:
+            out.append(response(uid, tokens[-1], logprobs[produced - 1], finish,
+                                b.extract_cache(0), b.tokens[0]))
+            b.filter([])
+        else:
+            out.append(response(uid, tokens[-1], logprobs[produced - 1], None, None, None))
+            b._next_tokens = next_token
+            b._next_logprobs = [next_logprobs]
+        return out
+
+
+def running_batch(gen: Any) -> RunningBatch | None:
+    """The generator's decoding rows, or None when it is not shaped as this module knows."""
+    batch = getattr(gen, "_generation_batch", None)
+    if batch is None or not hasattr(batch, "logits_processors"):
+        return None
+    return RunningBatch(gen, batch)
+
+
+def decoding_alone(gen: Any) -> bool:
+    """One row decoding, and no prompt waiting or being prefilled."""
+    return (len(gen._generation_batch) == 1 and len(gen._prompt_batch) == 0
+            and not gen._unprocessed_sequences)
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+class ForwardRows(Protocol):
+    """Told each row's first token before a batch's forward pass, cleared after it."""
+
+    def set_rows(self, first_tokens: list[int]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+class StepObserver(Protocol):
+    """Told of a generator step's boundaries (the stage clock)."""
+
+    def next_started(self) -> None: ...
+
+    def next_ended(self) -> None: ...
+
+    def step_read_back(self) -> None: ...  # the decode step's tokens are read back
+
+    def dispatching(self) -> None: ...  # inside the decode step: its graph is built
+
+    def dispatched(self) -> None: ...
+
+    def device_done(self) -> None: ...
+
+
+_wait_hooks: list[Callable[[], None]] = []
+_observer: StepObserver | None = None
+_in_step = False
+_shim: types.ModuleType | None = None
+_rows_of: Callable[[Any], ForwardRows | None] | None = None
+_wrapped_forward = False
+_wrapped_next = False
+
+
+def device_eval(*arrays: Any) -> None:
+    """`mx.eval` after the device-wait hooks, for the engine's own steps (speculation)."""
+    for hook in _wait_hooks:
+        hook()
+    mx.eval(*arrays)
+
+
+def device_async_eval(*arrays: Any) -> None:
+    for hook in _wait_hooks:
+        hook()
+    mx.async_eval(*arrays)
+
+
+def _shim_async_eval(*arrays: Any) -> None:
+    observer = _observer if _in_step else None
+    if observer is not None:
+        observer.dispatching()
+    device_async_eval(*arrays)
+    if observer is not None:
+        observer.dispatched()
+
+
+def _shim_eval(*arrays: Any) -> None:
+    device_eval(*arrays)
+    observer = _observer if _in_step else None
+    if observer is not None:
+        observer.device_done()
+
+
+def _install_shim() -> None:
+    """`mlx_lm.generate` gets an `mx` whose eval and async_eval run the hooks (once)."""
+    global _shim
+    if _shim is not None:
+        return
+    g: Any = importlib.import_module("mlx_lm.generate")  # (mlx_lm.generate is also a function)
+    shim = types.ModuleType("mlx.core")
+    shim.__dict__.update({k: v for k, v in vars(g.mx).items() if not k.startswith("__")})
+    shim.__dict__.update(eval=_shim_eval, async_eval=_shim_async_eval)
+    g.mx = _shim = shim
+
+
+def on_device_wait(hook: Callable[[], None]) -> None:
+    """Run `hook` before every `eval` / `async_eval` of mlx-lm's generator and of
+    `device_eval` / `device_async_eval` (the moments the MLX thread lets go of the GIL)."""
+    _install_shim()
+    if hook not in _wait_hooks:
+        _wait_hooks.append(hook)
+
+
+def _install_step_wrap() -> None:
+    global _wrapped_forward
+    if _wrapped_forward:
+        return
+    prompt, step = PromptProcessingBatch.prompt, GenerationBatch._step
+
+    def prompt_with_rows(self: Any, tokens: list[list[int]]) -> Any:
+        rows = _rows_of(self.model) if _rows_of is not None else None
+        if rows is None or not tokens:
+            return prompt(self, tokens)
+        # mlx-lm adds the chunk to self.tokens before its forward passes; the first token
+        # of a row is its first cached one or the first of this chunk
+        rows.set_rows([t[0] if t else (c[0] if c else -1)
+                       for t, c in zip(self.tokens, tokens, strict=True)])
+        try:
+            return prompt(self, tokens)
+        finally:
+            rows.clear()
+
+    def step_with_hooks(self: Any) -> Any:
+        global _in_step
+        rows = _rows_of(self.model) if _rows_of is not None else None
+        if rows is not None:
+            rows.set_rows(_first_tokens(self.tokens, self._next_tokens))
+        _in_step = True
+        try:
+            return step(self)
+        finally:
+            _in_step = False
+            if rows is not None:
+                rows.clear()
+            if _observer is not None:
+                _observer.step_read_back()
+
+    PromptProcessingBatch.prompt = prompt_with_rows  # type: ignore[method-assign]
+    GenerationBatch._step = step_with_hooks  # type: ignore[method-assign]
+    _wrapped_forward = True
+
+
+def _first_tokens(tokens: list[list[int]], inputs: Any) -> list[int]:
+    """Each row's first token: its first cached one, or (a one-token prompt going straight
+    to decoding) the token it is about to feed."""
+    out = [t[0] if t else -1 for t in tokens]
+    if -1 in out and inputs is not None:
+        fed = inputs.reshape(-1).tolist()
+        out = [fed[i] if t < 0 else t for i, t in enumerate(out)]
+    return out
+
+
+def hook_forward_passes(rows_of: Callable[[Any], ForwardRows | None]) -> None:
+    """Before every forward pass of a batch (a prompt chunk, a decode step), tell
+    `rows_of(model)`, where it returns one, each row's first token, in the batch's row order
+    (which mlx-lm keeps aligned through every insert, split, filter and extend). Passes made
+    outside the generator (probes, embeddings) are not hooked."""
+    global _rows_of
+    _rows_of = rows_of
+    _install_step_wrap()
+
+
+def observe_steps(observer: StepObserver) -> None:
+    """Tell `observer` of every generator call's start and end and of each decode step's
+    graph build, dispatch, device completion and read-back."""
+    global _observer, _wrapped_next
+    _observer = observer
+    _install_shim()
+    _install_step_wrap()
+    if _wrapped_next:
+        return
+    next_ = BatchGenerator.next
+
+    def observed_next(self: Any) -> Any:
+        if _observer is not None:
+            _observer.next_started()
+        try:
+            return next_(self)
+        finally:
+            if _observer is not None:
+                _observer.next_ended()
+
+    BatchGenerator.next = observed_next  # type: ignore[method-assign]
+    _wrapped_next = True
