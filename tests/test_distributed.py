@@ -301,6 +301,8 @@ def test_a_groups_kv_blocks_are_keyed_apart_from_the_whole_engines(tiny_model, t
     rank 0's blocks hold its shard of the heads, and a whole engine never reads them."""
     import mlx_lm
 
+    from mlxd.engine.kinds.group.kind import GroupKind
+    from mlxd.engine.kinds.text.kind import TextKind
     from mlxd.engine.kv import ssd_tier
     from mlxd.protocol.block_format import namespace_key
     from mlxd.protocol.settings import EngineLaunch, EngineSettings
@@ -312,7 +314,9 @@ def test_a_groups_kv_blocks_are_keyed_apart_from_the_whole_engines(tiny_model, t
                               run_dir=str(tmp_path), cache_dir=str(tmp_path),
                               ssd_root=str(tmp_path), log_level="info",
                               settings=EngineSettings(), group=group)
-        ssd_tier.open_ssd_tier(launch, model, None, "ipc://unused")  # type: ignore[arg-type]
+        kind = GroupKind(launch, supervised=True) if group else TextKind(launch)
+        ssd_tier.open_ssd_tier(launch, model, None, "ipc://unused",  # type: ignore[arg-type]
+                               kind.ssd_namespace())
     whole, tensor, pipeline = seen
     assert "group" not in whole and tensor.endswith("|group tensor:2 rank 0")
     assert len({namespace_key(d) for d in seen}) == 3

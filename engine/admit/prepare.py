@@ -102,6 +102,11 @@ def _prepare(msg: Generate, model: LoadedModel,
     return Admitted(out, request, notice)
 
 
+def refused(request_id: str, why: str, code: str = "invalid_request") -> Answered:
+    """A request answered with a client error before it reached the MLX thread."""
+    return Answered([Delta(request_id, finish_reason="error", error=why, error_code=code)])
+
+
 class ClientError(Exception):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)

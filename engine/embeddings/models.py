@@ -19,7 +19,7 @@ from mlxd.engine.admit.prepare import ClientError
 
 log = logging.getLogger("mlxd.engine")
 
-EngineKind = Literal["generate", "embed"]
+ModelUse = Literal["generate", "embed"]
 
 # Model types mlx-embeddings loads as text encoders.
 ENCODER_TYPES = frozenset({"bert", "xlm_roberta", "modernbert", "llama_bidirec"})
@@ -33,7 +33,7 @@ NO_EMBEDDINGS = ("embedding models need the packages mlx-embeddings and mlx-vlm,
                  "without their dependencies: pip install --no-deps mlx-embeddings mlx-vlm")
 
 
-def model_kind(model_dir: Path) -> EngineKind:
+def model_use(model_dir: Path) -> ModelUse:
     """`embed` for an encoder or a sentence-transformers model, else `generate`."""
     try:
         config = json.loads((model_dir / "config.json").read_text())

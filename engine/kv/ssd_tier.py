@@ -48,6 +48,7 @@ from mlxd.protocol.block_format import (
     namespace_key,
 )
 from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
+from mlxd.protocol.settings import EngineLaunch
 
 log = logging.getLogger("mlxd.engine")
 
@@ -507,13 +508,14 @@ class SsdTier:
                                  error_code="worker_gone"))
 
 
-def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> SsdTier | None:
+def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: str,
+                  kind_part: str = "") -> SsdTier | None:
     """The SSD tier for a loaded model, or None (off, a cache mlx-lm cannot slice into blocks,
-    or no shared memory). The namespace names everything a block's bytes depend on."""
+    or no shared memory). The namespace names everything a block's bytes depend on;
+    `kind_part` is what the engine's kind adds (an adapter set, a shard)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from mlxd.engine.kinds.text.lora import lora_of
     from mlxd.engine.kv.quant import QuantizedRowCache, config_of
     from mlxd.engine.load.loader import resolve_model_dir
     from mlxd.protocol.models import model_id
@@ -542,13 +544,9 @@ def open_ssd_tier(launch: Any, model: Any, ctx: zmq.Context, endpoint: str) -> S
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
     description = (f"v1|{model_id(launch.model)}|{digest}|{dtype}|{block_tokens}|"
                    f"mlx {mlx_version}|{layout}")
-    lora = lora_of(model)  # what each adapter index means: blocks under it are keyed apart
     if quant is not None:  # also in the layout above; named here too, plainly
         description += f"|kv {bits} bits, group {group}"
-    if lora is not None:
-        description += f"|lora {lora.identity()}"
-    if getattr(launch, "group", ""):  # a sharded engine's blocks hold rank 0's shard only
-        description += f"|group {launch.group} rank 0"
+    description += kind_part
     try:
         return SsdTier(root=Path(launch.ssd_root), layout=layout, description=description,
                        block_tokens=block_tokens, run_dir=Path(launch.run_dir),

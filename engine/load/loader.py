@@ -12,6 +12,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
+from mlxd.engine.state import LoadedModel
 from mlxd.protocol import faults
 from mlxd.protocol.logs import ProgressLog
 from mlxd.protocol.models import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL
@@ -127,3 +128,28 @@ def context_length(config: dict, tokenizer: Any) -> int:
             return config[key]
     limit = getattr(tokenizer, "model_max_length", 0)
     return limit if isinstance(limit, int) and 0 < limit < 10**7 else 4096
+
+
+def load_draft(spec: str, cache_dir: Path, dtype: str, model: Any,
+               on_progress: ProgressFn | None = None) -> Any:
+    """`--draft-model`, loaded as the served model is; its vocabulary must be the model's."""
+    draft, _, _ = load_model(spec, cache_dir, dtype, on_progress)
+    probe = mx.array([[0]])
+    ours, theirs = model(probe).shape[-1], draft(probe).shape[-1]
+    if ours != theirs:
+        raise ModelLoadError(f"--draft-model {spec} has a vocabulary of {theirs} tokens, the "
+                             f"model {ours}: it cannot draft for it")
+    return draft
+
+
+def loaded_model(tokenizer: Any, config: dict) -> LoadedModel:
+    """What the engine's threads read once the model is loaded."""
+    from mlxd.engine.admit.prepare import max_token_bytes
+    from mlxd.engine.grammar.processor import TokenizerCache
+    from mlxd.engine.mlx_lm_internals import hf_tokenizer
+    eos = frozenset(tokenizer.eos_token_ids)
+    return LoadedModel(tokenizer=tokenizer, context_length=context_length(config, tokenizer),
+                       eos_ids=eos, max_token_bytes=max_token_bytes(tokenizer),
+                       grammar_tokenizer=TokenizerCache(
+                           hf_tokenizer(tokenizer),
+                           int(config.get("vocab_size") or len(tokenizer)), sorted(eos)))

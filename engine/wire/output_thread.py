@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from mlxd.engine.batch.messages import AbortRequest, RequestsRemoved, RequestStarted, StepTokens
+from mlxd.engine.batch.messages import RequestsRemoved, RequestStarted, StepTokens
 from mlxd.engine.state import Channels, Registered, StatusTick
 from mlxd.engine.wire.output import RequestOutput
 from mlxd.protocol import codec, stage_trace
@@ -34,13 +34,13 @@ STATUS_INTERVAL = 0.5
 class OutputThread:
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, epoch: int,
                  channels: Channels, status: Callable[[], EngineStatus],
-                 runner_inbox: Callable[[], queue.Queue[Any] | None],
+                 end_row: Callable[[str], None],
                  token_text: Callable[[int], str]) -> None:
         self.ctx, self.endpoint = ctx, endpoint
         self.engine_id, self.epoch = engine_id, epoch
         self.channels = channels
         self.status = status
-        self.runner_inbox = runner_inbox
+        self.end_row = end_row  # a request its stop string ended: its row is freed
         self.token_text = token_text
         self.outputs: dict[str, RequestOutput] = {}  # this thread's alone
         self.trace: Any = None  # stage_trace.OutputTrace under MLXD_STAGE_TRACE
@@ -138,6 +138,5 @@ class OutputThread:
                 self.trace.detokenized(delta, stamps, len(step.rows))
             if delta.finish_reason is not None:
                 del self.outputs[rid]
-                inbox = self.runner_inbox()
-                if finish is None and inbox is not None:  # a stop string ended it: free the row
-                    inbox.put(AbortRequest(rid))
+                if finish is None:  # a stop string ended it: free the row
+                    self.end_row(rid)

@@ -5,17 +5,22 @@ the other threads advance (plain integers: a read is never torn)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from mlxd.engine.admit.prepare import capabilities
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import EngineState, EngineStats, EngineStatus
 from mlxd.protocol.models import model_id, model_names
+from mlxd.protocol.settings import EngineLaunch
+
+if TYPE_CHECKING:
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.kv.ssd_tier import SsdTier
 
 
-def engine_stats(runner: Any, ssd: Any) -> EngineStats:
-    if runner is None:
-        return EngineStats()
+def engine_stats(runner: Runner, ssd: SsdTier | None) -> EngineStats:
     import mlx.core as mx
     c, cache = runner.counters, runner.cache
     st = EngineStats(
@@ -28,11 +33,10 @@ def engine_stats(runner: Any, ssd: Any) -> EngineStats:
         to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
         mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
         bursts=c.bursts)
-    gate = getattr(runner, "gate", None)  # an embedding engine's runner has none
-    budget = gate.budget if gate is not None else None  # None: no memory rule
+    budget = runner.gate.budget  # None: no memory rule
     if budget is not None:
         st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share
-    spec = getattr(runner, "spec", None)
+    spec = runner.spec
     if spec is not None:
         sc = spec.counters
         st.spec_mode, st.spec_steps, st.spec_drafted = spec.mode, sc.steps, sc.drafted
@@ -45,20 +49,24 @@ def engine_stats(runner: Any, ssd: Any) -> EngineStats:
     return st
 
 
-def engine_status(engine_id: str, epoch: int, spec: str, state: EngineState,
-                  error: str | None, model: LoadedModel | None, runner: Any,
-                  ssd: Any) -> EngineStatus:
-    c = runner.counters if runner is not None else None
+def base_status(launch: EngineLaunch, state: EngineState, error: str | None) -> EngineStatus:
+    """What any engine says of itself, loaded or not."""
+    spec = launch.model
     return EngineStatus(
-        engine_id=engine_id, epoch=epoch, pid=os.getpid(), model_id=model_id(spec),
-        model_names=model_names(spec), state=state, active=c.active if c else 0,
-        peak_batch=c.peak_batch if c else 0, steps=c.steps if c else 0,
-        context_length=model.context_length if model else 0, error=error,
-        prompt_tokens_total=c.prompt_tokens if c else 0,
-        generated_tokens_total=c.generated_tokens if c else 0, model_spec=spec,
-        stats=engine_stats(runner, ssd),
-        max_token_bytes=model.max_token_bytes if model else 0,
-        model_dir=str(getattr(model.tokenizer, "name_or_path", "")) if model else "",
-        capabilities=capabilities(model.tokenizer) if model else [],
-        batch_cap=c.batch_cap if c else 0, batch_why=c.batch_why if c else "",
-        waiting=c.waiting if c else 0)
+        engine_id=launch.engine_id, epoch=launch.epoch, pid=os.getpid(),
+        model_id=model_id(spec), model_names=model_names(spec), state=state, error=error,
+        model_spec=spec, group=launch.group, stats=EngineStats())
+
+
+def generating_status(status: EngineStatus, model: LoadedModel, runner: Runner,
+                      ssd: SsdTier | None) -> EngineStatus:
+    """A generating engine's figures: its model, its runner's counters, both tiers'."""
+    c = runner.counters
+    return msgspec.structs.replace(
+        status, active=c.active, peak_batch=c.peak_batch, steps=c.steps,
+        context_length=model.context_length, prompt_tokens_total=c.prompt_tokens,
+        generated_tokens_total=c.generated_tokens, stats=engine_stats(runner, ssd),
+        max_token_bytes=model.max_token_bytes,
+        model_dir=str(getattr(model.tokenizer, "name_or_path", "")),
+        capabilities=capabilities(model.tokenizer), batch_cap=c.batch_cap,
+        batch_why=c.batch_why, waiting=c.waiting)

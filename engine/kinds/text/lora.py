@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxd.engine.load.loader import ModelLoadError
 from mlxd.protocol.models import adapter_problem
 
 log = logging.getLogger("mlxd.engine")
@@ -41,7 +42,7 @@ log = logging.getLogger("mlxd.engine")
 LORA_ATTR = "_mlxd_lora"  # the model's attribute holding its `LoraSet`
 
 
-class AdapterError(Exception):
+class AdapterError(ModelLoadError):
     """An adapter that cannot be applied to this base (the message says why)."""
 
 

@@ -18,8 +18,8 @@ import msgspec
 from mlxd.engine.admit import prepare as admission
 from mlxd.engine.admit.prepare import Admitted, Answered, ClientError
 from mlxd.engine.batch.messages import AddRequest
+from mlxd.engine.kinds.base import Lookup
 from mlxd.engine.kinds.vision.model import VIRTUAL_BASE, VisionParts, image_token_ids, pixels_key
-from mlxd.engine.kv.prefix_cache import RestoredPrefix
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import Delta, Generate, ImageInput
 
@@ -27,19 +27,15 @@ log = logging.getLogger("mlxd.engine")
 
 
 class VisionAdmission:
-    def __init__(self, parts: VisionParts, peek: Callable[[list[int]], int]) -> None:
+    def __init__(self, parts: VisionParts) -> None:
         self.parts = parts
-        self.peek = peek  # prompt -> tokens the RAM prefix cache would serve now
 
-    def prepare(self, msg: Generate, model: LoadedModel | None,
-                restore: Callable[[list[int]], RestoredPrefix | None],
+    def prepare(self, msg: Generate, model: LoadedModel, lookup: Lookup,
                 received_at: float) -> Admitted | Answered:
         if not msg.images:
-            return admission.prepare(msg, model, restore, received_at)
+            return admission.prepare(msg, model, lookup.restore, received_at)
         try:
-            if model is None:
-                raise ClientError("the model is still loading", "engine_loading")
-            return self._prepare(msg, model, restore, received_at)
+            return self._prepare(msg, model, lookup, received_at)
         except ClientError as e:
             return Answered([Delta(msg.request_id, finish_reason="error", error=str(e),
                                    error_code=e.code)])
@@ -48,8 +44,7 @@ class VisionAdmission:
             return Answered([Delta(msg.request_id, finish_reason="error", error=f"invalid "
                                    f"request: {str(e)[:500]}", error_code="invalid_request")])
 
-    def _prepare(self, msg: Generate, model: LoadedModel,
-                 restore: Callable[[list[int]], RestoredPrefix | None],
+    def _prepare(self, msg: Generate, model: LoadedModel, lookup: Lookup,
                  received_at: float) -> Admitted | Answered:
         from mlxd.engine.admit.sampling import make_request_sampler
         rid, tok, parts = msg.request_id, model.tokenizer, self.parts
@@ -95,8 +90,8 @@ class VisionAdmission:
                                        prompt_tokens=out.prompt_tokens,
                                        completion_tokens=out.completion_tokens)])
         # An image a cache covers needs no pixel values: the processor runs only for the rest.
-        restored = restore(prompt)
-        cached = max(self.peek(prompt), restored.tokens if restored is not None else 0)
+        restored = lookup.restore(prompt)
+        cached = max(lookup.peek(prompt), restored.tokens if restored is not None else 0)
         for img, end in zip(msg.images, ends, strict=True):
             values = None if end <= cached else parts.images.preprocess(img)
             parts.images.register(img, parts.tokens_per_image, values)

@@ -1,0 +1,61 @@
+"""A vision engine: mlx-vlm's language model behind the call mlx-lm's generator makes, images
+turned into hash-derived token ids at admission (`prompt.py`) and into features in the
+forward pass (`model.py`). Rows run plain steps (a verify pass would need their images), and
+mlxd does not make its caches (no `--kv-bits`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from mlxd.engine.admit.prepare import Admitted, Answered
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.kinds.base import Features, KindName, Lookup, ProgressFn, Weights
+from mlxd.engine.kinds.text.lora import AdapterError
+from mlxd.engine.kinds.vision.model import load_vision
+from mlxd.engine.kinds.vision.prompt import VisionAdmission
+from mlxd.engine.state import LoadedModel
+from mlxd.protocol.messages import EngineStatus, Generate
+from mlxd.protocol.models import adapters_of
+from mlxd.protocol.settings import EngineLaunch
+
+FEATURES = Features(speculative=False, prompt_batch=False, kv_quant=False)
+
+
+class VisionKind:
+    name: KindName = "vision"
+    features = FEATURES
+
+    def __init__(self, launch: EngineLaunch) -> None:
+        self.launch = launch
+        self.admission: VisionAdmission | None = None  # set by `load`
+
+    def load(self, model_dir: Path, progress: ProgressFn) -> Weights:
+        if adapters_of(self.launch.settings.adapter, self.launch.model):
+            raise AdapterError("LoRA adapters apply to text models served by one engine "
+                               "(not to a sharded or a vision model)")
+        model, tokenizer, config, parts = load_vision(model_dir, self.launch.settings.dtype)
+        self.admission = VisionAdmission(parts)
+        return Weights(model, tokenizer, config)
+
+    def prepare(self, msg: Generate, model: LoadedModel, lookup: Lookup, received_at: float,
+                tokens: list[int] | None = None) -> Admitted | Answered:
+        assert self.admission is not None  # requests come once the model is loaded
+        return self.admission.prepare(msg, model, lookup, received_at)
+
+    def ssd_namespace(self) -> str:
+        return ""
+
+    def status(self, status: EngineStatus) -> EngineStatus:
+        return msgspec.structs.replace(status, capabilities=[*status.capabilities, "vision"])
+
+    def runner_class(self) -> type[Runner]:
+        return Runner
+
+    def probe_model(self, model: Any, loaded: LoadedModel) -> Any:
+        return model
+
+    def close(self) -> None:
+        pass
