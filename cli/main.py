@@ -1,5 +1,7 @@
 """The `mlxd` command: serve, config show, the client commands (status, models, flush, stop,
-socket, chat, run), and service install."""
+socket, chat, run), and service install. It runs in the user's process; `mlxd serve` resolves
+the configuration and hands this process over to `mlxd.daemon` (the supervisor, or the
+one-process mode)."""
 
 from __future__ import annotations
 
