@@ -58,7 +58,8 @@ class Router:
         self.aliases = aliases
         self.pool = pool  # None without --isolate: only the configured engines exist
         self.send = send
-        # --batch: no longer asked of the memory check (the engines' budgets bound their rows)
+        # --batch: not part of the memory check (the engines' KV budgets, not --batch, bound
+        # the rows they admit)
         self.batch = batch
         self.kv_element_bytes = kv_element_bytes  # the memory check's KV size (--kv-bits)
         self.pool_wait = pool_wait
