@@ -39,7 +39,7 @@ def _mlxd_imports(path: Path) -> set[str]:
 
 def _mlxd_modules(path: Path) -> set[str]:
     """Every `mlxd...` name a file imports, `from a import b` read as `a.b`."""
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
