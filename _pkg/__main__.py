@@ -3,6 +3,6 @@ interpreter path)."""
 
 import sys
 
-from mlxd.daemon.cli import main
+from mlxd.cli.main import main
 
 sys.exit(main())

@@ -63,7 +63,7 @@ async def ttft(base: str, model: str, text: str) -> tuple[float, int, int]:
 
 
 def mlxd_server(model: str, run_dir: str, cache_dir: str, ssd: str | None, port: int) -> Server:
-    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", model, "--isolate", "--port",
+    argv = [sys.executable, "-m", "mlxd.cli.main", "serve", model, "--isolate", "--port",
             str(port), "--run-dir", run_dir, "--cache-dir", cache_dir, "--log-level", "warning",
             "--ssd-cache", ssd or "off"]
     return Server(argv, f"http://127.0.0.1:{port}/health")

@@ -82,7 +82,7 @@ def healthy(port: int) -> bool:
 def one_round(model: str, args: argparse.Namespace) -> dict:
     port = free_port()
     run_dir = tempfile.mkdtemp(prefix="mlxd-fr-", dir="/tmp")
-    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", model, "--port", str(port),
+    argv = [sys.executable, "-m", "mlxd.cli.main", "serve", model, "--port", str(port),
             "--run-dir", run_dir, "--cache-dir", args.cache_dir, "--ssd-cache", "off",
             "--prompt-cache", "0", "--dtype", args.dtype, "--log-level", "warning",
             *(["--isolate"] if args.isolate else []), *shlex.split(args.mlxd_args)]

@@ -36,7 +36,7 @@ def _role(p: psutil.Process) -> str:
         return "?"
     for needle, role in (("mlxd.engine", "engine"), ("mlxd.proxy", "proxy"),
                          ("mlxd.storage_worker", "storage worker"),
-                         ("mlx_lm.server", "mlx_lm.server"), ("mlxd.daemon", "supervisor")):
+                         ("mlx_lm.server", "mlx_lm.server"), ("mlxd.cli", "supervisor")):
         if needle in cmd:
             return role
     return p.name()

@@ -47,7 +47,7 @@ class Daemon:
         self.port = free_port()
         self.log = Path(tempfile.mkstemp(prefix="mlxd-rec-", suffix=".log")[1])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd.daemon.cli", "serve", model, "--isolate", "--port",
+            [sys.executable, "-m", "mlxd.cli.main", "serve", model, "--isolate", "--port",
              str(self.port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-br-", dir="/tmp"),
              "--ssd-cache", "off", "--restart-backoff", "0.05", *extra],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -132,9 +132,9 @@ def routing_overhead(iterations: int = 20000) -> dict:
     from mlxd.protocol.addresses import Endpoints
     from mlxd.protocol.messages import EngineStatus
     from mlxd.protocol.models import engine_id_for
-    from mlxd.proxy.engine_client import EngineClient
-    from mlxd.proxy.model_pool import ModelPool
-    from mlxd.proxy.router import Router
+    from mlxd.proxy.engines.client import EngineClient
+    from mlxd.proxy.engines.pool import ModelPool
+    from mlxd.proxy.engines.router import Router
 
     async def run() -> float:
         import zmq.asyncio

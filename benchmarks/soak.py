@@ -81,7 +81,7 @@ class SoakDaemon:
     def __init__(self, model: Path, workdir: Path, extra: list[str]) -> None:
         self.run_dir = Path(tempfile.mkdtemp(prefix="mlxd-s-", dir="/tmp"))
         self.workdir = workdir
-        self.argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(model), "--isolate",
+        self.argv = [sys.executable, "-m", "mlxd.cli.main", "serve", str(model), "--isolate",
                      "--port", "0", "--run-dir", str(self.run_dir), "--cache-dir",
                      str(workdir / "cache"), "--restart-backoff", "0.1", *extra]
         self.model_id = model.name

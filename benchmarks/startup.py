@@ -24,7 +24,7 @@ from throughput import free_port
 
 def start_to_first_token(cache_dir: str, isolate: bool) -> float:
     port = free_port()
-    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--port", str(port), "--cache-dir",
+    argv = [sys.executable, "-m", "mlxd.cli.main", "serve", "--port", str(port), "--cache-dir",
             cache_dir, "--run-dir", tempfile.mkdtemp(prefix="mlxd-bs-", dir="/tmp"),
             "--ssd-cache", "off", "--log-level", "warning"] + (["--isolate"] if isolate else [])
     t0 = time.perf_counter()

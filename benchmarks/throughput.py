@@ -313,7 +313,7 @@ def start_target(target: str, model_dir: str, batch: int | None, dtype: str,
         base = f"http://127.0.0.1:{port}"
         return Server(argv, f"{base}/health"), base, model_dir
     run_dir = tempfile.mkdtemp(prefix="mlxd-b-", dir="/tmp")
-    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", model_dir, "--port", str(port),
+    argv = [sys.executable, "-m", "mlxd.cli.main", "serve", model_dir, "--port", str(port),
             "--run-dir", run_dir, "--dtype", dtype,
             "--cache-dir", str(Path(tempfile.gettempdir()) / "mlxd-bench-cache"),
             "--log-level", "warning"]

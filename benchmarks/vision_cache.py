@@ -89,7 +89,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                              vision_layers=args.vision_layers, vision_heads=args.vision_heads,
                              context=4096, dtype=args.model_dtype)
     port = free_port()
-    argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(model), "--isolate",
+    argv = [sys.executable, "-m", "mlxd.cli.main", "serve", str(model), "--isolate",
             "--port", str(port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-bv-", dir="/tmp"),
             "--cache-dir", str(work / "cache"), "--log-level", "warning"]
     srv = Server(argv, f"http://127.0.0.1:{port}/health")

@@ -16,17 +16,17 @@ from aiohttp import web
 
 from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
 from mlxd.proxy import admin_routes, metrics, security
+from mlxd.proxy.core.generation import ResumeStats
+from mlxd.proxy.core.sampling import Defaults
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
 from mlxd.proxy.dialects.embeddings import routes as embedding_routes
 from mlxd.proxy.dialects.ollama import routes as ollama_routes
 from mlxd.proxy.dialects.openai import routes as openai_routes
 from mlxd.proxy.dialects.responses import routes as responses_routes
-from mlxd.proxy.engine_client import EngineClient
+from mlxd.proxy.engines.client import EngineClient
+from mlxd.proxy.engines.router import Router
 from mlxd.proxy.errors import error_middleware
-from mlxd.proxy.generation import ResumeStats
 from mlxd.proxy.health import health
-from mlxd.proxy.router import Router
-from mlxd.proxy.sampling import Defaults
 from mlxd.proxy.state import STATE, ListeningAt, ProxyState
 
 

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Any
 
-from mlxd.proxy.engine_client import EngineClient
+from mlxd.proxy.engines.client import EngineClient
 from mlxd.proxy.state import ProxyState
 
 ABORT_MESSAGE = ("mlxd is shutting down and this request did not finish within the shutdown "

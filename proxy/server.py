@@ -30,10 +30,10 @@ from mlxd.protocol.messages import (
 from mlxd.protocol.settings import ProxyLaunch
 from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
-from mlxd.proxy.engine_client import EngineClient
-from mlxd.proxy.model_pool import ModelPool, kv_bytes_per_element
-from mlxd.proxy.router import Router
-from mlxd.proxy.sampling import Defaults
+from mlxd.proxy.core.sampling import Defaults
+from mlxd.proxy.engines.client import EngineClient
+from mlxd.proxy.engines.pool import ModelPool, kv_bytes_per_element
+from mlxd.proxy.engines.router import Router
 from mlxd.proxy.security import AccessSettings
 from mlxd.proxy.state import STATE
 

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from mlxd.proxy.app import ListenSettings
-    from mlxd.proxy.engine_client import EngineClient
-    from mlxd.proxy.generation import ResumeStats
+    from mlxd.proxy.core.generation import ResumeStats
+    from mlxd.proxy.core.sampling import Defaults
+    from mlxd.proxy.engines.client import EngineClient
+    from mlxd.proxy.engines.router import Router
     from mlxd.proxy.metrics import RequestMetrics
-    from mlxd.proxy.router import Router
-    from mlxd.proxy.sampling import Defaults
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import pexpect
 import pytest
 
 from conftest import start_daemon, stop_and_check
-from mlxd.daemon.chat import Conversation, parse_command, read_message
+from mlxd.cli.chat import Conversation, parse_command, read_message
 
 QUESTION = "What is the capital of France?"
-CLI = [sys.executable, "-m", "mlxd.daemon.cli"]
+CLI = [sys.executable, "-m", "mlxd.cli.main"]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("MLXD_")},
        "MLXD_CONFIG": os.devnull, "PYTHONUNBUFFERED": "1"}
 

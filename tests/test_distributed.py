@@ -20,7 +20,7 @@ import pytest
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.daemon.client import format_status
+from mlxd.cli.client import format_status
 from mlxd.daemon.group import ShardError, layout_for
 from mlxd.engine.kinds.group import log as group_log
 from mlxd.engine.kinds.group.log import (

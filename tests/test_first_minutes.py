@@ -26,7 +26,7 @@ import pytest
 import zmq
 
 from conftest import start_daemon, stop_and_check
-from mlxd.daemon.client import engine_state, format_status
+from mlxd.cli.client import engine_state, format_status
 from mlxd.daemon.launch import popen
 from mlxd.protocol import codec
 from mlxd.protocol.addresses import Endpoints
@@ -43,7 +43,7 @@ from mlxd.protocol.messages import EngineStatus
 from mlxd.protocol.settings import EngineLaunch, EngineSettings
 from support.harness import LISTENING, READY, RUN_DIRS, TAG_ENV
 
-CLI = [sys.executable, "-m", "mlxd.daemon.cli"]
+CLI = [sys.executable, "-m", "mlxd.cli.main"]
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (\S+) "
                        r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 SLOW_READ = {"MLXD_FAULTS": "engine.read=delay"}  # 50 ms per piece of weights: a slow disk
@@ -411,7 +411,7 @@ def test_the_daemon_reads_its_key_from_the_file_and_no_command_line_holds_it(tin
 
 
 def test_launch_structs_carry_the_log_format():
-    from mlxd.daemon.cli import _resolve, _serve_namespace
+    from mlxd.cli.main import _resolve, _serve_namespace
     from mlxd.daemon.launch import engine_launch, proxy_launch, storage_launch
     cfg = _resolve(_serve_namespace(["--log-format", "json"])).config
     for launch in (engine_launch(cfg, "e", "m", 0), proxy_launch(cfg, 0),

@@ -1,6 +1,8 @@
 """The seams stay where docs/architecture.md says they are: the top-level layout, processes that
-import each other only through `protocol/`, settings declared once, and wire messages whose
-every field is typed (no bare dict or list crossing a process boundary)."""
+import each other only through `protocol/`, the `mlxd` command's user side (`cli/`) that nothing
+imports, the proxy's sub-packages and the direction of their imports, settings declared once,
+and wire messages whose every field is typed (no bare dict or list crossing a process
+boundary)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from mlxd.protocol import messages
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES = ("daemon", "proxy", "engine", "storage_worker")
+PRODUCT = ("cli", *PROCESSES, "protocol", "_pkg")
 
 
 def test_the_top_level_layout():
-    for folder in (*PROCESSES, "protocol", "tests", "deploy", "benchmarks"):
+    for folder in ("cli", *PROCESSES, "protocol", "tests", "deploy", "benchmarks"):
         assert (ROOT / folder).is_dir(), folder
 
 
@@ -34,11 +37,81 @@ def _mlxd_imports(path: Path) -> set[str]:
     return found
 
 
+def _mlxd_modules(path: Path) -> set[str]:
+    """Every `mlxd...` name a file imports, `from a import b` read as `a.b`."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("mlxd.")}
+
+
 @pytest.mark.parametrize("process", ["proxy", "engine", "storage_worker", "protocol"])
 def test_processes_import_each_other_only_through_protocol(process):
     for path in (ROOT / process).rglob("*.py"):
         foreign = _mlxd_imports(path) - {process, "protocol"}
         assert not foreign, f"{path.relative_to(ROOT)} imports mlxd.{sorted(foreign)}"
+
+
+def test_the_command_imports_only_the_daemon_and_protocol():
+    """`cli/` runs in the user's `mlxd ...` process; `mlxd serve` hands over to `mlxd.daemon`."""
+    for path in (ROOT / "cli").rglob("*.py"):
+        foreign = _mlxd_imports(path) - {"cli", "daemon", "protocol"}
+        assert not foreign, f"{path.relative_to(ROOT)} imports mlxd.{sorted(foreign)}"
+
+
+def test_nothing_imports_the_command():
+    """The daemon and its children never import the user-side command; only `python -m mlxd`
+    (`_pkg/__main__.py`) is the command itself."""
+    for folder in PRODUCT:
+        if folder == "cli":
+            continue
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.relative_to(ROOT).as_posix() == "_pkg/__main__.py":
+                continue
+            assert not any(m.split(".")[1] == "cli" for m in _mlxd_modules(path)), \
+                path.relative_to(ROOT)
+
+
+def _proxy_imports(path: Path) -> set[str]:
+    """The parts of the proxy a file imports: `mlxd.proxy.core.x` -> `core`,
+    `mlxd.proxy.dialects.openai.x` -> `dialects`, a module at the proxy's root -> `root`."""
+    found = set()
+    for name in _mlxd_modules(path):
+        parts = name.split(".")
+        if parts[1] == "proxy" and len(parts) > 2:
+            found.add(parts[2] if (ROOT / "proxy" / parts[2]).is_dir() else "root")
+    return found
+
+
+@pytest.mark.parametrize(("folder", "never"), [
+    ("core", {"dialects"}),  # core serves every dialect and talks to engines through engines/
+    ("engines", {"core", "dialects"}),  # the engine side knows no request shape
+])
+def test_the_proxy_sub_packages_import_one_way(folder, never):
+    for path in (ROOT / "proxy" / folder).rglob("*.py"):
+        wrong = _proxy_imports(path) & never
+        assert not wrong, f"{path.relative_to(ROOT)} imports proxy/{sorted(wrong)}"
+
+
+def test_no_dialect_imports_another():
+    for package in (ROOT / "proxy" / "dialects").iterdir():
+        if not package.is_dir() or package.name == "__pycache__":
+            continue
+        for path in package.rglob("*.py"):
+            other = {m for m in _mlxd_modules(path) if m.startswith("mlxd.proxy.dialects.")
+                     and m.split(".")[3] != package.name}
+            assert not other, f"{path.relative_to(ROOT)} imports {sorted(other)}"
+
+
+def test_no_folder_of_the_proxy_holds_more_than_15_modules():
+    for folder in [ROOT / "proxy", *(p for p in (ROOT / "proxy").rglob("*") if p.is_dir())]:
+        if folder.name == "__pycache__":
+            continue
+        modules = list(folder.glob("*.py"))
+        assert len(modules) <= 15, f"{folder.relative_to(ROOT)}: {len(modules)} modules"
 
 
 def test_the_supervisor_runs_the_proxy_and_engine_only_in_the_one_process_mode():
@@ -64,7 +137,7 @@ def test_engine_settings_are_never_built_with_restated_defaults():
     """Each EngineSettings field is declared once, with its default; nothing in the product
     builds the settings or an engine's launch from literals again (issue 13 found six places
     that did)."""
-    for process in (*PROCESSES, "protocol"):
+    for process in PRODUCT:
         for path in (ROOT / process).rglob("*.py"):
             if path.relative_to(ROOT).as_posix() == "protocol/settings.py":
                 continue

@@ -175,7 +175,7 @@ def test_adapter_settings_are_checked_at_startup(tiny_model, adapters, tmp_path)
         with pytest.raises(ConfigError, match=f"adapter \\(flag --adapter\\): x: .*{message}"):
             _resolve(str(tiny_model), "--adapter", value)
     # the command itself says so, and exits before starting anything
-    done = subprocess.run([sys.executable, "-m", "mlxd.daemon.cli", "serve", str(tiny_model),
+    done = subprocess.run([sys.executable, "-m", "mlxd.cli.main", "serve", str(tiny_model),
                            "--adapter", f"x={tiny_model}:{empty}", "--run-dir",
                            str(tmp_path / "run"), "--port", "0"],
                           capture_output=True, text=True, timeout=60,

@@ -10,7 +10,7 @@ from typing import cast
 import pytest
 
 from conftest import start_daemon, stop_and_check
-from mlxd.daemon.client import format_status
+from mlxd.cli.client import format_status
 from mlxd.engine.batch.sizing import MEMORY_ENV
 from support.random_model import write_random_model
 

@@ -1,4 +1,4 @@
-"""The LRU model pool's decisions (proxy/model_pool.py), without processes: eviction, busy and
+"""The LRU model pool's decisions (proxy/engines/pool.py), without processes: eviction, busy and
 pinned engines, memory, keep_alive. The pool through real daemons: test_model_pool.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mlxd.daemon.memory_share import Engine, engines_of, holds_share, rebalance,
 from mlxd.engine.batch import budget as batch_budget
 from mlxd.protocol.messages import ChildState
 from mlxd.protocol.settings import PoolShare
-from mlxd.proxy.model_pool import (
+from mlxd.proxy.engines.pool import (
     RESERVE_FRACTION,
     MemoryNeed,
     ModelPool,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.core.sampling import Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.dialects.openai.schema import ChatRequest, chat_messages, sampling
 from mlxd.proxy.errors import APIError
-from mlxd.proxy.sampling import Defaults, SamplingRequest, check_sampling
 
 
 def test_sampling_params_defaults_and_limits():

@@ -1,4 +1,4 @@
-"""The proxy's dialect-neutral core (proxy/sampling.py and the dialect packages), without
+"""The proxy's dialect-neutral core (proxy/core/sampling.py and the dialect packages), without
 processes: each dialect maps its own field names onto one SamplingRequest, max_tokens travels
 once and is judged against the context in one place, and no dialect reaches into another."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.core.sampling import Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.dialects.anthropic import schema as anthropic
 from mlxd.proxy.dialects.ollama import schema as ollama
 from mlxd.proxy.dialects.openai import schema as openai
 from mlxd.proxy.errors import APIError
-from mlxd.proxy.sampling import Defaults, SamplingRequest, check_sampling
 
 DIALECTS = Path(__file__).resolve().parents[1] / "proxy" / "dialects"
 DEFAULTS = Defaults(temperature=0.3, top_p=0.9, top_k=40, max_tokens=64)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from mlxd.proxy.constraints import Tool, closed, forced_call
-from mlxd.proxy.partial_json import complete
+from mlxd.proxy.core.constraints import Tool, closed, forced_call
+from mlxd.proxy.core.partial_json import complete
 
 
 @pytest.mark.parametrize("text, value", [

@@ -271,8 +271,8 @@ async def test_image_urls_are_fetched_only_when_allowed():
     from aiohttp import web
     from PIL import Image
 
+    from mlxd.proxy.core.images import ImageRef, decode, decode_images
     from mlxd.proxy.errors import APIError
-    from mlxd.proxy.images import ImageRef, decode, decode_images
     data = png(IMAGE)
     noise = np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8)
     buf = io.BytesIO()

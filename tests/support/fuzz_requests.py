@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from mlxd.proxy.admin_routes import DrainBody, ModelBody
 from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.engines.pool import looks_like_repo_id, parse_keep_alive
 from mlxd.proxy.errors import APIError, dialect_of
-from mlxd.proxy.model_pool import looks_like_repo_id, parse_keep_alive
 
 
 class FuzzRequest(NamedTuple):

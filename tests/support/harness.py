@@ -58,7 +58,7 @@ class Daemon:
         self.ready_marker = ready_marker
         self._own_cache = cache_dir is None
         self.cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
-        self.argv = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--port", "0",
+        self.argv = [sys.executable, "-m", "mlxd.cli.main", "serve", "--port", "0",
                      "--run-dir", str(self.run_dir), "--cache-dir", str(self.cache_dir), *extra]
         if model is not None:
             self.argv.insert(4, model)

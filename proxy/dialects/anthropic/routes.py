@@ -9,12 +9,12 @@ import uuid
 
 from aiohttp import web
 
-from mlxd.proxy import constraints
 from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.core import constraints
+from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.core.sampling import count_only
 from mlxd.proxy.dialects.anthropic import schema
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
-from mlxd.proxy.sampling import count_only
 from mlxd.proxy.state import STATE
 
 PING_EVERY = 10  # content deltas between `ping` events

@@ -8,10 +8,10 @@ from typing import Any
 import msgspec
 
 from mlxd.proxy.bounds import MAX_IDENT_CHARS, Ident, ModelName, StopString, TokenCount, TopK
-from mlxd.proxy.constraints import Tool, forced_tools, parse_tools
+from mlxd.proxy.core.constraints import Tool, forced_tools, parse_tools
+from mlxd.proxy.core.images import ImageRef
+from mlxd.proxy.core.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.images import ImageRef
-from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 
 
 class ImageSource(msgspec.Struct, kw_only=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.core.embedding import embed, load_only
 from mlxd.proxy.dialects.embeddings.schema import (
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
@@ -14,7 +15,6 @@ from mlxd.proxy.dialects.embeddings.schema import (
     ollama_embeddings_request,
     openai_request,
 )
-from mlxd.proxy.embedding import embed, load_only
 from mlxd.proxy.state import STATE
 
 

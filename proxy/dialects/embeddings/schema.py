@@ -9,9 +9,9 @@ from typing import Literal
 import msgspec
 
 from mlxd.proxy.bounds import Duration, Ident, ModelName, Seconds, SmallInt, TokenId
-from mlxd.proxy.embedding import MAX_INPUTS, EmbeddingRequest, check_dimensions
+from mlxd.proxy.core.embedding import MAX_INPUTS, EmbeddingRequest, check_dimensions
+from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.validation import keep_alive_seconds
 
 
 class OpenAIEmbeddingRequest(msgspec.Struct, kw_only=True):

@@ -13,8 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxd.proxy import constraints
 from mlxd.proxy.bounds import decode_body
+from mlxd.proxy.core import constraints
+from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.dialects.ollama.schema import (
     ChatRequest,
     GenerateRequest,
@@ -26,13 +28,11 @@ from mlxd.proxy.dialects.ollama.schema import (
     sampling,
     with_images,
 )
-from mlxd.proxy.engine_client import EngineRecord
+from mlxd.proxy.engines.client import EngineRecord
+from mlxd.proxy.engines.pool import model_weight_bytes
+from mlxd.proxy.engines.router import Router
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
-from mlxd.proxy.model_pool import model_weight_bytes
-from mlxd.proxy.router import Router
 from mlxd.proxy.state import STATE
-from mlxd.proxy.validation import keep_alive_seconds
 
 API_VERSION = "0.12.0"  # the Ollama API level these routes follow
 

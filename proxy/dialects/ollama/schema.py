@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-from mlxd.proxy import constraints
 from mlxd.proxy.bounds import (
     MAX_COUNT,
     MAX_IDENT_CHARS,
@@ -20,9 +19,10 @@ from mlxd.proxy.bounds import (
     TokenId,
     TopK,
 )
+from mlxd.proxy.core import constraints
+from mlxd.proxy.core.images import ImageRef
+from mlxd.proxy.core.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.images import ImageRef
-from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 
 NumPredict = Annotated[int, msgspec.Meta(ge=-2, le=MAX_COUNT)]  # -1: until done, -2: fill context
 

@@ -14,8 +14,16 @@ from aiohttp import web
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.models import model_id
-from mlxd.proxy import constraints
 from mlxd.proxy.bounds import clip, decode_body
+from mlxd.proxy.core import constraints
+from mlxd.proxy.core.generation import (
+    Collected,
+    Generation,
+    GenerationRequest,
+    started_generations,
+    usage,
+)
+from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.dialects.openai.schema import (
     ChatRequest,
     CompletionRequest,
@@ -27,15 +35,7 @@ from mlxd.proxy.dialects.openai.schema import (
     sampling,
 )
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import (
-    Collected,
-    Generation,
-    GenerationRequest,
-    started_generations,
-    usage,
-)
 from mlxd.proxy.state import STATE
-from mlxd.proxy.validation import keep_alive_seconds
 
 
 def _sse(obj: Any) -> bytes:

@@ -23,9 +23,9 @@ from mlxd.proxy.bounds import (
     clip,
     loads,
 )
+from mlxd.proxy.core.images import ImageRef, from_url
+from mlxd.proxy.core.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.images import ImageRef, from_url
-from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 
 
 class ImageURL(msgspec.Struct):

@@ -15,8 +15,10 @@ from typing import Any
 from aiohttp import web
 
 from mlxd.protocol.messages import Delta, TokenLogprob
-from mlxd.proxy import constraints
 from mlxd.proxy.bounds import clip, decode_body
+from mlxd.proxy.core import constraints
+from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.dialects.responses.schema import (
     ResponsesRequest,
     check_fields,
@@ -27,9 +29,7 @@ from mlxd.proxy.dialects.responses.schema import (
 )
 from mlxd.proxy.dialects.responses.store import MAX_RESPONSES, RESPONSE_STORE, ResponseStore
 from mlxd.proxy.errors import APIError, bad_request
-from mlxd.proxy.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.state import STATE
-from mlxd.proxy.validation import keep_alive_seconds
 
 Emit = Callable[[str, dict], None]
 

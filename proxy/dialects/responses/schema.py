@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 
-from mlxd.proxy import constraints
 from mlxd.proxy.bounds import (
     MAX_IDENT_CHARS,
     Duration,
@@ -23,8 +22,9 @@ from mlxd.proxy.bounds import (
     clip,
     loads,
 )
+from mlxd.proxy.core import constraints
+from mlxd.proxy.core.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 
 LOGPROBS = "message.output_text.logprobs"
 # `include` values mlxd honours (the reasoning text is never encrypted: it is in the item)

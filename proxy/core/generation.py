@@ -18,13 +18,13 @@ import msgspec
 
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta, Generate, TokenLogprob
-from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
+from mlxd.proxy.core.images import ImageRef, decode_images
+from mlxd.proxy.core.sampling import SEED_MASK, CheckedSampling
+from mlxd.proxy.core.validation import check_prompt_fits
+from mlxd.proxy.engines.client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, bad_request, unavailable
-from mlxd.proxy.images import ImageRef, decode_images
 from mlxd.proxy.metrics import RequestMetrics
-from mlxd.proxy.sampling import SEED_MASK, CheckedSampling
 from mlxd.proxy.state import ProxyState
-from mlxd.proxy.validation import check_prompt_fits
 
 # Engine error codes that mean the client's request was at fault.
 CLIENT_ERROR_CODES = {"context_length_exceeded", "empty_prompt", "invalid_messages",

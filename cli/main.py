@@ -1,5 +1,7 @@
 """The `mlxd` command: serve, config show, the client commands (status, models, flush, stop,
-socket, chat, run), and service install."""
+socket, chat, run), and service install. It runs in the user's process; `mlxd serve` resolves
+the configuration and hands this process over to `mlxd.daemon` (the supervisor, or the
+one-process mode)."""
 
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def _config_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: {"value": v, "source": src} for k, v, _, src in rows}, indent=1))
         return 0
-    from mlxd.daemon.client import table
+    from mlxd.cli.client import table
     print(f"# config file: {resolved.config_file or 'none'}")
     print(table([[k, shown, src] for k, _, shown, src in rows], ["KEY", "VALUE", "SOURCE"]))
     return 0
@@ -149,7 +151,7 @@ def _find_daemon(args: argparse.Namespace,
                  cfg: ServeConfig) -> tuple[Path, Path, int | None] | int:
     """(socket, run dir, pid if known) of the daemon the client command means, or the exit
     code after saying why there is none."""
-    from mlxd.daemon import client
+    from mlxd.cli import client
     if args.run_dir is not None:  # that daemon, found through its run dir
         run_dir = args.run_dir
         pid = client.running_pid(run_dir)
@@ -170,7 +172,7 @@ def _find_daemon(args: argparse.Namespace,
 
 
 def _client_command(args: argparse.Namespace) -> int:
-    from mlxd.daemon import client
+    from mlxd.cli import client
     ns = _serve_namespace(["--config", str(args.config)] if args.config else [])
     cfg = _resolve(ns).config
     found = _find_daemon(args, cfg)
@@ -229,14 +231,14 @@ def _client_command(args: argparse.Namespace) -> int:
 
 
 def _chat_command(args: argparse.Namespace, sock: Path) -> int:
-    from mlxd.daemon import chat
+    from mlxd.cli import chat
     options = {k: v for k, v in (("temperature", args.temperature),
                                  ("max_tokens", args.max_tokens), ("seed", args.seed))
                if v is not None}
     if args.command == "run":
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         return chat.run_once(sock, args.model, prompt, options, system=args.system)
-    from mlxd.daemon import client
+    from mlxd.cli import client
     try:
         name = chat.model_name(sock, args.model)
     except client.DaemonUnreachable as e:
@@ -247,7 +249,7 @@ def _chat_command(args: argparse.Namespace, sock: Path) -> int:
 
 
 def _service_install(args: argparse.Namespace, serve_args: list[str]) -> int:
-    from mlxd.daemon import service_install as svc
+    from mlxd.cli import service_install as svc
     resolved = _resolve(_serve_namespace(serve_args))  # bad flags fail here, not at boot
     cfg = resolved.config
     secret = None
@@ -269,7 +271,7 @@ def _service_install(args: argparse.Namespace, serve_args: list[str]) -> int:
 
 
 def _service(args: argparse.Namespace) -> int:
-    from mlxd.daemon import service_install as svc
+    from mlxd.cli import service_install as svc
     platform = args.platform or svc.current_platform()
     if args.service_command == "uninstall":
         plan = svc.uninstall_plan(platform)

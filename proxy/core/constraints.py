@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.proxy import partial_json
 from mlxd.proxy.bounds import MAX_IDENT_CHARS, clip
+from mlxd.proxy.core import partial_json
 from mlxd.proxy.errors import bad_request
 
 ANY_OBJECT: dict = {"type": "object"}

@@ -1,12 +1,12 @@
 """Request checks every dialect shares (runs in the proxy): `keep_alive`, and whether a prompt
-can fit the model's context at all. Body decoding and field bounds are in bounds.py, sampling
-in sampling.py."""
+can fit the model's context at all. Body decoding and field bounds are in proxy/bounds.py,
+sampling in sampling.py."""
 
 from __future__ import annotations
 
 from mlxd.protocol.messages import PROMPT_SIZE_SLACK, EngineStatus, Generate
+from mlxd.proxy.engines.pool import parse_keep_alive
 from mlxd.proxy.errors import bad_request
-from mlxd.proxy.model_pool import parse_keep_alive
 
 
 def keep_alive_seconds(raw: float | str | None) -> float | None:

@@ -19,9 +19,8 @@ from mlxd.protocol.models import (
     parse_adapter,
 )
 from mlxd.proxy.bounds import MAX_REPO_PART, clip
-from mlxd.proxy.engine_client import EngineClient, EngineRecord
-from mlxd.proxy.errors import APIError, unavailable
-from mlxd.proxy.model_pool import (
+from mlxd.proxy.engines.client import EngineClient, EngineRecord
+from mlxd.proxy.engines.pool import (
     MemoryNeed,
     ModelPool,
     NotEnoughMemory,
@@ -30,7 +29,8 @@ from mlxd.proxy.model_pool import (
     model_weight_bytes,
     row_kv_bytes,
 )
-from mlxd.proxy.model_resolution import LoadableCache
+from mlxd.proxy.engines.resolution import LoadableCache
+from mlxd.proxy.errors import APIError, unavailable
 
 log = logging.getLogger("mlxd.proxy")
 
@@ -58,7 +58,8 @@ class Router:
         self.aliases = aliases
         self.pool = pool  # None without --isolate: only the configured engines exist
         self.send = send
-        # --batch: no longer asked of the memory check (the engines' budgets bound their rows)
+        # --batch: not part of the memory check (the engines' KV budgets, not --batch, bound
+        # the rows they admit)
         self.batch = batch
         self.kv_element_bytes = kv_element_bytes  # the memory check's KV size (--kv-bits)
         self.pool_wait = pool_wait

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from mlxd.daemon import client
+from mlxd.cli import client
 
 PROMPT = ">>> "
 MORE = "... "

@@ -14,9 +14,9 @@ import msgspec
 import numpy as np
 
 from mlxd.protocol.messages import Embed, Embeddings
-from mlxd.proxy.engine_client import EngineClient, EngineGone, EngineRecord, RequestStream
+from mlxd.proxy.core.generation import RECONNECT_POLL, _delta_error, new_request_id
+from mlxd.proxy.engines.client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, unavailable
-from mlxd.proxy.generation import RECONNECT_POLL, _delta_error, new_request_id
 from mlxd.proxy.state import ProxyState
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
