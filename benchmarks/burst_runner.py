@@ -71,9 +71,9 @@ def one_round(runner: Any, outq: queue.Queue, prompts: list[list[int]], tokens: 
     """Each request's time from the put to its first token (ms)."""
     from mlx_lm.sample_utils import greedy_sampler
 
-    from mlxd.engine.batch import runner as runner_module
+    from mlxd.engine.batch import burst
     from mlxd.engine.batch.messages import AddRequest, StepTokens
-    runner_module.GROUP_MIN_CACHED_GPU = 0 if variant in ("cache-all", "cache-eval") else 64
+    burst.GROUP_MIN_CACHED_GPU = 0 if variant in ("cache-all", "cache-eval") else 64
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         runner.inbox.put(AddRequest(f"r{i}", p, tokens, greedy_sampler, []))

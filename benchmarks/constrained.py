@@ -212,7 +212,7 @@ def engine_rounds(args: argparse.Namespace) -> dict:
             runner.inbox.put(AddRequest(f"r{i}", tok.encode(f"rep {rep} list {i}: numbers"),
                                         max_tokens, greedy_sampler,
                                         [] if make is None else [make(tokenizers, grammar)]))
-        runner._handle_commands(block=False)
+        runner.take_commands()
         done = tokens = 0
         t0 = None
         while done < n:

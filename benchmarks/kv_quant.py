@@ -123,9 +123,9 @@ def answers(model: Any, prompts: list[list[int]], eos: list[int], tokens: int,
                cache_bytes=0)
     for i, p in enumerate(prompts):
         r.inbox.put(AddRequest(f"p{i}", p, tokens, greedy_sampler, []))
-    r._handle_commands(block=False)
+    r.take_commands()
     got: dict[str, list[int]] = {}
-    while r._uid_to_rid:
+    while r.rows:
         step(r, outq, got)
     kv_quant.uninstall(model)
     return [got.get(f"p{i}", []) for i in range(len(prompts))]
@@ -140,7 +140,7 @@ class Streams:
         for i in range(rows):
             prompt = [(seed + 7 * i + 13 * j) % (vocab - 10) + 5 for j in range(context)]
             self.runner.inbox.put(AddRequest(f"r{i}", prompt, max_tokens, greedy_sampler, []))
-        self.runner._handle_commands(block=False)
+        self.runner.take_commands()
         decoding = 0
         while decoding < rows:
             decoding = max(decoding, step(self.runner, self.outq))

@@ -55,7 +55,7 @@ class Streams:
                              outbox=self.outq, cache_bytes=0)
         for i, p in enumerate(prompts):
             self.runner.inbox.put(AddRequest(f"r{i}", p, max_tokens, greedy_sampler, []))
-        self.runner._handle_commands(block=False)
+        self.runner.take_commands()
         decoding = 0
         while decoding < len(prompts):  # prefill, and the first decode step of every row
             decoding = max(decoding, self._step())

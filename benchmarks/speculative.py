@@ -143,7 +143,7 @@ def run(model: Any, prompts: list[list[int]], max_tokens: int, spec: Any,
     for i, p in enumerate(prompts):
         r.inbox.put(AddRequest(f"r{i}", p, max_tokens, greedy_sampler, []))
     t0 = time.perf_counter()
-    r._handle_commands(block=False)
+    r.take_commands()
     times: dict[str, list[float]] = {}
     cpu_first = 0.0
     tokens: dict[str, list[int]] = {}

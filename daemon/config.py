@@ -25,12 +25,19 @@ from mlxd.daemon.settings import (
     validate,
 )
 from mlxd.protocol.models import adapter_problem, canonical_spec, engine_id_for, parse_adapter
-from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings, StorageSettings
+from mlxd.protocol.settings import (
+    DaemonSettings,
+    EngineSettings,
+    ProxySettings,
+    StorageSettings,
+    TuningSettings,
+)
 
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 # Daemon settings that name a path: ServeConfig holds each resolved (defaults filled in).
 DERIVED_PATHS = ("run_dir", "cache_dir", "socket", "ssd_cache")
-S = TypeVar("S", DaemonSettings, ProxySettings, EngineSettings, StorageSettings)
+S = TypeVar("S", DaemonSettings, ProxySettings, EngineSettings, StorageSettings,
+            TuningSettings)
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class ServeConfig:
     proxy: ProxySettings
     engine: EngineSettings
     storage: StorageSettings
+    tuning: TuningSettings  # hidden switches for comparisons and tests; every child gets them
     run_dir: Path
     cache_dir: Path
     socket: Path | None  # None: no Unix socket
@@ -76,7 +84,8 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"TOML config file (default {default_config_file()} if it exists, "
                          "or $MLXD_CONFIG)")
     for s in SETTINGS:
-        kw: dict[str, Any] = {"default": None, "help": s.help, "dest": s.key}
+        kw: dict[str, Any] = {"default": None, "dest": s.key,
+                              "help": argparse.SUPPRESS if s.hidden else s.help}
         if s.metavar:
             kw["metavar"] = s.metavar
         if s.kind == "switch":
@@ -242,7 +251,7 @@ def _build(v: dict[str, Any]) -> ServeConfig:
     return ServeConfig(
         daemon=_section(DaemonSettings, v), proxy=_section(ProxySettings, v),
         engine=_section(EngineSettings, v), storage=_section(StorageSettings, v),
-        run_dir=run_dir, cache_dir=cache_dir,
+        tuning=_section(TuningSettings, v), run_dir=run_dir, cache_dir=cache_dir,
         socket=_path_or_off(v["socket"], run_dir / "mlxd.sock"),
         ssd_cache=_path_or_off(v["ssd_cache"], cache_dir / "kv"))
 

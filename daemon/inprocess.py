@@ -14,11 +14,18 @@ import zmq
 import zmq.asyncio
 
 from mlxd.daemon.config import ServeConfig
-from mlxd.daemon.launch import command, engine_launch, proxy_launch, storage_launch, write_launch
+from mlxd.daemon.launch import (
+    command,
+    engine_launch,
+    proxy_launch,
+    storage_launch,
+    with_lifeline,
+    write_launch,
+)
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
 from mlxd.daemon.sd_notify import Notifier
-from mlxd.protocol import codec, exit_codes, shm
+from mlxd.protocol import codec, exit_codes, shm, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import Lifeline
 from mlxd.protocol.listen_address import ListenError
@@ -31,6 +38,7 @@ log = logging.getLogger("mlxd.daemon")
 
 def run_inprocess(cfg: ServeConfig) -> int:
     console = setup_logging(cfg.daemon.log_level, "mlxd", cfg.daemon.log_format)
+    stage_trace.configure(cfg.tuning.stage_trace)
     log.info("starting: model %s, run dir %s", model_id(cfg.daemon.model), cfg.run_dir)
     lock = RunDirLock(cfg.run_dir)
     lock.acquire()
@@ -135,11 +143,12 @@ class StorageWorkerProcess:
     a crash (with backoff), and stopped last by the serving process."""
 
     def __init__(self, cfg: ServeConfig) -> None:
-        self.launch = codec.encode_launch(storage_launch(cfg, epoch=0, supervised=False))
         self.proc: asyncio.subprocess.Process | None = None
         self.policy = RestartPolicy(base_delay=cfg.daemon.restart_backoff, breaker=False)
         self.stopping = False
         self.lifeline = Lifeline()
+        self.launch = codec.encode_launch(with_lifeline(
+            storage_launch(cfg, epoch=0, supervised=False), self.lifeline.read_fd))
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:

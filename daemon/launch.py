@@ -8,7 +8,9 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from mlxd.daemon.config import ServeConfig
 from mlxd.daemon.group import layout_for
@@ -20,6 +22,9 @@ MODULES: dict[Role, str] = {"proxy": "mlxd.proxy", "engine": "mlxd.engine",
                             "storage": "mlxd.storage_worker"}
 ROLES: dict[type, Role] = {ProxyLaunch: "proxy", EngineLaunch: "engine",
                            StorageLaunch: "storage"}
+
+
+L = TypeVar("L", EngineLaunch, ProxyLaunch, StorageLaunch)
 
 
 def command(role: Role) -> list[str]:
@@ -36,7 +41,7 @@ def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int,
         log_level=cfg.daemon.log_level, log_format=cfg.daemon.log_format, settings=cfg.engine,
         group=layout_for(spec, cfg.engine.shard, cfg.proxy.model_alias),
         group_hosts=str(Path(cfg.engine.shard_hosts).expanduser().resolve())
-        if cfg.engine.shard_hosts else None)
+        if cfg.engine.shard_hosts else None, tuning=cfg.tuning)
 
 
 def proxy_launch(cfg: ServeConfig, epoch: int, listen_fds: list[int] | None = None
@@ -45,7 +50,8 @@ def proxy_launch(cfg: ServeConfig, epoch: int, listen_fds: list[int] | None = No
         epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
         log_format=cfg.daemon.log_format,
         socket=None if cfg.socket is None else str(cfg.socket), engines=cfg.engines(),
-        settings=cfg.proxy, engine=cfg.engine, listen_fds=list(listen_fds or []))
+        settings=cfg.proxy, engine=cfg.engine, listen_fds=list(listen_fds or []),
+        tuning=cfg.tuning)
 
 
 def storage_launch(cfg: ServeConfig, epoch: int, supervised: bool) -> StorageLaunch:
@@ -53,7 +59,12 @@ def storage_launch(cfg: ServeConfig, epoch: int, supervised: bool) -> StorageLau
     return StorageLaunch(
         epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
         log_format=cfg.daemon.log_format, root=str(cfg.ssd_cache), supervised=supervised,
-        settings=cfg.storage)
+        settings=cfg.storage, tuning=cfg.tuning)
+
+
+def with_lifeline(launch: L, fd: int) -> L:
+    """`launch` naming the lifeline's read end, which the child inherits."""
+    return msgspec.structs.replace(launch, lifeline_fd=fd)
 
 
 async def write_launch(proc: asyncio.subprocess.Process, data: bytes) -> None:

@@ -11,7 +11,13 @@ from typing import Any, Literal
 import msgspec
 from msgspec import inspect as mi
 
-from mlxd.protocol.settings import DaemonSettings, EngineSettings, ProxySettings, StorageSettings
+from mlxd.protocol.settings import (
+    DaemonSettings,
+    EngineSettings,
+    ProxySettings,
+    StorageSettings,
+    TuningSettings,
+)
 
 # kind: how a value is written on a command line / in the environment / in TOML.
 #   str, int, float, path
@@ -24,7 +30,8 @@ Kind = Literal["str", "int", "float", "path", "switch", "onoff", "list", "map"]
 # Section name (the `ServeConfig` attribute holding it) -> its Struct.
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "daemon": DaemonSettings, "proxy": ProxySettings, "engine": EngineSettings,
-    "storage": StorageSettings}
+    "storage": StorageSettings, "tuning": TuningSettings}
+HIDDEN_SECTIONS = frozenset({"tuning"})  # not in --help: switches for comparisons and tests
 
 # The order of `--help` and `mlxd config show`, as users know it. A setting not named here is
 # listed after these, in section order: a new setting needs no line here.
@@ -90,6 +97,7 @@ class Setting:
     metavar: str | None = None
     secret: bool = False  # never printed, never sent to a child
     words: tuple[str, ...] = ()  # words accepted instead of a value of `kind` (batch: "auto")
+    hidden: bool = False  # not in --help (a tuning switch)
 
     @property
     def flag(self) -> str:
@@ -121,7 +129,8 @@ def _from_field(section: str, f: mi.Field, annotated: Any) -> Setting:
         default=default, help=help_, type=annotated,
         bounds=Bounds(*(getattr(t, b, None) for b in ("ge", "gt", "le", "lt", "multiple_of"))),
         choices=_literal_values(annotated) if isinstance(t, mi.LiteralType) else None,
-        metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)), words=words)
+        metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)), words=words,
+        hidden=section in HIDDEN_SECTIONS)
 
 
 def _literal_values(annotated: Any) -> tuple[str, ...]:
@@ -148,21 +157,9 @@ def _derive() -> tuple[Setting, ...]:
 SETTINGS: tuple[Setting, ...] = _derive()
 BY_KEY = {s.key: s for s in SETTINGS}
 ENV_NAMES = {s.env: s for s in SETTINGS}
-# MLXD_* variables that are not settings: fault injection for tests, the config file itself,
-# the memory an engine may use (engine/batch_sizing.py), the per-token stage clock
-# (protocol/stage_trace.py), the eager step hand-off and the burst window for comparisons
-# (engine/step_handoff.py, engine/runner.py), the engine's GIL switch interval
-# (engine/gil_switch.py), how the SSD write-behind reads KV (engine/ssd_tier.py), the shortest
-# cached prefix lent (engine/runner.py), the MLX stream the engine decodes on (engine/service.py),
-# the lifeline every child inherits (protocol/lifeline.py), the start-up heap's freeze
-# (protocol/heap.py), the order of a constrained step (engine/constraints_overlap.py), a burst's
-# prompts tokenized together and the admission lane's threads (engine/prompt_batch.py,
-# engine/admission_lanes.py).
-OTHER_ENV = {"MLXD_FAULTS", "MLXD_CONFIG", "MLXD_POISON", "MLXD_ENGINE_MEMORY",
-             "MLXD_STAGE_TRACE", "MLXD_EAGER_HANDOFF", "MLXD_BURST_WINDOW",
-             "MLXD_GIL_SWITCH_US", "MLXD_SSD_STAGING", "MLXD_MIN_CACHED_TOKENS",
-             "MLXD_GEN_STREAM", "MLXD_LIFELINE_FD", "MLXD_GC_FREEZE",
-             "MLXD_GRAMMAR_ORDER", "MLXD_PROMPT_BATCH", "MLXD_ADMIT_THREADS"}
+# MLXD_* variables that are not settings: the config file itself. Everything else a process
+# reads is a setting, and reaches each child in its launch struct.
+OTHER_ENV = {"MLXD_CONFIG"}
 
 TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}

@@ -24,7 +24,14 @@ import zmq.asyncio
 from mlxd.daemon import health_probe
 from mlxd.daemon.children import Child, describe_exit, is_error_line
 from mlxd.daemon.config import ServeConfig
-from mlxd.daemon.launch import command, engine_launch, proxy_launch, storage_launch, write_launch
+from mlxd.daemon.launch import (
+    command,
+    engine_launch,
+    proxy_launch,
+    storage_launch,
+    with_lifeline,
+    write_launch,
+)
 from mlxd.daemon.memory_share import engines_of, rebalance
 from mlxd.daemon.paths import RunDirLock, private_dirs
 from mlxd.daemon.restart_policy import RestartPolicy
@@ -93,12 +100,16 @@ class Supervisor:
 
     def _launch(self, child: Child) -> bytes:
         """What the child reads on its stdin, for its current epoch."""
+        fd = self.lifeline.read_fd
         if child.role == "engine":  # its share: set by _rebalance as it was spawned
-            return codec.encode_launch(
-                engine_launch(self.cfg, child.child_id, child.model, child.epoch, child.share))
+            return codec.encode_launch(with_lifeline(
+                engine_launch(self.cfg, child.child_id, child.model, child.epoch, child.share),
+                fd))
         if child.role == "proxy":
-            return codec.encode_launch(proxy_launch(self.cfg, child.epoch, self._listen_fds()))
-        return codec.encode_launch(storage_launch(self.cfg, child.epoch, supervised=True))
+            return codec.encode_launch(with_lifeline(
+                proxy_launch(self.cfg, child.epoch, self._listen_fds()), fd))
+        return codec.encode_launch(with_lifeline(
+            storage_launch(self.cfg, child.epoch, supervised=True), fd))
 
     async def _rebalance(self) -> None:
         """Every engine's part of the machine's memory, recomputed from the engines that hold

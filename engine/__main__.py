@@ -10,7 +10,7 @@ from pathlib import Path
 import zmq
 
 from mlxd.engine.service import EngineService
-from mlxd.protocol import codec, faults
+from mlxd.protocol import codec, faults, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
@@ -20,10 +20,11 @@ from mlxd.protocol.settings import EngineLaunch
 
 def main() -> int:
     launch = codec.read_launch(EngineLaunch)
-    follow_parent()
+    follow_parent(launch.lifeline_fd)
+    stage_trace.configure(launch.tuning.stage_trace)
     child_process_setup(launch.log_level, f"engine:{model_id(launch.model)}#{launch.epoch}",
                         launch.log_format)
-    faults.configure(launch.epoch)
+    faults.configure(launch.epoch, launch.tuning.faults)
     ctx = zmq.Context()
     service = EngineService(launch, Endpoints.ipc(Path(launch.run_dir)), ctx, supervised=True)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())

@@ -30,6 +30,7 @@ from mlxd.engine.kv.ssd_tier import SsdTier, open_ssd_tier
 from mlxd.engine.load.loader import load_draft, loaded_model
 from mlxd.engine.load.warm_up import warm_up
 from mlxd.engine.speculative.step import Speculator
+from mlxd.engine.stage_clock import NO_CLOCK
 from mlxd.engine.state import LoadedModel, StatusTick
 from mlxd.engine.wire.status import generating_status
 from mlxd.protocol.messages import CacheFlushed, Embed, EngineStatus, FlushCache, Generate
@@ -64,7 +65,7 @@ class GeneratingEngine:
                  if features.speculative and settings.draft_model else None)
         loaded = loaded_model(tokenizer, config)
         loaded_s = time.monotonic() - t0
-        stream = generation_stream()
+        stream = generation_stream(launch.tuning.gen_stream)
         warm = settings.warm_up and features.warm_up
         warm_s = warm_up(model, loaded, stream, settings) if warm else 0.0
         probe = kind.probe_model(model, loaded)
@@ -76,7 +77,8 @@ class GeneratingEngine:
             if persist is not None and not entry.persisted:
                 persist([entry])
         cache_bytes = int(settings.prompt_cache * 2**30)
-        budget = measure_budget(probe, settings.batch, stream, cache_bytes, launch.pool_share)
+        budget = measure_budget(probe, settings.batch, stream, cache_bytes, launch.pool_share,
+                                settings.engine_memory)
         log.info("batch: %s", budget.why)
         outbox = host.channels.outq
         runner = kind.runner_class()(
@@ -87,7 +89,7 @@ class GeneratingEngine:
             on_evict=evicted if persist else None,
             checkpoint_every=settings.generation_checkpoint,
             speculator=Speculator(settings.num_draft_tokens, draft, settings.prefill_step)
-            if features.speculative else None)
+            if features.speculative else None, tuning=launch.tuning, clock=host.clock)
         if isinstance(outbox, StepOutbox) and not outbox.eager:
             runner.inbox = ReleasingInbox(outbox)  # idle: held tokens go out
         report = (f"loaded in {loaded_s:.1f} s" + (f", warmed up in {warm_s:.1f} s" if warm
@@ -104,17 +106,34 @@ class GeneratingEngine:
     # ------------------------------------------------------------------ admission lanes
 
     def prepare(self, msg: Generate, received_at: float) -> Admitted | Answered:
-        return self.kind.prepare(msg, self.loaded, self.lookup, received_at)
+        return self.kind.prepare(msg, self.loaded, self._lookup_for(msg), received_at)
+
+    def _lookup_for(self, msg: Generate) -> Lookup:
+        """The tiers as this request asks them: under the stage clock, its tokens are done
+        when it asks, and the tiers' answer stamped when it comes."""
+        clock = self.host.clock
+        if clock is NO_CLOCK:
+            return self.lookup
+        rid = msg.request_id
+
+        def restore(prompt: list[int]) -> RestoredPrefix | None:
+            clock.tokenized(rid)
+            try:
+                return self._restore(prompt)
+            finally:
+                clock.tiers_asked(rid)
+        return Lookup(restore, self.lookup.peek)
 
     def prepare_many(self, msgs: list[Generate], received_at: float
                      ) -> Iterator[Admitted | Answered]:
         """Requests a lane found waiting together: their chat prompts tokenized in one call
         where they can be (`prompt_batch`), each then prepared as on its own, in order."""
-        if not (self.features.prompt_batch and prompt_batch.ON):
+        if not (self.features.prompt_batch and self.host.launch.tuning.prompt_batch):
             yield from (self.prepare(m, received_at) for m in msgs)
             return
         for msg, tokens in zip(msgs, prompt_batch.chat_tokens(msgs, self.loaded), strict=True):
-            yield self.kind.prepare(msg, self.loaded, self.lookup, received_at, tokens)
+            yield self.kind.prepare(msg, self.loaded, self._lookup_for(msg), received_at,
+                                    tokens)
 
     def _restore(self, prompt: list[int]) -> RestoredPrefix | None:
         if self.ssd is None or not self.features.restore_from_ssd:
@@ -242,13 +261,11 @@ class GeneratingEngine:
                 runner.inbox.put(StopRunner())
 
 
-def generation_stream() -> Any:
-    """The stream the engine decodes on: one of its own (the default), or with
-    MLXD_GEN_STREAM=default the device's default stream, as mlx_lm.server decodes on (a
-    comparison for benchmarks/decode_stream.py)."""
-    import os
-
+def generation_stream(which: str) -> Any:
+    """The stream the engine decodes on: one of its own (the default), or (the hidden setting
+    `gen_stream` default, for benchmarks/decode_stream.py) the device's default stream, as
+    mlx_lm.server decodes on."""
     import mlx.core as mx
-    if os.environ.get("MLXD_GEN_STREAM", "") == "default":
+    if which == "default":
         return mx.default_stream(mx.default_device())
     return mx.new_stream(mx.default_device())

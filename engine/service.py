@@ -17,18 +17,19 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
-from mlxd.engine.admit.lanes import AdmissionLanes
+from mlxd.engine.admit.lanes import AdmissionLanes, small_lane_threads
 from mlxd.engine.admit.prepare import Admitted, Answered, refused
 from mlxd.engine.batch import handoff
 from mlxd.engine.batch.handoff import StepOutbox
 from mlxd.engine.kinds.base import Engine, Host
 from mlxd.engine.load import cuda_attention, gil_switch
 from mlxd.engine.load.loader import ModelLoadError
+from mlxd.engine.stage_clock import request_clock
 from mlxd.engine.state import Channels, Registered, StatusTick
 from mlxd.engine.wire.io_thread import Handlers, IoThread
 from mlxd.engine.wire.output_thread import OutputThread
 from mlxd.engine.wire.status import base_status
-from mlxd.protocol import exit_codes, faults, heap, stage_trace
+from mlxd.protocol import exit_codes, faults, heap
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import (
     CacheFlushed,
@@ -62,18 +63,20 @@ class EngineService:
         # while loading: (task, done, total, unit) of the long step under way, for the status
         self.load_progress: tuple[str, int, int, str] | None = None
         # A step's tokens reach the output thread when the MLX thread next waits on MLX.
-        outbox = StepOutbox()
+        outbox = StepOutbox(eager=launch.tuning.eager_handoff)
         self.ch = Channels(outq=outbox)
         if not outbox.eager:
             handoff.install()
         self.engine: Engine | None = None  # set once loaded; its `loaded` marks readiness
         self.share = launch.pool_share  # the latest the supervisor gave (it changes: a pool)
+        self.clock = request_clock()  # the stage clock's hooks (no-ops when it is off)
         self.lanes = AdmissionLanes(self._prepare, self._deliver, self._dropped,
-                                    prepare_many=self._prepare_many)
+                                    small_lane_threads(launch.tuning.admit_threads),
+                                    prepare_many=self._prepare_many, clock=self.clock)
         self._token_texts: dict[int, str] = {}  # the output thread's cache
         self._storage_epoch: int | None = None  # the storage worker's, from ChildStates
         self.host = Host(launch, supervised, ctx, endpoints, self.ch, self.lanes.preparing,
-                         self._load_progress)
+                         self._load_progress, self.clock)
         self._io = IoThread(ctx, endpoints, launch.engine_id, launch.epoch, supervised, self.ch,
                             Handlers(generate=self.lanes.submit, abort=self._abort,
                                      flush=self._flush, shutdown=lambda _: self.stop(),
@@ -86,7 +89,7 @@ class EngineService:
 
     def run(self) -> int:
         """Load the model and run the MLX loop on the calling thread; return an exit code."""
-        gil_switch.apply()
+        gil_switch.apply(self.launch.tuning.gil_switch_us)
         cuda_attention.apply()
         threads = [threading.Thread(target=t.run, name=name, daemon=True)
                    for t, name in ((self._io, "engine-io"), (self._out, "engine-out"))]
@@ -116,7 +119,7 @@ class EngineService:
         self.load_progress = None
         log.info("model %s ready in %.1f s (%s)", model_id(launch.model),
                  time.monotonic() - t0, engine.report)
-        heap.freeze_startup_heap()
+        heap.freeze_startup_heap(launch.tuning.gc_freeze)
         self._set_state("ready")
         self.ch.control_out.put(Ready(launch.engine_id, launch.epoch))
         try:
@@ -164,9 +167,6 @@ class EngineService:
 
     def _prepare_many(self, msgs: list[Generate]) -> Iterator[Admitted | Answered]:
         engine = self.engine
-        if stage_trace.ON:
-            for m in msgs:
-                stage_trace.stamp_request(m.request_id, "lane", "engine")
         if engine is None:
             return (self._prepare(m) for m in msgs)
         return engine.prepare_many(msgs, time.monotonic())
@@ -175,21 +175,18 @@ class EngineService:
         """Under the lanes' lock: the output thread learns of the request before the MLX
         thread can produce its first token."""
         if isinstance(result, Answered):
-            if stage_trace.ON and result.deltas:
-                stage_trace.forget_request(result.deltas[0].request_id)
+            self.clock.forget([d.request_id for d in result.deltas[:1]])
             for d in result.deltas:
                 self.ch.outq.put(d)
             return
         rid = result.request.request_id
-        if stage_trace.ON:
-            stage_trace.stamp_request(rid, "prepared", "engine")
+        self.clock.prepared(rid)
         self.ch.outq.put(Registered(rid, result.output, result.notice))
         if self.engine is not None:
             self.engine.admit(result.request)
 
     def _dropped(self, msg: Generate) -> None:
-        if stage_trace.ON:
-            stage_trace.forget_request(msg.request_id)
+        self.clock.forget([msg.request_id])
         self.ch.outq.put(Delta(msg.request_id, finish_reason="abort"))
 
     # ------------------------------------------------------------------ I/O thread's calls

@@ -18,7 +18,14 @@ from typing import Any
 
 from mlxd.engine.batch.messages import StepTokens
 from mlxd.protocol.messages import Delta
-from mlxd.protocol.stage_trace import TokenTrace, TraceFile, flush_requests, now
+from mlxd.protocol.stage_trace import (
+    TokenTrace,
+    TraceFile,
+    flush_requests,
+    forget_request,
+    now,
+    stamp_request,
+)
 
 _current: dict[str, int] | None = None  # the step under way (MLX thread only)
 last_step: dict[str, int] = {}  # the latest finished step's stamps
@@ -120,3 +127,72 @@ class OutputTrace:
         if finished:
             self.file.flush()
             flush_requests()
+
+
+class RequestClock:
+    """A request's way to its first step, stamped at the boundaries between the engine's
+    rooms (one hook each): received by the I/O thread and handed to the admission lanes,
+    taken by a lane, tokenized (the lane asks the cache tiers), the tiers answered, handed over
+    to the MLX thread, taken from its inbox, inserted into the generator. `forget`: a request
+    that will not reach its last stamp (refused, cancelled, failed). `NO_CLOCK` is the one
+    used when the stage clock is off: every hook a no-op."""
+
+    def received(self, request_id: str) -> None:
+        stamp_request(request_id, "engine_in", "engine")
+
+    def lane(self, request_id: str) -> None:
+        stamp_request(request_id, "lane", "engine")
+
+    def tokenized(self, request_id: str) -> None:
+        stamp_request(request_id, "tokenized", "engine")
+
+    def tiers_asked(self, request_id: str) -> None:
+        stamp_request(request_id, "restore_checked", "engine")
+
+    def prepared(self, request_id: str) -> None:
+        stamp_request(request_id, "prepared", "engine")
+
+    def taken(self, request_id: str) -> None:
+        stamp_request(request_id, "taken", "engine")
+
+    def inserted(self, request_id: str) -> None:
+        stamp_request(request_id, "inserted", "engine", True)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            forget_request(rid)
+
+
+class _NoClock(RequestClock):
+    def received(self, request_id: str) -> None:
+        pass
+
+    def lane(self, request_id: str) -> None:
+        pass
+
+    def tokenized(self, request_id: str) -> None:
+        pass
+
+    def tiers_asked(self, request_id: str) -> None:
+        pass
+
+    def prepared(self, request_id: str) -> None:
+        pass
+
+    def taken(self, request_id: str) -> None:
+        pass
+
+    def inserted(self, request_id: str) -> None:
+        pass
+
+    def forget(self, request_ids: list[str]) -> None:
+        pass
+
+
+NO_CLOCK: RequestClock = _NoClock()
+
+
+def request_clock() -> RequestClock:
+    """The clock for this process: stamping when the stage clock is on, else `NO_CLOCK`."""
+    from mlxd.protocol import stage_trace
+    return RequestClock() if stage_trace.ON else NO_CLOCK

@@ -1,9 +1,9 @@
 """Named fault points for tests: a child exits, aborts, hangs or fails at an exact point.
 
-Switched on by the environment variable MLXD_FAULTS, inherited by every child, e.g.
-`MLXD_FAULTS="engine.step=exit@20#0,engine.load=fail"`: at the 20th step of epoch 0 the
-engine exits; every load fails. Syntax per entry: `point=action[@nth][#epoch]`, where `#<N`
-means every epoch below N.
+Switched on by the hidden setting `faults` (`MLXD_FAULTS`), which every child gets in its
+launch struct, e.g. `MLXD_FAULTS="engine.step=exit@20#0,engine.load=fail"`: at the 20th
+step of epoch 0 the engine exits; every load fails. Syntax per entry:
+`point=action[@nth][#epoch]`, where `#<N` means every epoch below N.
 Actions: exit (os._exit(1)), abort (SIGABRT), kill (SIGKILL itself), hang (sleep forever),
 fail (raise FaultInjected, at every hit from the nth), errno:NAME (raise OSError with that
 errno, e.g. `storage.write=errno:ENOSPC`, at every hit from the nth: a full, read-only or
@@ -34,12 +34,11 @@ class FaultInjected(Exception):
     pass
 
 
-def configure(epoch: int | None, spec: str | None = None) -> None:
+def configure(epoch: int | None, spec: str) -> None:
     global _epoch
     _epoch = epoch
     _faults.clear()
     _counts.clear()
-    spec = os.environ.get("MLXD_FAULTS", "") if spec is None else spec
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         point, _, rest = entry.partition("=")
         rest, _, ep = rest.partition("#")
@@ -47,7 +46,7 @@ def configure(epoch: int | None, spec: str | None = None) -> None:
         below = ep.startswith("<")
         if action.startswith("errno:") and not isinstance(
                 getattr(errno, action[len("errno:"):], None), int):
-            raise ValueError(f"MLXD_FAULTS: {entry!r}: unknown errno name")
+            raise ValueError(f"faults: {entry!r}: unknown errno name")
         _faults[point] = (action, int(nth) if nth else 1, int(ep.lstrip("<")) if ep else None,
                           below)
 

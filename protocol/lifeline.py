@@ -1,5 +1,5 @@
 """A child's tie to the process that started it: the parent holds the write end of one pipe
-and every child inherits its read end (the fd named by MLXD_LIFELINE_FD). Nothing is ever
+and every child inherits its read end (the fd its launch struct names). Nothing is ever
 written; when the parent dies, even by SIGKILL, the kernel closes the write end and each
 child's blocking read returns at once, so the child follows within milliseconds instead of
 noticing on its next heartbeat. Portable (no PR_SET_PDEATHSIG, which macOS lacks)."""
@@ -12,7 +12,6 @@ import threading
 
 from mlxd.protocol import exit_codes
 
-ENV = "MLXD_LIFELINE_FD"
 log = logging.getLogger(__name__)
 
 
@@ -23,17 +22,16 @@ class Lifeline:
         self.read_fd, self._write_fd = os.pipe()  # both close-on-exec; pass_fds opens one
 
     def spawn_kwargs(self, env: dict[str, str]) -> dict:
-        """What `create_subprocess_exec`/`Popen` needs to hand the read end to a child."""
-        return {"pass_fds": (self.read_fd,), "env": {**env, ENV: str(self.read_fd)}}
+        """What `create_subprocess_exec`/`Popen` needs to hand the read end to a child (whose
+        launch struct names it: `daemon/launch.with_lifeline`)."""
+        return {"pass_fds": (self.read_fd,), "env": env}
 
 
-def follow_parent() -> None:
+def follow_parent(fd: int | None) -> None:
     """The child's side: exit when the parent is gone. A no-op when started without one."""
-    fd_text = os.environ.pop(ENV, None)  # not inherited by this process's own children
-    if fd_text is None:
+    if fd is None:
         return
-    fd = int(fd_text)
-    os.set_inheritable(fd, False)
+    os.set_inheritable(fd, False)  # not inherited by this process's own children
 
     def watch() -> None:
         try:

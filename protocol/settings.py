@@ -178,6 +178,53 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_group_size: Annotated[int, Meta(ge=32, le=128, multiple_of=32, description=(
         "with --kv-bits: elements per quantization group, one scale and bias each: 32, 64 or "
         "128"), extra={"metavar": "32|64|128"})] = 64
+    engine_memory: Annotated[float | None, Meta(gt=0, description=(
+        "memory in GB an engine may use in all, weights included (with --model-pool: all its "
+        "engines together), to leave the rest to other programs; --batch auto is sized from "
+        "it (default: measured at load: free GPU memory, or available RAM / the GPU's "
+        "working set on unified memory)"), extra={"metavar": "GB"})] = None
+
+
+class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Switches for benchmarks' before/after comparisons, the per-token stage clock and the
+    tests' fault points: every child gets them in its launch struct and reads them once.
+    Hidden from `--help` (`mlxd config show` lists them); the defaults are what users run."""
+
+    eager_handoff: Annotated[bool, Meta(description=(
+        "engines hand each step's tokens to their output thread at once, not at the MLX "
+        "thread's next device wait"))] = False
+    burst_window: Annotated[str, Meta(
+        pattern=r"^[0-9]+(\.[0-9]+)?,[0-9]+(\.[0-9]+)?(,[0-9]+(\.[0-9]+)?)?$",
+        description=("how an idle engine gathers a burst: QUIET_MS,WINDOW_MS[,PREPARE_MS] "
+                     "(gaps between arrivals, the window of arrivals, and how long more "
+                     "requests of the window still being prepared are waited for)"),
+        extra={"metavar": "QUIET_MS,WINDOW_MS[,PREPARE_MS]"})] = "3,30,100"
+    min_cached_tokens: Annotated[int, Meta(ge=0, description=(
+        "the shortest cached prefix a row is lent (0: any)"))] = 0
+    gil_switch_us: Annotated[float, Meta(gt=0, description=(
+        "an engine process's GIL switch interval in microseconds"))] = 200.0
+    ssd_staging: Annotated[Literal["views", "device"], Meta(description=(
+        "how the SSD write-behind reads KV: the entries' own arrays (views), or one staging "
+        "array gathered on the device first"))] = "views"
+    gen_stream: Annotated[Literal["own", "default"], Meta(description=(
+        "the MLX stream engines decode on: one of their own, or the device's default (as "
+        "mlx_lm.server)"))] = "own"
+    grammar_order: Annotated[Literal["fill-first", "dispatch-first"], Meta(description=(
+        "a constrained step fills its grammar masks before dispatching the forward pass, or "
+        "after"))] = "fill-first"
+    prompt_batch: Annotated[bool, Meta(description=(
+        "an admission lane tokenizes the chat prompts of a burst in one call"))] = True
+    admit_threads: Annotated[int, Meta(ge=0, description=(
+        "threads of an engine's small admission lane (0: up to four, a core left to the MLX "
+        "thread)"))] = 0
+    gc_freeze: Annotated[bool, Meta(description=(
+        "every process freezes its start-up heap out of the garbage collector's scans"))] = True
+    stage_trace: Annotated[str | None, Meta(
+        description=("every process appends per-token and per-request stage stamps to "
+                     "DIR/<role>-<pid>.jsonl (benchmarks/stage_costs.py, burst.py)"),
+        extra={"kind": "path", "metavar": "DIR"})] = None
+    faults: Annotated[str, Meta(description=(
+        "fault points for tests, e.g. engine.step=exit@20#0 (see protocol/faults.py)"))] = ""
 
 
 class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,6 +264,8 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     group: str = ""  # a sharded engine's layout ("tensor:2"); "": one process
     group_hosts: str | None = None  # its hosts file (None: every rank on this machine)
     pool_share: PoolShare = PoolShare()  # its part of the machine's memory (--model-pool)
+    tuning: TuningSettings = TuningSettings()
+    lifeline_fd: int | None = None  # the inherited read end of the parent's lifeline pipe
 
 
 class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,6 +280,8 @@ class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):
     # listening sockets the supervisor holds and hands down (inherited descriptors); empty:
     # the proxy opens its own (without --isolate)
     listen_fds: list[int] = []
+    tuning: TuningSettings = TuningSettings()
+    lifeline_fd: int | None = None
 
 
 class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,6 +292,8 @@ class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):
     supervised: bool  # under --isolate: reports to the supervisor's control channel
     settings: StorageSettings
     log_format: LogFormat = "text"
+    tuning: TuningSettings = TuningSettings()
+    lifeline_fd: int | None = None
 
 
 Launch = EngineLaunch | ProxyLaunch | StorageLaunch

@@ -2,10 +2,10 @@
 token's way from the MLX thread to the client stamps the token at each stage boundary, and
 the stamps are joined afterwards into a cost per stage.
 
-Switched on by the environment variable MLXD_STAGE_TRACE=DIR (inherited by every child), read
-once at import; each process appends its records, one JSON line per token, to
-`DIR/<role>-<pid>.jsonl` when a request finishes. Unset, nothing is installed: the hot path
-tests one module constant.
+Switched on by the hidden setting `stage_trace` (`MLXD_STAGE_TRACE=DIR`), which every child
+gets in its launch struct and hands to `configure` once at start; each process appends its
+records, one JSON line per token, to `DIR/<role>-<pid>.jsonl` when a request finishes. Off,
+nothing is installed: the hot path tests one module constant.
 
 The clock is `time.perf_counter_ns()`: CLOCK_MONOTONIC on Linux, mach_absolute_time on macOS,
 both one clock for every process of a host, so the engine's, the proxy's and a local client's
@@ -26,10 +26,15 @@ from pathlib import Path
 
 import msgspec
 
-ENV = "MLXD_STAGE_TRACE"
-DIR: str | None = os.environ.get(ENV) or None
-ON: bool = DIR is not None
+DIR: str | None = None
+ON: bool = False
 now = time.perf_counter_ns
+
+
+def configure(directory: str | None) -> None:
+    """Switch the clock on for this process (at its start, from its launch struct)."""
+    global DIR, ON
+    DIR, ON = directory or None, bool(directory)
 
 # Stage boundaries in the order a token passes them (see benchmarks/stage_costs.py).
 ENGINE_STAGES = (

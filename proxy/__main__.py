@@ -12,7 +12,7 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from mlxd.protocol import codec, faults
+from mlxd.protocol import codec, faults, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
@@ -22,9 +22,10 @@ from mlxd.proxy.server import run_proxy
 
 def main() -> int:
     launch = codec.read_launch(ProxyLaunch)
-    follow_parent()
+    follow_parent(launch.lifeline_fd)
+    stage_trace.configure(launch.tuning.stage_trace)
     child_process_setup(launch.log_level, f"proxy#{launch.epoch}")
-    faults.configure(launch.epoch)
+    faults.configure(launch.epoch, launch.tuning.faults)
 
     async def run() -> int:
         stop = asyncio.Event()

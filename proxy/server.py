@@ -147,7 +147,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
         return exit_codes.CONFIG_ERROR
     assert state.listening is not None
     write_listen_file(Path(launch.run_dir), state.listening)
-    heap.freeze_startup_heap()
+    heap.freeze_startup_heap(launch.tuning.gc_freeze)
     log.info("listening on %s", where)
     if on_listening:
         on_listening(where)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import zmq
 
-from mlxd.protocol import codec, faults
+from mlxd.protocol import codec, faults, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
@@ -19,9 +19,10 @@ from mlxd.storage_worker.worker import StorageWorker
 
 def main() -> int:
     launch = codec.read_launch(StorageLaunch)
-    follow_parent()
+    follow_parent(launch.lifeline_fd)
+    stage_trace.configure(launch.tuning.stage_trace)
     child_process_setup(launch.log_level, f"storage#{launch.epoch}", launch.log_format)
-    faults.configure(launch.epoch)
+    faults.configure(launch.epoch, launch.tuning.faults)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()
     worker = StorageWorker(launch, ctx, Endpoints.ipc(Path(launch.run_dir)))

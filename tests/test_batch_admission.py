@@ -16,12 +16,12 @@ import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon, stop_and_check
-from mlxd.engine.batch import runner as runner_mod
 from mlxd.engine.batch.budget import CEILING, Budget
 from mlxd.engine.batch.messages import AbortRequest, AddRequest, RequestStarted, StepTokens
 from mlxd.engine.batch.runner import Runner
-from mlxd.engine.batch.sizing import MEMORY_ENV, measure_budget
+from mlxd.engine.batch.sizing import FORCED, measure_budget
 from mlxd.engine.load.loader import load_model
+from mlxd.protocol.settings import TuningSettings
 from support.runner_drive import turn
 
 TINY_KV_PER_TOKEN = 2 * 2 * (16 + 16) * 4  # layers x kv heads x (k + v head dims) x float32
@@ -66,7 +66,7 @@ def test_the_budget_holds_requests_back_in_order_and_admits_them_as_rows_finish(
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
     for i in range(5):
         r.inbox.put(_add(f"r{i}", prompt, 12))
-    r._handle_commands(block=False)
+    r.take_commands()
     assert [a.request_id for a in r.gate.held] == ["r2", "r3", "r4"]
     assert (r.counters.waiting, r.counters.batch_cap) == (3, 2)
     assert "memory" in r.counters.batch_why and "test" in r.counters.batch_why
@@ -86,7 +86,7 @@ def _room_for_one_of_three(model, prefix: str) -> tuple[Runner, queue.Queue]:
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
     for i in range(3):
         r.inbox.put(_add(f"{prefix}{i}", prompt, 8))
-    r._handle_commands(block=False)
+    r.take_commands()
     return r, outq
 
 
@@ -94,7 +94,7 @@ def test_an_aborted_request_that_waits_leaves_the_queue(model):
     r, outq = _room_for_one_of_three(model, "a")
     assert [a.request_id for a in r.gate.held] == ["a1", "a2"]
     r.inbox.put(AbortRequest("a1"))
-    r._handle_commands(block=False)
+    r.take_commands()
     assert [a.request_id for a in r.gate.held] == ["a2"]
     order, _, _ = _drive(r, outq, {"a0", "a2"})
     assert order == ["a0", "a2"]
@@ -111,7 +111,7 @@ def test_the_stage_clock_forgets_a_request_aborted_before_it_was_inserted(model,
     r, outq = _room_for_one_of_three(model, "t")
     assert set(stamps) == {"t1", "t2"}  # t0 inserted: its record is written, t1 and t2 wait
     r.inbox.put(AbortRequest("t1"))
-    r._handle_commands(block=False)
+    r.take_commands()
     assert set(stamps) == {"t2"}
     _drive(r, outq, {"t0", "t2"})
     assert stamps == {}
@@ -127,7 +127,7 @@ def test_an_explicit_batch_caps_rows_whatever_the_memory(model):
     r = Runner(m, [], batch_size=3, prefill_step=64, outbox=outq, budget=budget)
     for i in range(5):
         r.inbox.put(_add(f"e{i}", prompt, 6))
-    r._handle_commands(block=False)
+    r.take_commands()
     assert len(r.gate.held) == 2 and r.counters.batch_cap == 3
     assert r.counters.batch_why.startswith("--batch 3")
     _, peak, _ = _drive(r, outq, {f"e{i}" for i in range(5)})
@@ -139,7 +139,7 @@ def test_a_burst_reaching_an_idle_engine_is_prefilled_as_one_batch(model, monkey
     after the runner found its inbox quiet) land in one insert, so their first tokens come
     out of the same step."""
     m, tok = model
-    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 2.0)  # the test's CPU may be busy
+    tuning = TuningSettings(burst_window="3,2000")  # the test's CPU may be busy
     outq: queue.Queue = queue.Queue()
     adds = [_add(f"b{i}", tok.encode(f"Story number {i} begins"), 4) for i in range(4)]
     later = adds[1:]
@@ -151,9 +151,10 @@ def test_a_burst_reaching_an_idle_engine_is_prefilled_as_one_batch(model, monkey
             return 1
         return 0
 
-    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, preparing=preparing)
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, preparing=preparing,
+               tuning=tuning)
     r.inbox.put(adds[0])
-    r._handle_commands(block=False)
+    r.take_commands()
     started = [x for x in list(outq.queue) if isinstance(x, RequestStarted)]
     assert len(started) == 4 and r.counters.bursts == 1
     first_rows = None
@@ -169,7 +170,7 @@ def _commands_handled_within(r: Runner, seconds: float) -> bool:
     done = threading.Event()
 
     def handle() -> None:
-        r._handle_commands(False)
+        r.take_commands()
         done.set()
 
     threading.Thread(target=handle, daemon=True).start()
@@ -178,13 +179,12 @@ def _commands_handled_within(r: Runner, seconds: float) -> bool:
 
 def test_a_lone_request_is_not_held_for_the_window(model, monkeypatch):
     m, tok = model
-    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 5.0)
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
-               preparing=lambda submitted_by: 0)
+               preparing=lambda submitted_by: 0, tuning=TuningSettings(burst_window="3,5000"))
     r.inbox.put(_add("solo", tok.encode("Hi"), 2))
     assert _commands_handled_within(r, 1.0)  # after the quiet gap, not the 5 s window
-    assert len(r._uid_to_rid) == 1
+    assert len(r.rows) == 1
 
 
 class SlowLanes:
@@ -207,8 +207,7 @@ def test_a_burst_still_being_prepared_when_the_window_closes_is_waited_for(model
     """Requests that reached the engine within the window join the burst even when their
     preparation ends after it; one that reached it after the window does not."""
     m, tok = model
-    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 0.0)  # closed at once: preparing only
-    monkeypatch.setattr(runner_mod, "BURST_PREPARE_S", 30.0)
+    closed = TuningSettings(burst_window="3,0,30000")  # the window closed at once
     outq: queue.Queue = queue.Queue()
     now = time.monotonic()
     arrived = [(now, _add(f"w{i}", tok.encode(f"Story number {i} begins"), 2))
@@ -216,10 +215,10 @@ def test_a_burst_still_being_prepared_when_the_window_closes_is_waited_for(model
     late = (now + 3600, _add("late", tok.encode("A later story"), 2))
     lanes = SlowLanes(queue.Queue(), [*arrived, late])
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
-               preparing=lanes.preparing)
+               preparing=lanes.preparing, tuning=closed)
     lanes.inbox = r.inbox
     r.inbox.put(_add("first", tok.encode("The first story"), 2))
-    r._handle_commands(block=False)
+    r.take_commands()
     started = {x.request_id for x in list(outq.queue) if isinstance(x, RequestStarted)}
     assert started == {"first", "w0", "w1", "w2", "w3"} and r.counters.bursts == 1
     assert lanes.arrivals == [late]
@@ -227,14 +226,13 @@ def test_a_burst_still_being_prepared_when_the_window_closes_is_waited_for(model
 
 def test_a_request_prepared_for_too_long_does_not_hold_the_burst(model, monkeypatch):
     m, tok = model
-    monkeypatch.setattr(runner_mod, "BURST_WINDOW_S", 0.0)
-    monkeypatch.setattr(runner_mod, "BURST_PREPARE_S", 0.05)
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
-               preparing=lambda submitted_by: 1)  # a prompt that never finishes
+               preparing=lambda submitted_by: 1,  # a prompt that never finishes
+               tuning=TuningSettings(burst_window="3,0,50"))
     r.inbox.put(_add("solo", tok.encode("Hi"), 2))
     assert _commands_handled_within(r, 5.0)
-    assert len(r._uid_to_rid) == 1
+    assert len(r.rows) == 1
 
 
 def test_the_budget_is_measured_from_the_model(model):
@@ -251,11 +249,11 @@ def test_a_daemon_with_little_memory_serves_what_fits_and_queues_the_rest(tiny_m
     /stats and /metrics show the cap and why."""
     weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
     memory = int((weights + 4 * 2**30 + 2.5 * 256 * TINY_KV_PER_TOKEN) / 0.9)
-    d = start_daemon(tiny_model, env={MEMORY_ENV: str(memory)})
+    d = start_daemon(tiny_model, env={"MLXD_ENGINE_MEMORY": str(memory / 2**30)})
     try:
         d.wait_until(lambda s: s["engines"][0]["state"] == "ready", what="the engine ready")
         eng = d.stats()["engines"][0]
-        assert eng["batch_cap"] == 2 and MEMORY_ENV in eng["batch_why"], eng
+        assert eng["batch_cap"] == 2 and FORCED in eng["batch_why"], eng
 
         async def one(ac: openai.AsyncOpenAI, i: int) -> str:
             r = await ac.chat.completions.create(

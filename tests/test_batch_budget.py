@@ -20,7 +20,7 @@ from mlxd.engine.batch.budget import (
     rebudget,
     reserved_tokens,
 )
-from mlxd.engine.batch.sizing import MEMORY_ENV, free_based
+from mlxd.engine.batch.sizing import FORCED, free_based
 from mlxd.protocol.settings import PoolShare
 
 GiB = 2**30
@@ -116,7 +116,7 @@ def load_pool(machine: int, pool: int, models: Sequence[tuple[int, KvShape, int 
         # free memory once its weights are in, plus them: the machine less the others' weights
         found = machine if forced else machine - sum(w for w, _ in out)
         whole = machine_memory(found, share, whole=forced)
-        out.append((weights, budget(whole, weights, shape, cap, "MLXD_ENGINE_MEMORY" if forced
+        out.append((weights, budget(whole, weights, shape, cap, FORCED if forced
                                     else "RAM", cache, share, whole - found)))
     return out
 
@@ -219,7 +219,7 @@ def test_a_forced_memory_figure_is_the_whole_pool():
     assert free_based("RAM (3.0 GiB available + the weights)")
     assert free_based("GPU memory (70.0 GiB free + 1.0 GiB held by MLX)")
     assert not free_based("unified memory (the GPU's recommended working set)")
-    assert not free_based(MEMORY_ENV)
+    assert not free_based(FORCED)
 
 
 def test_weights_on_disk_are_a_model_directorys_safetensors(tmp_path):

@@ -50,7 +50,7 @@ def test_a_smaller_budget_lets_running_rows_finish_and_holds_new_ones_then_grows
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=whole)
     for i in range(4):
         r.inbox.put(AddRequest(f"r{i}", prompt, 10, greedy_sampler, []))
-    r._handle_commands(block=False)
+    r.take_commands()
     assert len(r.gate.reserved) == 4 and r.counters.batch_cap == 4
     rows: list[set[str]] = []
     done: list[str] = []

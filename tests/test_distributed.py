@@ -246,8 +246,8 @@ def test_a_follower_replaying_the_log_makes_the_same_rows_and_tokens(tiny_model)
 
     def pump(done):  # the runner's loop, by hand, until done()
         while not done():
-            runner._handle_commands(block=False)
-            if runner._uid_to_rid:
+            runner.take_commands()
+            if runner.rows:
                 runner.step()
             while not out.empty():
                 item = out.get()

@@ -2,24 +2,13 @@
 
 import gc
 
-import pytest
-
 from mlxd.protocol import heap
 
 
-@pytest.mark.parametrize("value, on", [(None, True), ("", True), ("1", True), ("0", False),
-                                       ("off", False), ("False", False), ("no", False)])
-def test_the_freeze_is_on_unless_turned_off(value: str | None, on: bool) -> None:
-    assert heap.enabled(value) is on
-
-
-def test_freezing_moves_the_live_heap_out_of_the_collectors_scans(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_freezing_moves_the_live_heap_out_of_the_collectors_scans() -> None:
     gc.unfreeze()
     try:
-        monkeypatch.setenv(heap.ENV, "0")
-        assert heap.freeze_startup_heap() == 0 and gc.get_freeze_count() == 0
-        monkeypatch.delenv(heap.ENV)
+        assert heap.freeze_startup_heap(enabled=False) == 0 and gc.get_freeze_count() == 0
         kept = [[i] for i in range(1000)]  # containers the collector tracks
         frozen = heap.freeze_startup_heap()
         assert frozen == gc.get_freeze_count() > len(kept)

@@ -166,3 +166,128 @@ def test_wire_messages_carry_no_untyped_dict_or_list(struct):
     hints = typing.get_type_hints(struct, include_extras=False)
     for name, tp in hints.items():
         assert not _untyped(tp), f"{struct.__name__}.{name}: {tp}"
+
+
+# ---------------------------------------------------------------------- the engine's rooms
+
+
+def test_no_folder_of_the_engine_holds_more_than_15_modules():
+    for folder in [ROOT / "engine", *(p for p in (ROOT / "engine").rglob("*") if p.is_dir())]:
+        if folder.name == "__pycache__":
+            continue
+        modules = list(folder.glob("*.py"))
+        assert len(modules) <= 15, f"{folder.relative_to(ROOT)}: {len(modules)} modules"
+
+
+FEATURES = ("mlxd.engine.speculative", "mlxd.engine.grammar", "mlxd.engine.kv",
+            "mlxd.engine.embeddings", "mlxd.engine.kinds.text", "mlxd.engine.kinds.vision",
+            "mlxd.engine.kinds.group", "mlxd.engine.kinds.embedding", "mlxd.engine.generating")
+
+
+def test_the_engine_service_keeps_the_lifecycle_and_threads_only():
+    """What differs between kinds of engine is theirs (`engine/kinds/`): the service is short,
+    imports no feature, holds no `Any`-typed feature slot and tests no feature by getattr."""
+    path = ROOT / "engine" / "service.py"
+    text = path.read_text()
+    assert len(text.splitlines()) < 250
+    features = {m for m in _mlxd_modules(path) if m.startswith(FEATURES)}
+    assert not features, sorted(features)
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute):
+            assert "Any" not in ast.unparse(node.annotation), ast.unparse(node)
+        if isinstance(node, ast.Call) and _called_name(node) == "getattr" and node.args:
+            assert ast.unparse(node.args[0]) != "self", ast.unparse(node)
+
+
+# mlx-lm's private names the engine uses: they appear in `engine/mlx_lm_internals.py` only
+MLX_LM_PRIVATE = {"_step", "_next_tokens", "_next_logprobs", "_generation_batch",
+                  "_prompt_batch", "_unprocessed_sequences", "_num_tokens", "_matchers",
+                  "_counters", "_tokenizer", "_get_classes", "_download", "_BaseCache"}
+DOOR = "engine/mlx_lm_internals.py"
+
+
+def _product_files() -> list[Path]:
+    return [p for folder in PRODUCT for p in (ROOT / folder).rglob("*.py")]
+
+
+def test_mlx_lms_internals_are_read_and_patched_in_one_module():
+    for path in _product_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == DOOR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in MLX_LM_PRIVATE, f"{rel}: .{node.attr}"
+                if isinstance(node.ctx, ast.Store):  # a module's `mx` swapped, a method patched
+                    assert node.attr != "mx", f"{rel}: {ast.unparse(node)} assigned"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{rel} imports {private} from {node.module}"
+            if isinstance(node, ast.Name):
+                assert node.id not in MLX_LM_PRIVATE, f"{rel}: {node.id}"
+
+
+def test_the_door_refuses_an_mlx_lm_it_was_not_written_for_in_one_line():
+    from mlxd.engine import mlx_lm_internals as door
+    low, high = door.TESTED_RANGE
+    door.check_version(low)
+    for found in ("0.32.1", high, "0.40.0", "1.0"):
+        with pytest.raises(door.UnsupportedMlxLm) as e:
+            door.check_version(found)
+        message = str(e.value)
+        assert "\n" not in message and found in message and f"mlx-lm>={low},<{high}" in message
+
+
+# The files that read MLXD_* variables: the daemon's configuration (flags > MLXD_* > TOML),
+# and the proxy reading its API key, which the supervisor hands it in its environment (a
+# secret never travels in a launch struct).
+ENV_READERS = {"daemon/config.py", "proxy/__main__.py"}
+ENVIRON = {"os.environ", "environ"}
+
+
+def _environment_reads(tree: ast.AST) -> list[str]:
+    """The names a module reads from its environment: `os.environ.get(X)`, `os.getenv(X)`,
+    `os.environ[X]`, `X in os.environ`, with X a literal or a module constant."""
+    consts = {target.id: node.value.value for node in ast.walk(tree)
+              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+              and isinstance(node.value.value, str)
+              for target in node.targets if isinstance(target, ast.Name)}
+
+    def name(expr: ast.expr) -> str:
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            return expr.value
+        return consts.get(expr.id, "") if isinstance(expr, ast.Name) else ""
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            f = ast.unparse(node.func)
+            if f in {"os.getenv", *(f"{e}.{m}" for e in ENVIRON for m in ("get", "pop"))}:
+                out.append(name(node.args[0]))
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) in ENVIRON \
+                and isinstance(node.ctx, ast.Load):
+            out.append(name(node.slice))
+        elif isinstance(node, ast.Compare) and any(isinstance(o, ast.In) for o in node.ops) \
+                and any(ast.unparse(c) in ENVIRON for c in node.comparators):
+            out.append(name(node.left))
+    out += [v for v in consts.values() if v.startswith("MLXD_")]  # a name kept to read later
+    return [n for n in out if n.startswith("MLXD_")]
+
+
+def test_no_mlxd_variable_is_read_outside_the_settings_and_launch_code():
+    """Every switch is a setting (a hidden tuning one if it is for comparisons) that reaches
+    a child in its launch struct, read once: no other module reads an MLXD_* variable."""
+    for path in _product_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in ENV_READERS:
+            continue
+        reads = _environment_reads(ast.parse(path.read_text()))
+        assert not reads, f"{rel} reads {reads}"
+
+
+def test_the_environment_read_check_finds_reads():
+    tree = ast.parse('import os\nENV = "MLXD_X"\na = os.environ.get(ENV)\n'
+                     'b = os.getenv("MLXD_Y")\nc = os.environ["MLXD_Z"]\n'
+                     'd = "MLXD_W" in os.environ\n')
+    assert set(_environment_reads(tree)) == {"MLXD_X", "MLXD_Y", "MLXD_Z", "MLXD_W"}

@@ -16,7 +16,7 @@ from mlxd.protocol import exit_codes
 CHILD = textwrap.dedent("""
     import sys, time
     from mlxd.protocol.lifeline import follow_parent
-    follow_parent()
+    follow_parent(int(sys.argv[1]))  # the fd a launch struct would name
     print("ready", flush=True)
     while True:  # busy in Python, as an engine's threads are: the watcher still runs
         sum(range(10000))
@@ -28,7 +28,7 @@ PARENT = textwrap.dedent("""
     async def main():
         line = Lifeline()
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", sys.argv[1], stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-c", sys.argv[1], str(line.read_fd), stdout=asyncio.subprocess.PIPE,
             **line.spawn_kwargs(dict(os.environ)))
         assert (await child.stdout.readline()).strip() == b"ready"
         print(child.pid, flush=True)
@@ -55,8 +55,8 @@ def test_child_exits_79_at_once_when_its_parent_is_killed():
 def test_exit_code_is_parent_gone():
     """Run the child under this test as its parent and close the write end by hand."""
     r, w = os.pipe()
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
-                             pass_fds=(r,), env={**os.environ, "MLXD_LIFELINE_FD": str(r)})
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(r)], stdout=subprocess.PIPE,
+                             pass_fds=(r,))
     os.close(r)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
@@ -70,8 +70,7 @@ def test_exit_code_is_parent_gone():
 
 def test_without_a_lifeline_the_child_does_not_watch():
     code = ("from mlxd.protocol.lifeline import follow_parent; import threading; "
-            "follow_parent(); print(sorted(t.name for t in threading.enumerate()))")
+            "follow_parent(None); print(sorted(t.name for t in threading.enumerate()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items() if k != "MLXD_LIFELINE_FD"},
                          check=True)
     assert "lifeline" not in out.stdout

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import start_daemon, stop_and_check
 from mlxd.cli.client import format_status
-from mlxd.engine.batch.sizing import MEMORY_ENV
+from mlxd.engine.batch.sizing import FORCED
 from support.random_model import write_random_model
 
 KV_A = 2 * 2 * (16 + 16) * 4  # tiny-llama: layers x kv heads x (k + v head dims) x float32
@@ -52,7 +52,7 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
     about half as many rows in the same bytes; the wide one unloaded, tiny-llama grows back."""
     memory = int((weights(tiny_model) + CACHE + 4.5 * CONTEXT * KV_A) / 0.45)
     d = start_daemon(tiny_model, "--model-pool", "2", "--prompt-cache", "0.001",
-                     isolate=True, env={MEMORY_ENV: str(memory)})
+                     isolate=True, env={"MLXD_ENGINE_MEMORY": str(memory / 2**30)})
 
     def chat(model: str) -> None:
         with d.http() as c:
@@ -89,7 +89,7 @@ def test_two_engines_of_a_pool_share_the_memory(tiny_model, wide_model):
         for e in (a, b):
             assert e["cache"]["memory_share"] == 0.5, e
             assert "share 50% (--model-pool 2, 1 other engine(s))" in e["batch_why"], e
-            assert MEMORY_ENV in e["batch_why"]
+            assert FORCED in e["batch_why"]
         # together: weights, both prefix caches and both KV budgets within the memory's 90 %
         held = sum(e["cache"]["kv_budget_bytes"] for e in (a, b)) + 2 * CACHE \
             + weights(tiny_model) + weights(wide_model)

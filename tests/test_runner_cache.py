@@ -11,8 +11,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxd.engine.batch.burst import GROUP_MIN_CACHED_GPU
 from mlxd.engine.batch.messages import AddRequest, StepTokens
-from mlxd.engine.batch.runner import GROUP_MIN_CACHED_GPU, Runner
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.kv import quant as kv_quant
 from mlxd.engine.load.loader import load_model
 from support.runner_drive import run_one, run_together
 
@@ -41,9 +43,8 @@ def test_a_finished_history_is_reused_token_exactly(model):
 
 
 def test_a_hit_shorter_than_the_minimum_is_prefilled_whole(model, monkeypatch):
-    """MLXD_MIN_CACHED_TOKENS (engine/runner.py): a shorter hit is not lent, a longer one is,
+    """`min_cached_tokens` (a hidden setting): a shorter hit is not lent, a longer one is,
     and the answer is the same either way."""
-    from mlxd.engine.batch import runner as runner_module
     m, tok = model
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
@@ -51,24 +52,22 @@ def test_a_hit_shorter_than_the_minimum_is_prefilled_whole(model, monkeypatch):
     gen1, _ = run_one(r, outq, AddRequest("a", prompt, 4, greedy_sampler, []))
     follow = prompt + gen1 + tok.encode(" and then")
     held = len(prompt) + len(gen1)
-    monkeypatch.setattr(runner_module, "MIN_CACHED_TOKENS", held + 1)
+    r._min_cached = held + 1
     gen_whole, whole = run_one(r, outq, AddRequest("b", follow, 5, greedy_sampler, []))
     assert whole.cached_tokens == 0 and whole.source == "none"
-    monkeypatch.setattr(runner_module, "MIN_CACHED_TOKENS", held)
+    r._min_cached = held
     gen_hit, hit = run_one(r, outq, AddRequest("c", follow, 5, greedy_sampler, []))
     assert hit.cached_tokens >= held and hit.source == "ram"
     assert gen_hit == gen_whole
 
 
-def test_lend_floor_holds_back_short_hits_only_for_rows_admitted_together_on_a_gpu(
-        monkeypatch):
-    from mlxd.engine.batch import runner as runner_module
-    from mlxd.engine.batch.runner import GROUP_MIN_CACHED_GPU, lend_floor
+def test_lend_floor_holds_back_short_hits_only_for_rows_admitted_together_on_a_gpu():
+    from mlxd.engine.batch.burst import GROUP_MIN_CACHED_GPU, lend_floor
     assert lend_floor(1, gpu=True) == 0  # a lone request: any hit
     assert lend_floor(2, gpu=True) == GROUP_MIN_CACHED_GPU
     assert lend_floor(32, gpu=False) == 0  # a CPU's prefill is bound by its tokens
-    monkeypatch.setattr(runner_module, "MIN_CACHED_TOKENS", 200)
-    assert lend_floor(1, gpu=False) == 200 and lend_floor(8, gpu=True) == 200
+    assert lend_floor(1, gpu=False, min_cached=200) == 200
+    assert lend_floor(8, gpu=True, min_cached=200) == 200
 
 
 @pytest.mark.parametrize("gpu", [True, False])
@@ -103,7 +102,7 @@ def test_logits_after_restore_equal_live_logits(model):
     # restore: new cache objects over copies of the stored K/V (what an SSD restore builds)
     layers = [(np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :]))
               for c in live]
-    restored = Runner._lend([(mx.array(k), mx.array(v)) for k, v in layers], len(prompt))
+    restored = kv_quant.lend([(mx.array(k), mx.array(v)) for k, v in layers], len(prompt), None)
     nxt = mx.array([[int(mx.argmax(logits_live))]])
     a = m(nxt, cache=live)[:, -1]
     b = m(nxt, cache=restored)[:, -1]
@@ -124,8 +123,8 @@ def test_a_steps_new_entries_go_to_the_ssd_tier_together_after_its_tokens(model)
     prompts = [tok.encode(f"Prompt number {i} is about the sea") for i in range(3)]
     for i, p in enumerate(prompts):
         r.inbox.put(AddRequest(f"r{i}", p, 6, greedy_sampler, []))
-    r._handle_commands(block=False)
-    while r._uid_to_rid:
+    r.take_commands()
+    while r.rows:
         r.step()
     assert len(calls) == 1, [len(e) for e, _ in calls]
     entries, tokens_out_first = calls[0]

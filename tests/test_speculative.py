@@ -156,7 +156,7 @@ def drive(model, spec, requests, joins=None, max_steps=2000):
     for step in range(max_steps):
         if step in joins:
             r.inbox.put(joins.pop(step))
-        r._handle_commands(block=False)
+        r.take_commands()
         r.step()
         while not q.empty():
             item = q.get()

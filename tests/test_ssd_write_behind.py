@@ -24,10 +24,11 @@ from mlxd.protocol.messages import StoreBlocks
 BLOCK = 16
 
 
-def _tier(tmp_path: Path, layout: Layout, ctx: zmq.Context) -> SsdTier:
+def _tier(tmp_path: Path, layout: Layout, ctx: zmq.Context, staging: str = "views") -> SsdTier:
     return SsdTier(root=tmp_path / "kv", layout=layout, description=f"test {layout}",
                    block_tokens=BLOCK, run_dir=tmp_path, engine_id="t", epoch=0, slots=8,
-                   verify=False, ctx=ctx, endpoint=f"ipc://{tmp_path}/nobody")
+                   verify=False, ctx=ctx, endpoint=f"ipc://{tmp_path}/nobody",
+                   device_staging=staging == "device")
 
 
 def _copied(tier: SsdTier, entries: list[Entry]) -> tuple[int, StoreBlocks]:
@@ -71,12 +72,11 @@ STAGINGS = ["views", "device"]
 
 @pytest.mark.parametrize("staging", STAGINGS)
 @pytest.mark.parametrize("bits", [0, 4])
-def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits, staging, monkeypatch):
-    monkeypatch.setenv("MLXD_SSD_STAGING", staging)
+def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits, staging):
     ctx = zmq.Context()
     heads, dim, tokens = 2, 64, 24  # a full block and a tail of 8
     layout = Layout(2, heads, dim, dim, "bfloat16", bits, 64 if bits else 0)
-    tier = _tier(tmp_path, layout, ctx)
+    tier = _tier(tmp_path, layout, ctx, staging)
     assert tier.device_staging == (staging == "device")
     try:
         layers: list[tuple[Any, Any]] = []
@@ -103,14 +103,12 @@ def test_each_slot_holds_its_blocks_span_of_every_layer(tmp_path, bits, staging,
 
 
 @pytest.mark.parametrize("staging", STAGINGS)
-def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_path, staging,
-                                                                          monkeypatch):
+def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_path, staging):
     """Several entries in one call, each block's bytes in its own slot; a longer entry whose
     first block is already queued sends only the rest (on the device: only that span)."""
-    monkeypatch.setenv("MLXD_SSD_STAGING", staging)
     ctx = zmq.Context()
     layout = Layout(2, 1, 8, 8, "float32")
-    tier = _tier(tmp_path, layout, ctx)
+    tier = _tier(tmp_path, layout, ctx, staging)
     try:
         def entry(first: int, n: int) -> Entry:
             kv = mx.arange(40 * 8, dtype=mx.float32).reshape(1, 1, 40, 8) + first
@@ -141,9 +139,8 @@ def test_entries_of_one_step_are_queued_together_and_known_blocks_are_not(tmp_pa
 def test_a_staging_failure_fails_its_blocks_not_the_step(tmp_path, monkeypatch):
     """The device may run out of memory while it gathers blocks: the MLX thread goes on, the
     slots come back, the tier backs off, and the entry stays marked as not on disk."""
-    monkeypatch.setenv("MLXD_SSD_STAGING", "device")
     ctx = zmq.Context()
-    tier = _tier(tmp_path, Layout(1, 1, 8, 8, "float32"), ctx)
+    tier = _tier(tmp_path, Layout(1, 1, 8, 8, "float32"), ctx, "device")
     try:
         def out_of_memory(blocks: list) -> Any:
             raise RuntimeError("[malloc_async] Unable to allocate 4194304 bytes.")

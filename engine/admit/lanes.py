@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from mlxd.engine.admit.prepare import Admitted, Answered, prompt_chars
-from mlxd.protocol import stage_trace
+from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol.messages import Generate
 
 log = logging.getLogger("mlxd.engine")
@@ -30,17 +30,11 @@ log = logging.getLogger("mlxd.engine")
 LARGE_PROMPT_CHARS = 64 * 1024
 
 
-def small_lane_threads(value: str | None) -> int:
-    """MLXD_ADMIT_THREADS (for comparisons) where it is a positive count, else up to four,
-    one core left to the MLX thread."""
-    try:
-        n = int(value or 0)
-    except ValueError:
-        n = 0
-    return n if n > 0 else max(1, min(4, (os.cpu_count() or 1) - 1))
+def small_lane_threads(asked: int = 0) -> int:
+    """`asked` (the hidden setting `admit_threads`, for comparisons) when positive, else up
+    to four, one core left to the MLX thread."""
+    return asked if asked > 0 else max(1, min(4, (os.cpu_count() or 1) - 1))
 
-
-SMALL_LANE_THREADS = small_lane_threads(os.environ.get("MLXD_ADMIT_THREADS"))
 BATCH_MAX = 64  # small requests a lane thread takes at once, when they are already waiting
 
 
@@ -51,12 +45,13 @@ class AdmissionLanes:
     def __init__(self, prepare: Callable[[Generate], Admitted | Answered],
                  deliver: Callable[[Admitted | Answered], None],
                  dropped: Callable[[Generate], None],
-                 small_threads: int = SMALL_LANE_THREADS,
+                 small_threads: int = 1,
                  prepare_many: Callable[[list[Generate]], Iterable[Admitted | Answered]]
-                 | None = None) -> None:
+                 | None = None, clock: RequestClock = NO_CLOCK) -> None:
         """`prepare_many`: how the small lane prepares the requests it finds waiting together
         (a burst's, `prompt_batch`); without it each is prepared on its own."""
         self._prepare = prepare
+        self._clock = clock  # the stage clock's hooks at this room's boundaries
         self._prepare_many = prepare_many
         self._deliver = deliver
         self._dropped = dropped
@@ -74,8 +69,7 @@ class AdmissionLanes:
                                  name=f"engine-admit-{lane}" + (f"-{i}" if i else "")).start()
 
     def submit(self, msg: Generate) -> None:
-        if stage_trace.ON:
-            stage_trace.stamp_request(msg.request_id, "engine_in", "engine")
+        self._clock.received(msg.request_id)
         large = prompt_chars(msg) > LARGE_PROMPT_CHARS
         with self._lock:
             self._pending[msg.request_id] = (time.monotonic(), large)
@@ -115,6 +109,8 @@ class AdmissionLanes:
                     break
                 msgs.append(more)
             live = [m for m in msgs if m.request_id not in self._cancelled]
+            for m in live:
+                self._clock.lane(m.request_id)
             results = self._results(live)
             taken = {id(m) for m in live}
             for m in msgs:  # one at a time, as each is prepared

@@ -22,7 +22,7 @@ from mlxd.engine.wire.output import (
     ThinkSplitter,
     ToolCallSplitter,
 )
-from mlxd.protocol import faults, stage_trace
+from mlxd.protocol import faults
 from mlxd.protocol.messages import PROMPT_SIZE_SLACK, Delta, Generate
 
 log = logging.getLogger("mlxd.engine")
@@ -65,12 +65,8 @@ def _prepare(msg: Generate, model: LoadedModel,
              received_at: float, tokens: list[int] | None) -> Admitted | Answered:
     from mlxd.engine.admit.sampling import make_request_sampler
     rid, tok = msg.request_id, model.tokenizer
-    if stage_trace.ON and tokens is None:  # a batch's were stamped before its tokenization
-        stage_trace.stamp_request(rid, "lane", "engine")
     check_prompt_size(msg, model.context_length, model.max_token_bytes)
     prompt = checked_prompt(tok, msg, tokens if tokens is not None else prompt_tokens(tok, msg))
-    if stage_trace.ON:
-        stage_trace.stamp_request(rid, "tokenized", "engine")
     check_logit_bias(msg, len(tok))
     if msg.count_only:
         return Answered([Delta(rid, prompt_tokens=len(prompt)),
@@ -88,8 +84,6 @@ def _prepare(msg: Generate, model: LoadedModel,
                              Delta(rid, finish_reason="length", prompt_tokens=out.prompt_tokens,
                                    completion_tokens=out.completion_tokens)])
     restored = restore(prompt)
-    if stage_trace.ON:
-        stage_trace.stamp_request(rid, "restore_checked", "engine")
     request = AddRequest(rid, prompt, max_tokens,
                          make_request_sampler(p, start_position=len(resumed)),
                          processors(msg, model.grammar_tokenizer, resumed),

@@ -19,7 +19,6 @@ request its own answer.
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 
 from mlxd.engine.admit.prepare import ClientError, check_prompt_size, template_flags
@@ -27,8 +26,6 @@ from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import Generate
 
 log = logging.getLogger("mlxd.engine")
-
-ON = os.environ.get("MLXD_PROMPT_BATCH", "") != "0"  # "0": one at a time (for comparisons)
 
 
 def batchable(msg: Generate) -> bool:

@@ -119,7 +119,7 @@ def machine_memory(found_bytes: int, share: PoolShare | None, whole: bool) -> in
     """What the machine can give all the engines of the pool, from what this engine found at
     load (free memory plus its own weights): the other engines' loaded weights are counted
     back, since free memory lacks them. A `whole` figure (one the user forced with
-    `MLXD_ENGINE_MEMORY`, Metal's working-set limit) is already the pool's."""
+    `--engine-memory`, Metal's working-set limit) is already the pool's."""
     if share is None or whole:
         return found_bytes
     return found_bytes + share.others_weight_bytes

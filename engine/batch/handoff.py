@@ -27,21 +27,18 @@ put at once, as before: holding it would add one graph build to the time to firs
 the request's end (on this CPU with the default model, 15-19 ms), while for the tokens between
 the delay changes nothing a user sees (the same interval, shifted).
 
-`MLXD_EAGER_HANDOFF=1` puts every step at once, as before (for benchmarks/stage_costs.py's
-before/after comparison).
+The hidden setting `eager_handoff` (`MLXD_EAGER_HANDOFF=1`) puts every step at once, for
+benchmarks/stage_costs.py's before/after comparison.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Any
 
 from mlxd.engine.batch.messages import RequestStarted, StepTokens
 from mlxd.protocol import stage_trace
-
-EAGER = os.environ.get("MLXD_EAGER_HANDOFF", "") not in ("", "0")
 
 _outboxes: list[StepOutbox] = []  # the process's deferring outboxes (one per engine)
 
@@ -51,7 +48,7 @@ class StepOutbox(queue.Queue):
     module text). The first thread to put a `StepTokens` is the MLX thread. Under the stage
     clock, a step's tokens carry its stamps, the put and the hand-off (the wake-up)."""
 
-    def __init__(self, eager: bool = EAGER) -> None:
+    def __init__(self, eager: bool = False) -> None:
         super().__init__()
         self.eager = eager
         self._held: list[Any] = []  # the MLX thread's alone

@@ -7,7 +7,6 @@ The rules that use them are pure (`batch_budget.py`)."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, cast
 
 from mlxd.engine.batch.budget import Budget, KvShape, budget, explicit_cap, machine_memory
@@ -15,18 +14,19 @@ from mlxd.protocol.settings import PoolShare
 
 log = logging.getLogger("mlxd.engine")
 
-# Tests (and users who want to leave memory to other programs) may name the bytes the engine
-# may use in all, weights included (with a model pool: all its engines together); the budget
-# is then derived from it by the same rules.
-MEMORY_ENV = "MLXD_ENGINE_MEMORY"
+# `--engine-memory GB`: the memory the engine may use in all, weights included (with a model
+# pool: all its engines together), named instead of measured; the budget is then derived from
+# it by the same rules. The budget's explanation names it as its source.
+FORCED = "--engine-memory"
 
 
 def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int = 0,
-                   share: PoolShare | None = None) -> Budget:
+                   share: PoolShare | None = None, memory_gb: float | None = None) -> Budget:
     """`cache_bytes`: the RAM prefix cache's capacity, KV in the same memory as the rows'.
-    `share`: the engine's part of the memory when it is one of a pool's."""
+    `share`: the engine's part of the memory when it is one of a pool's. `memory_gb`:
+    `--engine-memory`, if given."""
     weights = weight_bytes(model)
-    available, source = available_memory(weights)
+    available, source = available_memory(weights, memory_gb)
     whole = machine_memory(available, share, whole=not free_based(source))
     b = budget(whole, weights, kv_shape(model, stream), explicit_cap(batch), source,
                cache_bytes, share, whole - available)
@@ -49,16 +49,12 @@ def weight_bytes(model: Any) -> int:
     return sum(v.nbytes for _, v in params)
 
 
-def available_memory(weights: int) -> tuple[int, str]:
+def available_memory(weights: int, memory_gb: float | None = None) -> tuple[int, str]:
     """(bytes the engine may use in all, weights included; where that figure came from)."""
     import mlx.core as mx
     import psutil
-    forced = os.environ.get(MEMORY_ENV)
-    if forced:
-        try:
-            return max(0, int(float(forced))), MEMORY_ENV
-        except ValueError:  # a typo must not keep the engine from loading
-            log.warning("%s=%r is not a number of bytes: ignored", MEMORY_ENV, forced[:40])
+    if memory_gb is not None:
+        return int(memory_gb * 2**30), FORCED
     gib = 2**30
     try:
         info = mx.device_info()

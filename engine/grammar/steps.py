@@ -41,7 +41,6 @@ a generator whose internals differ) take the per-row path in `constraints.py`.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,13 +51,6 @@ import mlx.core as mx
 
 from mlxd.engine.grammar.processor import GrammarProcessor, apply_mask, unpack_bits
 from mlxd.engine.mlx_lm_internals import RunningBatch, running_batch
-
-# The order of a constrained step (MLXD_GRAMMAR_ORDER): "fill-first" (the default) reads the
-# previous tokens before dispatching the forward pass, so that the masks are filled on
-# llguidance's threads while this thread dispatches (a GPU's dispatch is host work of
-# milliseconds with the GIL released); "dispatch-first" dispatches first, then waits for the
-# previous tokens and fills the masks while the device runs the forward pass.
-FILL_FIRST = os.environ.get("MLXD_GRAMMAR_ORDER", "") != "dispatch-first"
 
 _executor: Any = None
 _executor_lock = threading.Lock()
@@ -96,8 +88,13 @@ class StepPlan:
     """One step's constrained rows: (row in the batch, processor, position of the token it
     consumes), and the lazy array of the tokens sampled at the previous step."""
 
-    def __init__(self, rows: list[tuple[int, GrammarProcessor, int]], tokens: mx.array) -> None:
+    def __init__(self, rows: list[tuple[int, GrammarProcessor, int]], tokens: mx.array,
+                 fill_first: bool = True) -> None:
+        """`fill_first` (the default): the masks fill on llguidance's threads while this
+        thread dispatches the forward pass; else (`grammar_order` dispatch-first, for
+        comparisons) the dispatch comes first and the fill after it."""
         self.rows = rows
+        self.fill_first = fill_first
         self._tokens = tokens
         self._index = {id(p): j for j, (_, p, _) in enumerate(rows)}
         self._allowed: mx.array | None = None
@@ -116,7 +113,7 @@ class StepPlan:
 
     def _compute(self, logits: mx.array) -> None:
         from llguidance.numpy import allocate_token_bitmask
-        if not FILL_FIRST:
+        if not self.fill_first:
             mx.async_eval(logits)  # 1. the forward pass of this step starts now
         previous = cast(list[int], self._tokens.tolist())  # 2. one wait, for the last step
         for i, p, position in self.rows:  # a few µs each: cheaper here than on the executor
@@ -127,7 +124,7 @@ class StepPlan:
         bits = allocate_token_bitmask(self._whole or len(self.rows), vocab)
         fill = [(p.matcher, i if self._whole else j) for j, (i, p, _) in enumerate(self.rows)
                 if self._ok[j]]
-        if FILL_FIRST:  # 3. the masks fill while this thread dispatches the forward pass
+        if self.fill_first:  # 3. the masks fill while this thread dispatches the forward pass
             pending = filler().submit(_fill, fill, bits) if fill else None
             mx.async_eval(logits)
             if pending is not None:
@@ -140,10 +137,13 @@ class StepPlan:
 class GrammarSteps:
     """The runner's step hook: `with steps.step(gen): gen.next()`."""
 
+    def __init__(self, fill_first: bool = True) -> None:
+        self.fill_first = fill_first
+
     @contextmanager
     def step(self, gen: Any) -> Iterator[None]:
         batch = running_batch(gen)
-        plan = plan_for(batch) if batch is not None else None
+        plan = plan_for(batch, self.fill_first) if batch is not None else None
         masked = None
         if plan is not None and batch is not None and covers(plan, batch.processors):
             masked = WholeBatchMask(plan, batch)
@@ -201,7 +201,7 @@ def covers(plan: StepPlan, processors: list) -> bool:
         sum(1 for ps in processors if ps) == len(plan.rows)
 
 
-def plan_for(batch: RunningBatch) -> StepPlan | None:
+def plan_for(batch: RunningBatch, fill_first: bool = True) -> StepPlan | None:
     """The constrained rows of the generator's running batch, each told of the plan; None
     when there are none or the batch is not shaped as expected (the per-row path then)."""
     processors = batch.processors
@@ -212,7 +212,7 @@ def plan_for(batch: RunningBatch) -> StepPlan | None:
     tokens = batch.pending
     if not rows or not isinstance(tokens, mx.array) or tokens.shape != (len(processors),):
         return None
-    plan = StepPlan(rows, tokens)
+    plan = StepPlan(rows, tokens, fill_first)
     for _, p, _ in rows:
         p.plan = plan
     return plan

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import zmq
 
+from mlxd.engine.stage_clock import RequestClock
 from mlxd.engine.state import Channels, LoadedModel
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.messages import Embed, EngineStatus, FlushCache, Generate
@@ -71,6 +72,7 @@ class Host:
     channels: Channels
     preparing: Callable[[float], int]  # requests still on an admission lane (burst admission)
     progress: ProgressFn  # the load's long steps, for the status
+    clock: RequestClock  # the stage clock's hooks (no-ops when it is off)
 
 
 class EngineKind(Protocol):

@@ -5,8 +5,9 @@
   counted, rather than stall decoding); the storage thread copies each block's span of the
   entry's arrays into its slot, and a `StoreBlocks` message names the slots. No hashing of
   payloads, writing or fsync on the MLX thread, and no waiting. The storage thread reads the
-  entry's own arrays and the MLX thread runs no kernel (`MLXD_SSD_STAGING=device`: the MLX
-  thread gathers the blocks into one staging array on the device first; `device_staging`).
+  entry's own arrays and the MLX thread runs no kernel (with the hidden setting `ssd_staging`
+  device, for comparisons, the MLX thread gathers the blocks into one staging array on the
+  device first).
 - A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
   is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
   one probe block decides whether it recovers. A flush probes at once and answers promptly with
@@ -53,14 +54,6 @@ from mlxd.protocol.settings import EngineLaunch
 log = logging.getLogger("mlxd.engine")
 
 RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead worker is assumed
-
-
-def device_staging() -> bool:
-    """Whether blocks are gathered on the device before the host reads them
-    (`MLXD_SSD_STAGING=device`; default `views`: the storage thread reads the entries' arrays
-    themselves). On CUDA a host read moves an array's buffer to managed memory; staging was
-    meant to avoid that, and measured no better on the H200 (benchmarks/RESULTS.md section 18)."""
-    return os.environ.get("MLXD_SSD_STAGING", "") == "device"
 
 
 @dataclass
@@ -132,7 +125,11 @@ class _ReclaimAll:
 class SsdTier:
     def __init__(self, *, root: Path, layout: Layout, description: str, block_tokens: int,
                  run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
-                 ctx: zmq.Context, endpoint: str) -> None:
+                 ctx: zmq.Context, endpoint: str, device_staging: bool = False) -> None:
+        """`device_staging`: blocks are gathered on the device before the host reads them
+        (on CUDA a host read moves an array's buffer to managed memory; staging was meant to
+        avoid that, and measured no better: benchmarks/RESULTS.md, "SSD write-behind on
+        CUDA"); by default the storage thread reads the entries' arrays themselves."""
         self.layout = layout
         self.block_tokens = block_tokens
         self.namespace = namespace_key(description)
@@ -154,7 +151,7 @@ class SsdTier:
         self._ctx = ctx
         self._endpoint = endpoint
         self._stop = threading.Event()
-        self.device_staging = device_staging()
+        self.device_staging = device_staging
         self.tails = TailIndex(block_tokens)
         self.tails.scan_in_background(self.ns_dir)
         self.reader = SsdReader(self.namespace, self.ns_dir, layout, block_tokens, verify,
@@ -552,7 +549,8 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
                        block_tokens=block_tokens, run_dir=Path(launch.run_dir),
                        engine_id=launch.engine_id, epoch=launch.epoch,
                        slots=launch.settings.kv_slots, verify=launch.settings.ssd_cache_verify,
-                       ctx=ctx, endpoint=endpoint)
+                       ctx=ctx, endpoint=endpoint,
+                       device_staging=launch.tuning.ssd_staging == "device")
     except OSError as e:
         log.error("no SSD tier: cannot create shared memory: %s", e)
         return None

@@ -12,18 +12,15 @@ from mlxd.engine.batch.runner import Runner
 def turn(runner: Runner) -> None:
     """One turn of the runner's loop: commands, a step if rows run, held requests admitted
     once rows finished (what `Runner.run` does between steps)."""
-    runner._handle_commands(block=False)
-    if runner._uid_to_rid:
-        runner.step()
-    if runner.gate.held and runner.gate.room_changed:
-        runner._admit(runner._through_gate([]))
+    runner.take_commands()
+    runner.turn_tail()
 
 
 def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
             ) -> tuple[list[int], RequestStarted]:
     """Admit `add`, step until it finishes; its tokens and its `RequestStarted`."""
     runner.inbox.put(add)
-    runner._handle_commands(block=False)
+    runner.take_commands()
     tokens: list[int] = []
     started: Any = None
     while True:
@@ -46,7 +43,7 @@ def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
     request's tokens and its `RequestStarted`, by request id."""
     for add in adds:
         runner.inbox.put(add)
-    runner._handle_commands(block=False)
+    runner.take_commands()
     tokens: dict[str, list[int]] = {a.request_id: [] for a in adds}
     started: dict[str, RequestStarted] = {}
     done: set[str] = set()

@@ -29,6 +29,7 @@ import zmq
 from mlxd.engine.admit import prepare as admission
 from mlxd.engine.admit.prepare import Admitted, Answered
 from mlxd.engine.batch.messages import AddRequest
+from mlxd.engine.batch.rows import Row
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.kinds.group.log import (
     Command,
@@ -288,7 +289,7 @@ class GroupLeader:
                 return LeaderGenerator(gen, leader.send, leader.broken)
 
             def _insert(self, add: AddRequest, shared: Any = None,
-                        floor: int | None = None) -> int:
+                        floor: int | None = None) -> Row:
                 gen: Any = self._gen  # a LeaderGenerator (see _new_generator)
                 gen.next_rows = [leader.notes.take(add.request_id)]
                 return super()._insert(add, shared, floor)
@@ -299,9 +300,7 @@ class GroupLeader:
                     leader.notes.take(rid)
 
             def _fail_all(self, message: str, held: bool = True) -> None:
-                waiting = [a.request_id for w in self._followers.values() for a in w]
-                waiting += [a.request_id for g in self._groups.values() for a in g.waiting]
-                waiting += [a.request_id for a in self.gate.held] if held else []
+                waiting = self.waiting_ids(held)
                 super()._fail_all(message, held)
                 for rid in waiting:
                     leader.notes.take(rid)

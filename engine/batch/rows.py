@@ -1,0 +1,79 @@
+"""What the runner knows of each row it holds, in one record per row (`Row`, in a `RowTable`
+by uid and by request id), and the prefill groups of requests that answer one prompt
+(`PrefillGroup`). Plain data, owned by the MLX thread."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxd.engine.batch.messages import AddRequest
+
+GROUP_TTL = 30.0  # seconds a prefill group waits for members that may never come
+
+
+@dataclass
+class Row:
+    """One request running in the generator (from insert to its end)."""
+    uid: int  # the generator's
+    request_id: str
+    prompt_len: int  # its prompt's tokens (the prompt boundary published at its end)
+    received_at: float  # monotonic: when the engine received it (0: unknown)
+    admitted_at: float  # when it was inserted
+    logprobs: int = -1  # top alternatives to report per token (-1: none)
+    generated: int = 0  # tokens generated, for generation checkpoints
+    first_pending: bool = True  # its first token is still to come
+    prefilling: list[int] | None = None  # its prompt, while others may wait to share it
+    followers: list[AddRequest] = field(default_factory=list)  # requests waiting for it
+    leads: str = ""  # the prefill group whose prompt it prefills
+
+
+class RowTable:
+    def __init__(self) -> None:
+        self._by_uid: dict[int, Row] = {}
+        self._by_rid: dict[str, Row] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_uid)
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(list(self._by_uid.values()))
+
+    def add(self, row: Row) -> None:
+        self._by_uid[row.uid] = row
+        self._by_rid[row.request_id] = row
+
+    def get(self, uid: int) -> Row | None:
+        return self._by_uid.get(uid)
+
+    def by_request(self, request_id: str) -> Row | None:
+        return self._by_rid.get(request_id)
+
+    def pop(self, uid: int) -> Row | None:
+        row = self._by_uid.pop(uid, None)
+        if row is not None:
+            del self._by_rid[row.request_id]
+        return row
+
+    def request_ids(self) -> list[str]:
+        return list(self._by_rid)
+
+    def uids(self) -> list[int]:
+        return list(self._by_uid)
+
+    def clear(self) -> None:
+        self._by_uid.clear()
+        self._by_rid.clear()
+
+
+@dataclass
+class PrefillGroup:
+    """The rows answering one prompt (OpenAI `n`): the first to arrive prefills it, the others
+    wait for its prompt and start from a view of its KV (only the last prompt token is theirs
+    to feed). Kept until every member has arrived, or GROUP_TTL passed."""
+    leader: int | None  # its uid while its prompt is being prefilled
+    waiting: list[AddRequest]
+    expected: int  # members still to arrive
+    created: float
+    prefix: tuple[list[tuple[Any, Any]], list[int]] | None = None  # (KV, tokens) once prefilled
