@@ -178,7 +178,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_group_size: Annotated[int, Meta(ge=32, le=128, multiple_of=32, description=(
         "with --kv-bits: elements per quantization group, one scale and bias each: 32, 64 or "
         "128"), extra={"metavar": "32|64|128"})] = 64
-    engine_memory: Annotated[float | None, Meta(gt=0, description=(
+    engine_memory: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
         "memory in GB an engine may use in all, weights included (with --model-pool: all its "
         "engines together), to leave the rest to other programs; --batch auto is sized from "
         "it (default: measured at load: free GPU memory, or available RAM / the GPU's "
