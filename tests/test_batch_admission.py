@@ -21,6 +21,7 @@ from mlxd.engine.batch.messages import AbortRequest, AddRequest, RequestStarted,
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.batch.sizing import FORCED, measure_budget
 from mlxd.engine.load.loader import load_model
+from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol.settings import TuningSettings
 from support.runner_drive import turn
 
@@ -77,13 +78,15 @@ def test_the_budget_holds_requests_back_in_order_and_admits_them_as_rows_finish(
     assert (r.counters.waiting, r.gate.reserved_total, r.gate.reserved) == (0, 0, {})
 
 
-def _room_for_one_of_three(model, prefix: str) -> tuple[Runner, queue.Queue]:
+def _room_for_one_of_three(model, prefix: str, clock: RequestClock = NO_CLOCK
+                           ) -> tuple[Runner, queue.Queue]:
     """A runner whose budget holds one row, sent three requests: PREFIX0 runs, 1 and 2 wait."""
     m, tok = model
     prompt = tok.encode("Hello there, general")
     outq: queue.Queue = queue.Queue()
     budget = Budget(kv_bytes=len(prompt) + 8, per_token=1, explicit_cap=None, why="test")
-    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget)
+    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=budget,
+               clock=clock)
     for i in range(3):
         r.inbox.put(_add(f"{prefix}{i}", prompt, 8))
     r.take_commands()
@@ -108,7 +111,7 @@ def test_the_stage_clock_forgets_a_request_aborted_before_it_was_inserted(model,
     monkeypatch.setattr(stage_trace, "DIR", str(tmp_path))
     monkeypatch.setattr(stage_trace, "_request_stamps", stamps)
     monkeypatch.setattr(stage_trace, "_request_files", {})
-    r, outq = _room_for_one_of_three(model, "t")
+    r, outq = _room_for_one_of_three(model, "t", RequestClock())
     assert set(stamps) == {"t1", "t2"}  # t0 inserted: its record is written, t1 and t2 wait
     r.inbox.put(AbortRequest("t1"))
     r.take_commands()

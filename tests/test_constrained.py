@@ -236,21 +236,25 @@ def grammars() -> dict[str, str]:
             "regex": LLMatcher.grammar_from_regex(r"(cat|dog|bird)s? [0-9]{1,3}( and [a-z]+)*\.")}
 
 
-def decode_rows(parts, rows, batch: int = 8) -> dict[str, list[int]]:
-    """Run `rows` [(id, prompt, max_tokens, sampler, processors)] through one Runner."""
+def decode_rows(parts, rows, batch: int = 8, fill_first: bool = True) -> dict[str, list[int]]:
+    """Run `rows` [(id, prompt, max_tokens, sampler, processors)] through one Runner
+    (`fill_first`: the `grammar_order` setting's default, else dispatch-first)."""
     from mlxd.engine.batch.messages import AddRequest
     from mlxd.engine.batch.runner import Runner
+    from mlxd.protocol.settings import TuningSettings
     from support.runner_drive import run_together
     m, tok, _ = parts
     outq: queue.Queue = queue.Queue()
-    r = Runner(m, sorted(tok.eos_token_ids), batch_size=batch, prefill_step=64, outbox=outq)
+    tuning = TuningSettings(grammar_order="fill-first" if fill_first else "dispatch-first")
+    r = Runner(m, sorted(tok.eos_token_ids), batch_size=batch, prefill_step=64, outbox=outq,
+               tuning=tuning)
     return run_together(r, outq, [AddRequest(rid, prompt, max_tokens, sampler, procs)
                                   for rid, prompt, max_tokens, sampler, procs in rows])[0]
 
 
 def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,
               max_tokens: int = 40, replay: dict[int, list[int]] | None = None,
-              sampler_of=None):
+              sampler_of=None, fill_first: bool = True):
     """The same rows decoded with the new processor and the reference; returns both outputs
     and how many steps the new one masked through the batched plan."""
     from mlxd.engine.admit.sampling import make_request_sampler
@@ -280,7 +284,7 @@ def both_ways(parts, kinds: list[str | None], seeds: list[int], monkeypatch,
             procs = [] if kind is None else [cls(tc, g[kind], replay=back)]
             rows.append((f"r{i}", tok.encode(f"Item {i}: the answer") + back,
                          max_tokens, sampler, procs))
-        outs.append(decode_rows(parts, rows))
+        outs.append(decode_rows(parts, rows, fill_first=fill_first))
     return outs[0], outs[1], planned[0]
 
 
@@ -309,11 +313,9 @@ def test_overlapped_masks_equal_the_per_row_processor_in_a_mixed_batch(engine_pa
                                                                         fill_first):
     """Greedy and seeded grammar rows beside free rows, in one batch; in either order of a
     step (masks filled while the forward pass is dispatched, or after)."""
-    from mlxd.engine.grammar import steps as constraints_overlap
-    monkeypatch.setattr(constraints_overlap, "FILL_FIRST", fill_first)
     kinds: list[str | None] = ["json", None, "regex", "json", None, "regex"]
     seeds = [-1, -1, 7, 11, 5, -1]
-    new, ref, planned = both_ways(engine_parts, kinds, seeds, monkeypatch)
+    new, ref, planned = both_ways(engine_parts, kinds, seeds, monkeypatch, fill_first=fill_first)
     assert new == ref
     assert planned >= 10  # the steps went through the batched path, not row by row
     assert WHOLE_STEPS[0] >= 10  # ... one mask op for the batch, mlx-lm's per-row loop skipped

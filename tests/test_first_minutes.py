@@ -40,7 +40,7 @@ from mlxd.protocol.logs import (
     render,
 )
 from mlxd.protocol.messages import EngineStatus
-from mlxd.protocol.settings import EngineLaunch, EngineSettings
+from mlxd.protocol.settings import EngineLaunch, EngineSettings, TuningSettings
 from support.harness import LISTENING, READY, RUN_DIRS, TAG_ENV
 
 CLI = [sys.executable, "-m", "mlxd.cli.main"]
@@ -247,8 +247,9 @@ def test_an_engine_reports_its_load_progress_in_its_status(tiny_model, tmp_path)
     pull.bind(Endpoints.ipc(run_dir).outputs)
     launch = EngineLaunch(engine_id="e1", epoch=0, model=str(tiny_model), run_dir=str(run_dir),
                           cache_dir=str(tmp_path), ssd_root=None, log_level="info",
-                          settings=EngineSettings())
-    proc = popen(launch, stderr=subprocess.PIPE, env=env(**SLOW_READ, **{TAG_ENV: str(run_dir)}))
+                          settings=EngineSettings(),
+                          tuning=TuningSettings(faults=SLOW_READ["MLXD_FAULTS"]))
+    proc = popen(launch, stderr=subprocess.PIPE, env=env(**{TAG_ENV: str(run_dir)}))
     statuses: list[EngineStatus] = []
     try:
         dec = codec.from_engine()
