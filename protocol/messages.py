@@ -19,6 +19,11 @@ Role = Literal["proxy", "engine", "storage"]
 ChildState = Literal["starting", "ready", "backoff", "failed", "stopping", "stopped"]
 # An engine as it reports itself.
 EngineState = Literal["loading", "ready", "failed", "stopping"]
+# Why a request ended: its stop (an EOS or a stop string), its length limit, an abort (the
+# client went, or the request was cancelled), an error (`error`, `error_code` say which).
+FinishReason = Literal["stop", "length", "abort", "error"]
+CacheSource = Literal["ram", "ssd", "none"]  # where a request's cached prefix came from
+SsdState = Literal["off", "ok", "degraded"]
 
 
 class _Msg(msgspec.Struct, array_like=True, tag=True, omit_defaults=False):
@@ -131,7 +136,7 @@ class Delta(msgspec.Struct, array_like=True):
     request_id: str
     text: str = ""
     token_ids: list[int] = []
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
@@ -170,7 +175,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     to_first_token_s: float = 0.0  # sum: engine receipt -> first token sampled
     mlx_active_bytes: int = 0  # MLX's allocator: arrays alive
     mlx_cache_bytes: int = 0  # and freed buffers it keeps for reuse
-    ssd_state: str = "off"  # "off" | "ok" | "degraded: <code>: <why>; ..."
+    ssd_state: SsdState = "off"
+    ssd_reason: str = ""  # while degraded: "<code>: <why>; writes paused, next try in ..."
     ssd_error_code: str = ""
     ssd_retry_in_s: float = 0.0
     ssd_hits: int = 0

@@ -10,11 +10,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
+from mlxd.protocol.messages import EngineStats
 from mlxd.proxy import admin_routes, metrics, security
 from mlxd.proxy.core.generation import ResumeStats
 from mlxd.proxy.core.sampling import Defaults
@@ -65,6 +67,16 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     return app
 
 
+def cache_figures(stats: EngineStats) -> dict[str, Any]:
+    """An engine's cache figures as `/stats` shows them: `ssd_state` "off", "ok", or
+    "degraded: <code>: <why>; ..." (the wire's state and reason in one string)."""
+    out = msgspec.structs.asdict(stats)
+    reason = out.pop("ssd_reason")
+    if stats.ssd_state == "degraded":
+        out["ssd_state"] = f"degraded: {reason}"
+    return out
+
+
 async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     client = state.client
@@ -82,7 +94,7 @@ async def stats(request: web.Request) -> web.Response:
             "prompt_tokens_total": st.prompt_tokens_total if st else 0,
             "generated_tokens_total": st.generated_tokens_total if st else 0,
             "error": rec.error, "restarts": rec.child.restarts if rec.child else 0,
-            "cache": msgspec.structs.asdict(st.stats) if st else {},
+            "cache": cache_figures(st.stats) if st else {},
             "last_status_age_s": round(time.monotonic() - rec.last_seen, 3) if st else None})
     router = state.router
     pool = None

@@ -46,9 +46,9 @@ async def health(request: web.Request) -> web.Response:
     for rec in client.engines.values():
         if rec.engine_id in resident:
             models[rec.model_id] = rec.state
-            state = rec.status.stats.ssd_state if rec.status else "off"
-            if state.startswith("degraded"):
-                ssd_problem = f"{rec.model_id}: SSD tier {state}"
+            stats = rec.status.stats if rec.status else None
+            if stats is not None and stats.ssd_state == "degraded":
+                ssd_problem = f"{rec.model_id}: SSD tier degraded: {stats.ssd_reason}"
         else:
             listed[rec.model_id] = "failed" if rec.state == "failed" else "unloaded"
     status, code = verdict(models, router.draining, ssd_problem)

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mlxd.protocol.messages import CacheSource, FinishReason
+
 if TYPE_CHECKING:
     import mlx.core as mx
 
@@ -50,7 +52,7 @@ class Call:
 @dataclass
 class StepTokens:
     """One step: (request_id, token, finish_reason) for every row that produced a token."""
-    rows: list[tuple[str, int, str | None]]
+    rows: list[tuple[str, int, FinishReason | None]]
     # request_id -> (the token's logprob, [(token id, logprob)] most likely first), for the
     # rows that asked for log-probabilities
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] | None = None
@@ -60,7 +62,7 @@ class StepTokens:
 class RequestStarted:
     request_id: str
     cached_tokens: int
-    source: str  # "ram" | "ssd" | "none"
+    source: CacheSource
 
 
 @dataclass

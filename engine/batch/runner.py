@@ -46,6 +46,7 @@ from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol import faults
+from mlxd.protocol.messages import CacheSource, FinishReason
 from mlxd.protocol.settings import TuningSettings
 
 log = logging.getLogger("mlxd.engine")
@@ -341,7 +342,8 @@ class Runner:
         or more (default: the `min_cached_tokens` setting)."""
         prompt = add.prompt
         floor = self._min_cached if floor is None else floor
-        cache, cached, source = None, 0, "none"
+        cache, cached = None, 0
+        source: CacheSource = "none"
         hit = self.cache.lookup(prompt, floor) if self.cache.max_bytes else None
         if shared is not None:
             # as much as the prompts share, and one token at least is always fed
@@ -450,7 +452,7 @@ class Runner:
                     self._publish_prompt(row)
         if not responses:
             return
-        rows: list[tuple[str, int, str | None]] = []
+        rows: list[tuple[str, int, FinishReason | None]] = []
         due: list[int] = []
         finished: list[str] = []
         wanted: list[tuple[str, Any, int]] = []

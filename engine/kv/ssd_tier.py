@@ -389,8 +389,8 @@ class SsdTier:
             return self.health.refused(time.monotonic())
 
     def fill_stats(self, out: EngineStats) -> None:
-        """The tier's figures and health: `ssd_state` "ok" or "degraded: <code>: <why>; ...",
-        the code, seconds until writes are tried again."""
+        """The tier's figures and health: `ssd_state` "ok" or "degraded" (then `ssd_reason`
+        "<code>: <why>; ...", the code, seconds until writes are tried again)."""
         now = time.monotonic()
         with self._idle:
             refusal, retry_in = self.health.refusal, self.health.retry_in(now)
@@ -399,7 +399,8 @@ class SsdTier:
         if refusal is not None:
             when = f"next try in {retry_in:.1f} s" if retry_in > 0 \
                 else "next try with the next write"
-            out.ssd_state = f"degraded: {refusal.code}: {refusal.message}; writes paused, {when}"
+            out.ssd_state = "degraded"
+            out.ssd_reason = f"{refusal.code}: {refusal.message}; writes paused, {when}"
             out.ssd_error_code, out.ssd_retry_in_s = refusal.code, round(retry_in, 1)
         out.ssd_hits, out.ssd_misses = st.hits, st.misses
         out.ssd_restored_tokens, out.ssd_blocks_queued = st.restored_tokens, st.blocks_queued

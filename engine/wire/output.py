@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.protocol.messages import Delta
+from mlxd.protocol.messages import Delta, FinishReason
 
 
 def stop_hold_length(text: str, stops: list[str]) -> int:
@@ -141,7 +141,7 @@ class RequestOutput:
         self._pending = full[delivered_chars:]
         self._seen = len(full)
 
-    def add(self, token: int, finish_reason: str | None) -> Delta | None:
+    def add(self, token: int, finish_reason: FinishReason | None) -> Delta | None:
         """Feed one generated token; return the delta to send (None if nothing to say)."""
         if self.finished:
             return None
@@ -184,7 +184,7 @@ class RequestOutput:
             return None
         return self._delta(emit, new_ids, None)
 
-    def _delta(self, text: str, ids: list[int], finish: str | None,
+    def _delta(self, text: str, ids: list[int], finish: FinishReason | None,
                stop: str | None = None) -> Delta:
         reasoning, self._reasoning = self._reasoning, ""
         calls, self._calls = self._calls, []

@@ -235,7 +235,7 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
             if trace is not None:
                 trace.built(d, stamps, offsets[i])
             if d.finish_reason is not None:
-                reason = d.finish_reason
+                reason: str = d.finish_reason
                 if shape.forced:
                     out.append(_sse({**base, "choices": [chunk(i, tool_calls=[
                         {"index": 0, **shape.forced_call(held[i])}])]}))
