@@ -63,10 +63,7 @@ class EngineService:
         # while loading: (task, done, total, unit) of the long step under way, for the status
         self.load_progress: tuple[str, int, int, str] | None = None
         # A step's tokens reach the output thread when the MLX thread next waits on MLX.
-        outbox = StepOutbox(eager=launch.tuning.eager_handoff)
-        self.ch = Channels(outq=outbox)
-        if not outbox.eager:
-            handoff.install()
+        self.ch = Channels(outq=StepOutbox(eager=launch.tuning.eager_handoff))
         self.engine: Engine | None = None  # set once loaded; its `loaded` marks readiness
         self.share = launch.pool_share  # the latest the supervisor gave (it changes: a pool)
         self.clock = request_clock()  # the stage clock's hooks (no-ops when it is off)
@@ -109,6 +106,8 @@ class EngineService:
         t0 = time.monotonic()
         try:
             from mlxd.engine.kinds import open_engine  # checks mlx-lm's version on import
+            if not launch.tuning.eager_handoff:
+                handoff.install()
             engine = open_engine(self.host)
         except ImportError as e:  # an mlx-lm it was not written for: one line, no retry
             return self._failed(str(e))
