@@ -36,7 +36,7 @@ _installed = False
 
 def attach() -> OutputTrace:
     """The engine under the trace: mlx-lm's step boundaries wrapped (the output queue,
-    `step_handoff.StepOutbox`, stamps the put and the hand-off of each step's tokens)."""
+    `batch/handoff.StepOutbox`, stamps the put and the hand-off of each step's tokens)."""
     install()
     return OutputTrace()
 

@@ -10,7 +10,7 @@ memory) and a reserve. A new share re-derives the budget from the figures measur
 (`rebudget`); a share too small for the configured prefix cache trims the cache.
 So the batch grows while requests are short and shrinks as contexts get long, and no
 admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
-`engine/batch_sizing.py` measures the figures at load; the runner's admission applies the rules.
+`batch/sizing.py` measures the figures at load; the runner's admission applies the rules.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ are masked for the whole batch in one op (`WholeBatchMask`; free rows' mask rows
 The tokens and masks are exactly those of the per-row path, so greedy and seeded outputs do not
 change. Free rows of the batch wait for no more than they did (less: one wait instead of one per
 constrained row). Rows the hook did not see (a row's first step, processors wrapped by another,
-a generator whose internals differ) take the per-row path in `constraints.py`.
+a generator whose internals differ) take the per-row path in `processor.py`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 def kv_slice(x: Any, n: int) -> Any:
     """The first `n` tokens of one layer's keys or values: an array (1, kv_heads, T, dim) or,
-    with --kv-bits, a triplet of them (packed, scales, biases; engine/kv_quant.py)."""
+    with --kv-bits, a triplet of them (packed, scales, biases; engine/kv/quant.py)."""
     if isinstance(x, tuple):
         return tuple(a[..., :n, :] for a in x)
     return x[..., :n, :]

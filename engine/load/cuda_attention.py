@@ -18,7 +18,7 @@ decoding path does not take. So engines turn cuDNN's fused attention off unless 
 `MLX_CUDA_USE_CUDNN_SDPA` themselves; the fused kernel's gain, at best 11 % on long prompts
 whose length repeats, does not pay for ~75 ms on every prompt whose length does not. MLX reads the
 variable once, at its first attention on the GPU, so this must run before the model's first
-forward pass. A sharded group's ranks get rank 0's value (`group_leader.py`). Other
+forward pass. A sharded group's ranks get rank 0's value (`kinds/group/leader.py`). Other
 backends (Metal, CPU) do not read it.
 """
 

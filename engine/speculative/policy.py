@@ -1,5 +1,5 @@
 """Speculative decoding, the pure part: prompt-lookup drafting, the accept rule, and the
-decision whether a step should draft at all. No MLX here; `speculative_step.py` is the glue.
+decision whether a step should draft at all. No MLX here; `step.py` is the glue.
 
 The accept rule keeps the output exactly that of plain decoding: the target samples every
 verified position with the sampler it would have used anyway (greedy, or the seeded key of

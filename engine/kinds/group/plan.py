@@ -1,10 +1,10 @@
 """The plan of an engine served by a group of processes (`--shard NAME=tensor:N|pipeline:N`):
 which ranks run where, the ring backend's host file, each follower's side-channel endpoint and
 the command that starts it (locally, or over ssh the way `mlx.launch` does). Pure logic: no
-process is started here (`group_leader.py` does that).
+process is started here (`leader.py` does that).
 
 Rank 0 is the engine the proxy talks to; ranks 1..N-1 are followers that repeat rank 0's
-generator calls (`group_log.py`). Hosts come from a hosts file in `mlx.launch`'s JSON format
+generator calls (`log.py`). Hosts come from a hosts file in `mlx.launch`'s JSON format
 (`[{"ssh": "mac-1", "ips": ["10.0.0.1"]}, {"ssh": "mac-2", "ips": ["10.0.0.2"]}]`, rank 0
 first: the machine the daemon runs on), or, without one, every rank runs on this machine.
 """
@@ -91,7 +91,7 @@ class FollowerLaunch(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str
     backend: str  # mx.distributed's: "ring" or "nccl"
     bind: str  # the side channel: where this rank binds its PULL socket
-    store_bytes: int  # its KV store's cap (group_log.KvStore)
+    store_bytes: int  # its KV store's cap (log.KvStore)
     log_level: str
     log_format: str
     name: str  # the engine's log name, "engine:MODEL#EPOCH"
