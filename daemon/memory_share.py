@@ -1,7 +1,7 @@
 """How the engines of one daemon share the machine's memory (`--batch auto` with a model pool).
 Pure logic: the supervisor passes in what it knows of its engines.
 
-Each engine sizes its KV budget from the memory it finds at load (engine/batch_sizing.py);
+Each engine sizes its KV budget from the memory it finds at load (engine/batch/sizing.py);
 alone it may take all of it. Engines of a pool would each find the same free memory and
 together admit several times what fits, so the supervisor gives each engine a fraction of the
 memory the machine can give, weights included, and changes it while the engines run:
@@ -19,7 +19,7 @@ memory the machine can give, weights included, and changes it while the engines 
   engine that is gone makes the others grow only once its process has exited;
 - weights are inside the fraction, so a big model's part holds mostly weights and a small
   model's mostly KV; the engine divides its part into weights, its prefix cache's capacity,
-  a reserve and KV (engine/batch_budget.py), and re-divides it, from the figures it measured
+  a reserve and KV (engine/batch/budget.py), and re-divides it, from the figures it measured
   at load, when its part changes.
 
 Memory the engine finds at load lacks the weights of the engines already loaded, so the

@@ -1,5 +1,6 @@
 """The engine's side of the per-token stage clock (see `protocol/stage_trace.py`), installed
-only when MLXD_STAGE_TRACE is set.
+only when the hidden setting `stage_trace` (`MLXD_STAGE_TRACE=DIR`) is set; a request's stamps
+go through a `RequestClock`, a no-op (`NO_CLOCK`) when it is not.
 
 MLX thread: without a line in the runner, the step's boundaries are taken where mlx-lm makes
 them: the generator's `next` (in, out), and inside a decode step its graph built, dispatched,
@@ -36,7 +37,7 @@ _installed = False
 
 def attach() -> OutputTrace:
     """The engine under the trace: mlx-lm's step boundaries wrapped (the output queue,
-    `step_handoff.StepOutbox`, stamps the put and the hand-off of each step's tokens)."""
+    `batch/handoff.StepOutbox`, stamps the put and the hand-off of each step's tokens)."""
     install()
     return OutputTrace()
 

@@ -2,23 +2,24 @@
 
 Threads (one engine process, or one engine inside `mlxd serve` without --isolate):
 
-- MLX thread (`runner.Runner.run`, the caller of `EngineService.run`): the model, mlx-lm's
+- MLX thread (`batch/runner.Runner.run`, the caller of `EngineService.run`): the model, mlx-lm's
   BatchGenerator and the RAM prefix cache. Nothing else touches MLX arrays of live requests.
-  It reads commands from `Runner.inbox` and puts `runner_messages.StepTokens` etc. on `outq`.
-- I/O thread (`io_thread.IoThread`): the request DEALER and the control DEALER (ZeroMQ
+  It reads commands from `Runner.inbox` and puts `batch/messages.StepTokens` etc. on `outq`.
+- I/O thread (`wire/io_thread.IoThread`): the request DEALER and the control DEALER (ZeroMQ
   sockets are never shared between threads). It decodes messages and dispatches them: requests
   to the admission lanes, aborts to the lanes and the runner, flushes and shutdowns to the
   lifecycle; it sends heartbeats and whatever is queued on `control_out`.
-- Admission lanes (`admission_lanes.AdmissionLanes`, two threads): chat templates,
-  tokenization, checks, SSD reads. A prepared request is handed over under the lanes' lock:
-  its output state to the output thread (a `Registered` on `outq`), then its command to the
-  runner's inbox, in that order, so the output thread knows a request before its first token.
-- Output thread (`output_thread.OutputThread`): the PUSH socket to the proxy and every
+- Admission lanes (`admit/lanes.AdmissionLanes`: two lanes, the small one up to four
+  threads): chat templates, tokenization, checks, SSD reads. A prepared request is handed over
+  under the lanes' lock: its output state to the output thread (a `Registered` on `outq`), then
+  its command to the runner's inbox, in that order, so the output thread knows a request before
+  its first token.
+- Output thread (`wire/output_thread.OutputThread`): the PUSH socket to the proxy and every
   request's output state (detokenizer, stop strings, splitters): it alone creates, reads and
   drops them. It sends one `StepOutput` per batch of queued work and the `EngineStatus`.
-- Storage thread (`ssd_tier.SsdTier`): the DEALER to the storage worker and slot bookkeeping.
-- Flush threads (`EngineService.flush`): wait for a flush to finish; the copies themselves run
-  on the MLX thread as `runner_messages.Call`s.
+- Storage thread (`kv/ssd_tier.SsdTier`): the DEALER to the storage worker and slot bookkeeping.
+- Flush threads (`GeneratingEngine.flush`): wait for a flush to finish; the copies themselves run
+  on the MLX thread as `batch/messages.Call`s.
 
 Hand-over queues: `outq` (anything -> output thread), `Runner.inbox` (anything -> MLX thread),
 `control_out` (anything -> I/O thread -> supervisor). `LoadedModel` is written once, before

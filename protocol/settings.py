@@ -242,7 +242,7 @@ class StorageSettings(msgspec.Struct, frozen=True, kw_only=True):
 class PoolShare(msgspec.Struct, frozen=True, kw_only=True):
     """The part of the machine's memory an engine may use in all (weights, RAM prefix cache,
     KV), granted by the supervisor from `--model-pool` (daemon/memory_share.py); the engine
-    sizes `--batch auto` within it (engine/batch_budget.py)."""
+    sizes `--batch auto` within it (engine/batch/budget.py)."""
     fraction: float = 1.0  # 1.0: the engine is alone (one process, or --model-pool 1)
     pool: int = 1  # --model-pool
     others: int = 0  # other engines holding a share when this one was granted its own

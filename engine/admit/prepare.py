@@ -31,7 +31,7 @@ log = logging.getLogger("mlxd.engine")
 @dataclass
 class Admitted:
     """The request goes on: its output state to the output thread, its command to the MLX
-    thread (`runner_messages.AddRequest`)."""
+    thread (`batch/messages.AddRequest`)."""
     output: RequestOutput
     request: Any
     notice: Delta  # the admission notice (prompt token count): the proxy may start answering

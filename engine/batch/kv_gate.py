@@ -1,4 +1,4 @@
-"""Which requests may join the running rows now: the KV budget's gate (`batch_budget.py`
+"""Which requests may join the running rows now: the KV budget's gate (`budget.py`
 decides whether one more fits; this keeps the books). Requests wait in arrival order and a
 request is never passed by a later one, so none waits for ever. Pure bookkeeping, run on the
 MLX thread: the runner offers new requests, releases ended ones and asks what the cap is.

@@ -2,7 +2,7 @@
 memory the engine may use (free device memory on a GPU; available RAM on unified memory and
 on the CPU backend, plus what the model already holds), the model's weight bytes and the KV
 bytes one token costs, read from a real one-token forward pass (any model, any KV layout).
-The rules that use them are pure (`batch_budget.py`)."""
+The rules that use them are pure (`budget.py`)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def available_memory(weights: int, memory_gb: float | None = None) -> tuple[int,
 def kv_shape(model: Any, stream: Any) -> KvShape:
     """KV bytes per token as a forward pass lays them out: layers with keys, and the first
     such layer's heads, head sizes and dtype. With --kv-bits the keys and values are
-    quantized triplets (packed, scales, biases; engine/kv_quant.py): bytes per element is
+    quantized triplets (packed, scales, biases; engine/kv/quant.py): bytes per element is
     what the three arrays take per element (0.5625 at 4 bits, group 64, float16 scales)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache

@@ -4,10 +4,11 @@ the processor runs only on its own row of the batch.
 
 The mask for step k depends on the token sampled at step k-1, which mlx-lm's step has not read
 back yet when it calls the processors of step k. So the mask work is ordered to keep the device
-busy (`constraints_overlap.py`): the step's forward pass is started first, then the previous
-tokens of every constrained row are read in one synchronisation, all rows' masks are computed
-together on llguidance's worker threads (GIL released) while the device runs that forward pass,
-and the masks become one boolean array for all rows (unpacked on a GPU from the packed bits).
+busy (`steps.py`): the step's forward pass is built first, then the previous tokens of every
+constrained row are read in one synchronisation, all rows' masks are computed together on
+llguidance's worker threads (GIL released) while this thread dispatches that forward pass and
+the device runs it, and the masks become one boolean array for all rows (unpacked on a GPU from
+the packed bits).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class GrammarProcessor:
     """A BatchGenerator logits processor. `context` is the row's token history; from the
     second call on, its last token is the one sampled at the previous step.
 
-    When the runner's step hook (`constraints_overlap.GrammarSteps`) found this row in the
+    When the runner's step hook (`steps.GrammarSteps`) found this row in the
     batch, `plan` is set for the step and the mask comes from it (all rows at once); otherwise
     the row reads its token and computes its mask itself."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 PIN = -1.0
 # Of each engine's part of the memory, what it keeps free for activations: the engine's own
-# rule (engine/batch_budget.RESERVE_FRACTION; a test holds them equal).
+# rule (engine/batch/budget.RESERVE_FRACTION; a test holds them equal).
 RESERVE_FRACTION = 0.10
 
 
@@ -201,7 +201,7 @@ def kv_bytes_per_element(dtype: str, kv_bits: int | None, group_size: int) -> fl
 def row_kv_bytes(spec: str, per_element: float = 2.0, tokens: int = 4096) -> int:
     """The KV of one row at `tokens` of context (at most the model's) for the memory check
     before a load: an engine admits one row whatever its budget, and more only within its
-    budget (its part of the memory: engine/batch_budget.py), whatever `--batch` says."""
+    budget (its part of the memory: engine/batch/budget.py), whatever `--batch` says."""
     try:
         cfg = json.loads((Path(spec).expanduser() / "config.json").read_text())
     except (OSError, ValueError):

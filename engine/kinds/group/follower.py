@@ -1,5 +1,5 @@
 """A follower rank of a sharded engine: `python -m mlxd.engine.kinds.group.follower`, started by
-rank 0 (`group_leader.py`), locally or over ssh, with MLX_RANK and MLX_HOSTFILE set.
+rank 0 (`leader.py`), locally or over ssh, with MLX_RANK and MLX_HOSTFILE set.
 
 It reads its `FollowerLaunch` from stdin (4-byte length, msgpack) and keeps reading: the end of
 its input means rank 0 is gone, and it exits at once. It joins the group, loads its shard, binds

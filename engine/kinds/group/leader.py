@@ -1,12 +1,12 @@
 """Rank 0 of a sharded engine: it starts the follower ranks, joins the group, loads its shard
-and sends its generator calls to the followers (`group_log.py`).
+and sends its generator calls to the followers (`log.py`).
 
 Supervision is the engine's: rank 0 is the supervisor's engine child and the followers are
 rank 0's children. A follower that exits takes rank 0 down with it (a watcher thread ends the
 process, CRASH), so the supervisor restarts the whole group under a new epoch and the proxy
 resumes its requests; a follower that hangs stalls rank 0's steps in a collective, and the
 supervisor's hang watchdog kills rank 0. A follower's stdin is a pipe from rank 0: when rank 0
-is gone, for whatever reason, the follower's input ends and it exits (`group_follower.py`).
+is gone, for whatever reason, the follower's input ends and it exits (`follower.py`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The plan of an engine served by a group of processes (`--shard NAME=tensor:N|pipeline:N`):
 which ranks run where, the ring backend's host file, each follower's side-channel endpoint and
 the command that starts it (locally, or over ssh the way `mlx.launch` does). Pure logic: no
-process is started here (`group_leader.py` does that).
+process is started here (`leader.py` does that).
 
 Rank 0 is the engine the proxy talks to; ranks 1..N-1 are followers that repeat rank 0's
-generator calls (`group_log.py`). Hosts come from a hosts file in `mlx.launch`'s JSON format
+generator calls (`log.py`). Hosts come from a hosts file in `mlx.launch`'s JSON format
 (`[{"ssh": "mac-1", "ips": ["10.0.0.1"]}, {"ssh": "mac-2", "ips": ["10.0.0.2"]}]`, rank 0
 first: the machine the daemon runs on), or, without one, every rank runs on this machine.
 """
@@ -124,7 +124,7 @@ class GroupPlan:
         and MLX_HOSTFILE (ring; None: written on the remote host by the start script) or
         NCCL's rendezvous at rank 0 and the rank's GPU (the n-th of `visible`, this
         machine's CUDA_VISIBLE_DEVICES, counting the ranks on the same host); and
-        `attention`, rank 0's MLX_CUDA_USE_CUDNN_SDPA (engine/cuda_attention.py), so that
+        `attention`, rank 0's MLX_CUDA_USE_CUDNN_SDPA (engine/load/cuda_attention.py), so that
         every rank runs the same attention kernels (a remote shell inherits nothing)."""
         env = {"MLX_RANK": str(rank)}
         if attention is not None:

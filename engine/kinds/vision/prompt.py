@@ -1,6 +1,6 @@
 """Admission of requests with images to a vision engine (on an admission lane, never the MLX
 thread): the prompt rendered with the processor's image marker where each image goes, each
-marker expanded into the image's token ids (see `vision_model.py`), the image's pixel values
+marker expanded into the image's token ids (see `model.py`), the image's pixel values
 computed by the model's image processor and registered for the MLX thread. The proxy decoded
 the images and checked their limits; here the pixels' size and content hash are checked again
 (a request can never make the engine read past its buffer or reuse another image's cache).
