@@ -2,9 +2,9 @@
 
 On the H200 a burst of 32 fresh chats reached its first tokens in 1.6-3.2x the in-process
 reference's time with the RAM prefix cache on, and 1.0-1.7x with it off or with short hits not
-lent (`MLXD_MIN_CACHED_TOKENS=64`; RESULTS.md section 19), while lending the same short
+lent (`MLXD_MIN_CACHED_TOKENS=64`; benchmarks/HISTORY.md section 19), while lending the same short
 prefixes to a bare BatchGenerator cost nothing (benchmarks/prefill_cached.py). This drives the
-engine's `Runner` (engine/runner.py) on this thread, without processes, HTTP or ZeroMQ: rounds
+engine's `Runner` (engine/batch/runner.py) on this thread, without processes, HTTP or ZeroMQ: rounds
 of S chats ("Round N. Request i: ...", so that only the template's start is cached from one
 round to the next) put in its inbox at once, each round run until every request ended; the
 time from the put to each request's first token. Each runner runs its own loop
@@ -14,7 +14,7 @@ time from the put to each request's first token. Each runner runs its own loop
     cache       a 1 GiB RAM prefix cache, as the engine runs it (on a GPU, rows admitted
                 together are not lent hits shorter than GROUP_MIN_CACHED_GPU)
     cache-all   the same, with every hit lent: each round's rows are lent the template's
-                start (the engine's rule before RESULTS.md section 19)
+                start (the engine's rule before benchmarks/HISTORY.md section 19)
     cache-eval  as cache-all, with every RAM entry evaluated when it is stored
 
     python benchmarks/burst_runner.py --shape 1b --model-dtype bfloat16 --streams 32,64

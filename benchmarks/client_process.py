@@ -6,8 +6,8 @@ spawned process (no MLX imported, no model) shares neither that interpreter's GI
 garbage, so it times the server and nothing of the reference. (It was made for the 87-190 ms
 lags of some H200 burst rounds between the proxy's write and the client's read; they stayed
 with the client here, and were the rounds' text coming out only with their last token:
-RESULTS.md section 23.) Its clock is the parent's: `time.perf_counter` is the host's monotonic
-clock on Linux and macOS alike.
+benchmarks/HISTORY.md section 23.) Its clock is the parent's: `time.perf_counter` is the
+host's monotonic clock on Linux and macOS alike.
 
     clients = ClientProcess()
     result = await clients.run("throughput", "http_round", *args)  # module, coroutine, args

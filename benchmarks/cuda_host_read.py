@@ -1,8 +1,9 @@
-"""What a host read of a CUDA array costs MLX (issue 14, RESULTS section 18): `np.asarray` of an
-evaluated device array (which moves its buffer to managed memory), with the GPU idle and busy;
-`mx.clear_cache()` with such managed buffers cached (a `cudaFree` of managed memory synchronizes
-the device); a CPU-stream copy instead; and whether a GPU op writing into a recycled managed
-buffer is slower. A ticker thread measures how long the GIL was held.
+"""What a host read of a CUDA array costs MLX (issue 14; benchmarks/RESULTS.md, "SSD
+write-behind on CUDA"): `np.asarray` of an evaluated device array (which moves its buffer to
+managed memory), with the GPU idle and busy; `mx.clear_cache()` with such managed buffers
+cached (a `cudaFree` of managed memory synchronizes the device); a CPU-stream copy instead;
+and whether a GPU op writing into a recycled managed buffer is slower. A ticker thread
+measures how long the GIL was held.
 
     python benchmarks/cuda_host_read.py        # meant for a CUDA machine; runs on any backend
 """

@@ -5,7 +5,7 @@ MLX sends attention with more than one query token to cuDNN and caches one cuDNN
 exact shape (`mlx/backend/cuda/scaled_dot_product_attention.cpp`). A speculative verify pass
 (1 + k query tokens against the row's whole context) and the prefill of a prompt of a new
 length meet a shape they have not seen. This times, through the same `BatchKVCache` of one
-row that `engine/speculative_step.py` verifies with:
+row that `engine/speculative/step.py` verifies with:
 
 - a plain decode step (one query token: MLX's own vector kernel either way);
 - a verify pass of 1 + k tokens at a key length seen for the first time, and at a key length

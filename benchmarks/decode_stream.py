@@ -1,7 +1,7 @@
 """Which MLX stream decodes fastest? (issue 14 item 2: the single stream)
 
 On the H200 `mlx_lm.server` decoded one stream faster than the in-process reference of
-benchmarks/throughput.py (inter-token p50 4.0 ms against 5.0 ms, RESULTS.md section 18),
+benchmarks/throughput.py (inter-token p50 4.0 ms against 5.0 ms, benchmarks/HISTORY.md section 18),
 though both decode through mlx-lm's BatchGenerator. One difference is the stream: the server
 runs its generator on the thread's default stream, the reference (and mlxd's engine) on a
 stream of their own from `mx.new_stream`. This runs the same BatchGenerator decode in this

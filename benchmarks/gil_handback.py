@@ -1,5 +1,5 @@
 """How long a thread waits to get the GIL back after a call that released it, beside a thread
-busy in Python, at CPython's switch interval and at the engine's (engine/gil_switch.py).
+busy in Python, at CPython's switch interval and at the engine's (engine/load/gil_switch.py).
 
 The engine's MLX thread releases the GIL in every device wait (`mx.eval`, `tolist`) and in
 llguidance's mask fills; the output and I/O threads run Python meanwhile. This times, alone and

@@ -77,7 +77,7 @@ def apply_cost(vocab: int, reps: int = 200) -> float:
 
 def apply_cost_batched(vocab: int, rows: int, on_device: bool, reps: int = 50) -> float:
     """The engine's way since the overlap: every row's bitmask unpacked in one go
-    (engine/constraints.py `unpack_bits`: by numpy, or from the packed bits on the device),
+    (engine/grammar/processor.py `unpack_bits`: by numpy, or from the packed bits on the device),
     then each row masked. Per row."""
     import mlx.core as mx
     import numpy as np

@@ -1,7 +1,7 @@
 """KV cache quantization (issue 14 item 5): what `--kv-bits 4|8` saves and costs.
 
-In-process, on the engine's own MLX-thread runner (engine/runner.py driving mlx-lm's
-BatchGenerator, with engine/kv_quant.py's batched quantized cache installed exactly as the
+In-process, on the engine's own MLX-thread runner (engine/batch/runner.py driving mlx-lm's
+BatchGenerator, with engine/kv/quant.py's batched quantized cache installed exactly as the
 engine installs it at load), three figures:
 
 1. KV bytes per token, measured as the engine's batch sizing measures them (a one-token forward

@@ -1,4 +1,4 @@
-"""Does a short cached prefix make a burst's prefill slower? (issue 14, RESULTS section 18).
+"""Does a short cached prefix make a burst's prefill slower? (issue 14, HISTORY.md section 18).
 mlx-lm's BatchGenerator in this process, N prompts sharing a head of --prefix tokens, inserted
 at once: without caches, and with the head's KV lent to every row (or half of them) as the
 runner lends a RAM-tier hit (`kv_quant.lend`); time until every row's first token.
@@ -8,7 +8,8 @@ runner lends a RAM-tier hit (`kv_quant.lend`); time until every row's first toke
 host, as the SSD write-behind reads a RAM entry: on CUDA that moves managed memory to the
 host), `numpy` (made from host arrays, as an SSD restore makes them); `views-default` and
 `views-gen`: views of the head in an entry 40 tokens longer, made on the thread's default
-stream (as the engine's runner made them before RESULTS.md section 19) or in the generator's.
+stream (as the engine's runner made them before benchmarks/HISTORY.md section 19) or in the
+generator's (figures: benchmarks/RESULTS.md, "Burst prefill with short cached prefixes").
 
     python benchmarks/prefill_cached.py --shape 1b --model-dtype bfloat16 --prefix 30 --reps 5
     python benchmarks/prefill_cached.py --shape 1b --model-dtype bfloat16 --prefix 7 \

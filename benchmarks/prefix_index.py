@@ -1,5 +1,5 @@
 """What the RAM tier's index costs the MLX thread, by context length: inserting a finished
-request's history and looking up a new prompt (engine/prefix_cache.py). Runs this tree's index
+request's history and looking up a new prompt (engine/kv/prefix_cache.py). Runs this tree's index
 and, with `--against REV`, the one of another revision side by side in the same run.
 
 Two patterns, on KV-less entries (the index's own cost; the arrays are lent, never copied):

@@ -1,5 +1,5 @@
 """Speculative decoding against plain decoding, side by side in one run, through the engine's
-own MLX-thread code (`engine/runner.py` with and without `engine/speculative_step.py`; no
+own MLX-thread code (`engine/batch/runner.py` with and without `engine/speculative/step.py`; no
 sockets, so that only decoding is compared).
 
 1. One stream, greedy, a "repeat this code with one change" prompt (about 400 tokens):

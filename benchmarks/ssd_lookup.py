@@ -5,7 +5,7 @@ folder holds every short conversation ever stored. This writes N stored prompts'
 prompt's boundary and its history, as the engine does) with the real block writer, then times
 `SsdReader.better_than_ram` for fresh prompts (misses: the usual case for a new chat) and for
 stored ones (hits, the files read and verified), at each N: asking the disk for each tail name,
-and through the tail index an engine builds at start (engine/tail_index.py).
+and through the tail index an engine builds at start (engine/kv/tail_index.py).
 
     python benchmarks/ssd_lookup.py --stored 0,2000,10000
     python benchmarks/ssd_lookup.py --tree /tmp/old-checkout   # another tree's reader, same run

@@ -16,7 +16,7 @@ Every stamp is time.perf_counter_ns of one host (CLOCK_MONOTONIC), so the engine
 proxy's and this client's stamps compare directly.
 
 Two mlxd daemons run side by side: the step hand-off as it was (MLXD_EAGER_HANDOFF=1: the
-output thread woken at each step's end) and as it is (engine/step_handoff.py: woken when the
+output thread woken at each step's end) and as it is (engine/batch/handoff.py: woken when the
 MLX thread next waits on MLX); rounds of in-process, before and after are interleaved, so a
 busy machine slows all three alike, and each round's rate is also compared with the
 in-process round just before it.

@@ -61,7 +61,7 @@ def quiet_gc() -> Iterator[None]:
     during), every target alike, the in-process one included: this process holds the
     reference's model, tokenizer and libraries, whose full collection would land in whichever
     round it falls in. (It was tried first for the ~100 ms lags of some burst rounds; it did
-    not remove them: RESULTS.md section 23 says what did explain them.)"""
+    not remove them: benchmarks/HISTORY.md section 23 says what did explain them.)"""
     gc.collect()
     gc.disable()
     try:

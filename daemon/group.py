@@ -1,8 +1,7 @@
 """Which engines are served by a group of processes: `--shard NAME=tensor:N|pipeline:N`
 names a model alias (`--model-alias NAME=MODEL`), a model as given (path or repo id) or the id
-`/v1/models` lists for it (a directory's name); the engine for that model gets the
-layout in its launch struct and starts the group itself (`engine/kinds/group/leader.py`).
-Pure logic.
+`/v1/models` lists for it (a directory's name); the engine for that model gets the layout in
+its launch struct and starts the group itself (`engine/kinds/group/leader.py`). Pure logic.
 """
 
 from __future__ import annotations

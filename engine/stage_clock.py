@@ -1,5 +1,6 @@
 """The engine's side of the per-token stage clock (see `protocol/stage_trace.py`), installed
-only when MLXD_STAGE_TRACE is set.
+only when the hidden setting `stage_trace` (`MLXD_STAGE_TRACE=DIR`) is set; a request's stamps
+go through a `RequestClock`, a no-op (`NO_CLOCK`) when it is not.
 
 MLX thread: without a line in the runner, the step's boundaries are taken where mlx-lm makes
 them: the generator's `next` (in, out), and inside a decode step its graph built, dispatched,

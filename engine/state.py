@@ -9,10 +9,11 @@ Threads (one engine process, or one engine inside `mlxd serve` without --isolate
   sockets are never shared between threads). It decodes messages and dispatches them: requests
   to the admission lanes, aborts to the lanes and the runner, flushes and shutdowns to the
   lifecycle; it sends heartbeats and whatever is queued on `control_out`.
-- Admission lanes (`admit/lanes.AdmissionLanes`, two lanes): chat templates,
-  tokenization, checks, SSD reads. A prepared request is handed over under the lanes' lock:
-  its output state to the output thread (a `Registered` on `outq`), then its command to the
-  runner's inbox, in that order, so the output thread knows a request before its first token.
+- Admission lanes (`admit/lanes.AdmissionLanes`: two lanes, the small one up to four
+  threads): chat templates, tokenization, checks, SSD reads. A prepared request is handed over
+  under the lanes' lock: its output state to the output thread (a `Registered` on `outq`), then
+  its command to the runner's inbox, in that order, so the output thread knows a request before
+  its first token.
 - Output thread (`wire/output_thread.OutputThread`): the PUSH socket to the proxy and every
   request's output state (detokenizer, stop strings, splitters): it alone creates, reads and
   drops them. It sends one `StepOutput` per batch of queued work and the `EngineStatus`.

@@ -90,7 +90,7 @@ _NATIVE_U32_LE = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 def token_bytes(tokens: list[int] | tuple[int, ...] | np.ndarray) -> bytes:
     """Token ids as u32 little-endian, the bytes every key hashes (`array` builds them from a
-    Python sequence ~4x faster than numpy)."""
+    Python sequence faster than numpy does)."""
     if _NATIVE_U32_LE and not isinstance(tokens, np.ndarray):
         return array.array("I", tokens).tobytes()
     return np.asarray(tokens, dtype="<u4").tobytes()
@@ -142,7 +142,7 @@ def block_path(ns_dir: Path, parent: bytes, n_tokens: int, key: bytes) -> Path:
 
 
 def block_file(ns_dir: str, parent: bytes, n_tokens: int, key: bytes) -> str:
-    """`block_path` as a string, for hot paths (a Path costs ~20 us to build and test here)."""
+    """`block_path` as a string, for hot paths (a Path costs more to build and test)."""
     return os.path.join(ns_dir, parent.hex()[:2], block_name(parent, n_tokens, key))
 
 

@@ -6,7 +6,7 @@ CPython's cyclic collector still walks the whole old heap in every full collecti
 collection runs on whichever thread allocates: in an engine, often the MLX thread in the middle
 of a step's graph build. `gc.freeze()` after start-up moves that heap to a generation the
 collector never scans, as vLLM's engine does after its start-up; young objects are collected as
-before. The hidden setting `gc_freeze` (`MLXD_GC_FREEZE=0`) leaves the collector as it is, for
+usual. The hidden setting `gc_freeze` (`MLXD_GC_FREEZE=0`) leaves the collector as it is, for
 benchmarks' comparisons (figures: benchmarks/RESULTS.md, "Start-up heap freeze").
 """
 

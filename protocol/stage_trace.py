@@ -45,7 +45,7 @@ ENGINE_STAGES = (
     "read_back",  # GenerationBatch._step returned (tokens read back as Python ints)
     "next_out",  # BatchGenerator.next returned (mlx-lm's stop matching, responses)
     "put",  # the runner put the step's tokens on the output queue
-    "handed_off",  # ... which woke the output thread (engine/step_handoff.py: deferred)
+    "handed_off",  # ... which woke the output thread (engine/batch/handoff.py: deferred)
     "taken",  # output thread: began on the step
     "detokenized",  # this row's token detokenized, stop strings matched, delta built
     "encoded",  # the StepOutput msgpack-encoded

@@ -1,9 +1,9 @@
 """The proxy's side of the per-token stage clock (see `protocol/stage_trace.py`), used only
-when MLXD_STAGE_TRACE is set: the engine client stamps each token's arrival
-(`arrived`), a streaming route its handler, chunk and write (`StreamTrace`); a request's
-records are written when its stream ends. Only the OpenAI routes carry a `StreamTrace` (the
-benchmark's dialect); the other dialects' tokens keep their arrival stamps only until the
-proxy forgets them with their request."""
+when the hidden setting `stage_trace` is on (`MLXD_STAGE_TRACE=DIR`): the engine client stamps
+each token's arrival (`arrived`), a streaming route its handler, chunk and write
+(`StreamTrace`); a request's records are written when its stream ends. Only the OpenAI routes
+carry a `StreamTrace` (the benchmark's dialect); the other dialects' tokens keep their arrival
+stamps only until the proxy forgets them with their request."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""Where requests are prepared (chat template, tokenization, checks, SSD restore): two threads
-of their own, never the I/O thread, which must keep answering aborts, flushes and heartbeats.
-Small prompts go to one lane and large ones to the other, so a request with a 12 MiB prompt
-never holds up a small one. The small lane has up to four threads where the machine has the
-cores: a burst of requests is then prepared side by side (tokenizers and the SSD tier's file
-checks release the GIL), not one after the other. A small-lane thread that finds more requests
-waiting takes them with it (up to BATCH_MAX) and prepares them together (`prompt_batch`: one
-chat template and tokenizer call for all), handing each over as soon as it is ready.
+"""Where requests are prepared (chat template, tokenization, checks, SSD restore): two lanes
+of threads of their own, never the I/O thread, which must keep answering aborts, flushes and
+heartbeats. Small prompts go to one lane and large ones to the other, so a request with a
+12 MiB prompt never holds up a small one. The small lane has up to four threads where the
+machine has the cores: a burst of requests is then prepared side by side (tokenizers and the
+SSD tier's file checks release the GIL), not one after the other. A small-lane thread that
+finds more requests waiting takes them with it (up to BATCH_MAX) and prepares them together
+(`prompt_batch`: one chat template and tokenizer call for all), handing each over as soon as
+it is ready.
 
 A request cancelled while it waits or is being prepared never reaches the MLX thread: the
 handover to the runner and a cancellation are decided under one lock.

@@ -4,9 +4,8 @@ texts (the Rust tokenizer's batch, the GIL released), instead of a call each.
 
 Apart from what it saves in Python per request, it keeps a burst's lane threads from taking the
 GIL from each other (and from the I/O thread still receiving the burst) at every step of every
-request: on the H200 host a 32-request burst queued a median 4 ms (p90 11) for the lanes, and
-its last request was ready 9 ms after it arrived one at a time, 5 ms batched
-(benchmarks/RESULTS.md section 24).
+request, so a burst's requests queue for the lanes for less and its last request is ready
+sooner (benchmarks/RESULTS.md, "First token of a burst").
 The tokens are transformers' own (`apply_chat_template` of a list of conversations renders each
 and tokenizes the texts in one call, as it does one).
 

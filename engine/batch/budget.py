@@ -1,5 +1,5 @@
 """How many sequences an engine decodes at once (`--batch auto`), from the memory it may use
-for KV cache. Pure logic: the engine passes the figures in (engine/runner.py applies it).
+for KV cache. Pure logic: the engine passes the figures in (engine/batch/runner.py applies it).
 
 A request is admitted into the running batch only if the KV it may come to hold (its prompt
 plus its `max_tokens`, at most the context) fits beside what the running rows may come to
@@ -10,7 +10,7 @@ memory) and a reserve. A new share re-derives the budget from the figures measur
 (`rebudget`); a share too small for the configured prefix cache trims the cache.
 So the batch grows while requests are short and shrinks as contexts get long, and no
 admission can push the machine into swap. `--batch N` is an explicit cap on top of it.
-`batch/sizing.py` measures the figures at load; the runner's admission applies the rules.
+`engine/batch/sizing.py` measures the figures at load; the runner's admission applies the rules.
 """
 
 from __future__ import annotations

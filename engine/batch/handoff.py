@@ -1,13 +1,12 @@
 """When the MLX thread hands a step's tokens to the output thread: at the next moment it lets
 go of the GIL for MLX, not at once.
 
-A step's tokens used to be put on the output queue as soon as they were read back, which woke
-the output thread while the MLX thread went on in Python (the runner's loop, then the next
-step's graph build, both holding the GIL). The woken thread then competed for the GIL with
-the very work the next token waits on, and on a busy machine its wake-up preempted the MLX
-thread (benchmarks/stage_costs.py measured both: the loop between steps took ~170 µs instead
-of ~50 µs here, and the output thread got the GIL only ~700 µs after the put anyway, when the
-next step's `mx.async_eval` released it).
+A step's tokens put on the output queue as soon as they are read back would wake the output
+thread while the MLX thread goes on in Python (the runner's loop, then the next step's graph
+build, both holding the GIL). The woken thread then competes for the GIL with the very work the
+next token waits on, and on a busy machine its wake-up preempts the MLX thread, while it gets
+the GIL only when the next step's `mx.async_eval` releases it anyway (`benchmarks/stage_costs.py`
+compares both; figures: benchmarks/HISTORY.md section 14).
 
 So `StepOutbox` holds a step's `StepTokens` (no wake-up) until the MLX thread next calls into
 MLX from mlx-lm's generate module or the speculative step (`mx.async_eval` / `mx.eval`, which
@@ -15,20 +14,20 @@ release the GIL while the device works), takes a command from its inbox (work be
 step: admissions, aborts, embeddings, a flush's copies) or blocks on it (idle): the output thread
 wakes exactly when the GIL is free, and its detokenizing, encoding and sending overlap the
 device's work instead of the next step's Python. A row's `RequestStarted` is held the same
-way: an admission loop of 64 requests woke the output thread 64 times, each wake-up taking the
-GIL from the loop (on this project's CPU, the inserts of a 64-request burst took about 0.36 ms
-each, median, and 0.21 ms once held; `benchmarks/burst.py`). A put of anything else from the
-MLX thread releases what is held first, so the output thread sees the MLX thread's items in
-order.
+way: otherwise an admission loop of 64 requests wakes the output thread 64 times, each wake-up
+taking the GIL from the loop (`benchmarks/burst.py`; figures: benchmarks/HISTORY.md section 22).
+A put of anything else from the MLX thread releases what is held first, so the output thread
+sees the MLX thread's items in order.
 Items put by other threads (admission, flushes, embeddings) go through at once.
 
 A step that carries a row's first token (its `RequestStarted` went before) or a row's end is
-put at once, as before: holding it would add one graph build to the time to first token and to
-the request's end (on this CPU with the default model, 15-19 ms), while for the tokens between
-the delay changes nothing a user sees (the same interval, shifted).
+put at once: holding it would add one graph build to the time to first token and to the
+request's end, while for the tokens between the delay changes nothing a user sees (the same
+interval, shifted).
 
 The hidden setting `eager_handoff` (`MLXD_EAGER_HANDOFF=1`) puts every step at once, for
-benchmarks/stage_costs.py's before/after comparison.
+benchmarks/stage_costs.py's comparison of the two (the default's figures: benchmarks/RESULTS.md,
+"Per-stage costs of a stream").
 """
 
 from __future__ import annotations

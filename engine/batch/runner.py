@@ -107,7 +107,9 @@ class Runner:
 
     def run(self) -> None:
         # Every MLX op of the loop in the generator's stream: the cache tiers' views of a lent
-        # prefix are then made on the stream that prefills with them (not cross-stream inputs).
+        # prefix are then made on the stream that prefills with them (not cross-stream inputs,
+        # which slow a burst's prefill: benchmarks/RESULTS.md, "Burst prefill with short
+        # cached prefixes").
         with mx.stream(self._gen.stream):
             self._loop()
 

@@ -4,10 +4,11 @@ the processor runs only on its own row of the batch.
 
 The mask for step k depends on the token sampled at step k-1, which mlx-lm's step has not read
 back yet when it calls the processors of step k. So the mask work is ordered to keep the device
-busy (`steps.py`): the step's forward pass is started first, then the previous
-tokens of every constrained row are read in one synchronisation, all rows' masks are computed
-together on llguidance's worker threads (GIL released) while the device runs that forward pass,
-and the masks become one boolean array for all rows (unpacked on a GPU from the packed bits).
+busy (`steps.py`): the step's forward pass is built first, then the previous tokens of every
+constrained row are read in one synchronisation, all rows' masks are computed together on
+llguidance's worker threads (GIL released) while this thread dispatches that forward pass and
+the device runs it, and the masks become one boolean array for all rows (unpacked on a GPU from
+the packed bits).
 """
 
 from __future__ import annotations

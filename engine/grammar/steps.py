@@ -3,9 +3,9 @@
 mlx-lm's step k builds the forward pass on the tokens sampled at step k-1 (still being computed
 on the device), calls the logits processors, samples, starts the evaluation (`async_eval`) and
 only then reads back the tokens of step k-1. A grammar row needs its token k-1 to compute its
-mask for step k, so a processor that simply reads it (as this engine did before) leaves the
-device idle from the end of step k-1 until the whole step k is submitted, and pays one
-synchronisation, one mask and one host-side unpack per row.
+mask for step k, so a processor that simply reads it leaves the device idle from the end of
+step k-1 until the whole step k is submitted, and pays one synchronisation, one mask and one
+host-side unpack per row.
 
 The runner's hook (`GrammarSteps.step`, around `BatchGenerator.next`) finds the constrained
 rows of the running batch and the lazy array of their previous tokens. Once the forward pass
@@ -22,21 +22,23 @@ of step k is built (as lazy ops), the first of those rows whose processor is cal
    the packed bits travel; by numpy on the CPU backend); each row's processor then applies
    its own row of it where the step samples.
 
-The order before (`MLXD_GRAMMAR_ORDER=dispatch-first`, kept for comparisons) dispatched the
-forward pass first and filled the masks after it, one after the other on the host: on the
-H200 at batch 32 that cost constrained rows a quarter of their rate against free ones (0.74-0.76
-of free decoding), the new order 0.89-0.90 (`benchmarks/constrained.py --before-env`,
-RESULTS.md section 21). On a device-bound step the wait of 1. comes before the dispatch, but
-the device then waits only for the consumption of 2., not for the host's dispatch.
+The other order (the hidden setting `grammar_order`, `MLXD_GRAMMAR_ORDER=dispatch-first`, for
+comparisons) dispatches the forward pass first and fills the masks after it, one after the other
+on the host, which on a GPU at a large batch costs constrained rows much more of their rate
+against free ones (`benchmarks/constrained.py --before-env`; figures: benchmarks/HISTORY.md
+section 21; the cost at the default: benchmarks/RESULTS.md, "Constrained decoding vs free").
+On a device-bound step the wait of 1. comes before the dispatch, but the device then waits only
+for the consumption of 2., not for the host's dispatch.
 
 When every processor of the batch is one of these grammars (the usual case: constrained rows
 beside free ones), mlx-lm's per-row processor loop is skipped as well: the forward pass's logits
 are masked for the whole batch in one op (`WholeBatchMask`; free rows' mask rows allow all).
 
 The tokens and masks are exactly those of the per-row path, so greedy and seeded outputs do not
-change. Free rows of the batch wait for no more than they did (less: one wait instead of one per
-constrained row). Rows the hook did not see (a row's first step, processors wrapped by another,
-a generator whose internals differ) take the per-row path in `processor.py`.
+change. Free rows of the batch wait for no more than on the per-row path (less: one wait
+instead of one per constrained row). Rows the hook did not see (a row's first step, processors
+wrapped by another, a generator whose internals differ) take the per-row path in
+`processor.py`.
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class GrammarSteps:
 class WholeBatchMask:
     """The step's forward pass masks its logits for the whole batch in one op, and mlx-lm's
     per-row processor loop is skipped: a slice, a context update and a mask per row, then a
-    concatenation, graph ops that cost the host about 0.1 ms per row and step on a GPU. Only
+    concatenation, graph ops that cost the host time per row and step on a GPU (figures:
+    benchmarks/HISTORY.md section 15). Only
     for a batch whose processors are all the plan's grammars. The processors are taken away
     when the forward pass runs, not before: what decides before it (a lone row's speculation)
     still sees that the rows are constrained, and if it does not call the forward pass,

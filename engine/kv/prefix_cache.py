@@ -46,8 +46,9 @@ class RestoredPrefix:
 class _Node:
     """A radix-tree node: `edge` is the run of tokens from its parent to it, so a path of
     thousands of tokens that no other entry shares is one node, matched by one slice
-    comparison at C speed (a node per token cost ~0.8 us a token to insert on the CPU this
-    was measured on: 8.8 ms of the MLX thread for a 10,000-token conversation)."""
+    comparison at C speed (a node per token makes the MLX thread's insert grow with every
+    token of a long conversation: benchmarks/RESULTS.md, "KV cache tiers", and
+    benchmarks/HISTORY.md section 17)."""
     __slots__ = ("edge", "children", "entry", "any_entry")
 
     def __init__(self, edge: tuple[int, ...], any_entry: Entry | None) -> None:

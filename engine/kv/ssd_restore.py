@@ -87,8 +87,8 @@ class SsdReader:
         """The longest tail block (a partial span) after `parent` that matches `rest`: the
         name each length would have is computed and looked up, longest first, in the tail
         index once its scan has ended, else on disk (at most `block_tokens - 1` lookups however
-        many blocks the disk holds; listing the directory instead cost admission milliseconds
-        per request once thousands of prompts had been stored, and grew with every one)."""
+        many blocks the disk holds; listing the directory instead costs admission time that
+        grows with every prompt stored: benchmarks/HISTORY.md section 16)."""
         if not rest:
             return None
         if self.tails is not None and self.tails.ready.is_set():

@@ -127,9 +127,9 @@ class SsdTier:
                  run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
                  ctx: zmq.Context, endpoint: str, device_staging: bool = False) -> None:
         """`device_staging`: blocks are gathered on the device before the host reads them
-        (on CUDA a host read moves an array's buffer to managed memory; staging was meant to
-        avoid that, and measured no better: benchmarks/RESULTS.md, "SSD write-behind on
-        CUDA"); by default the storage thread reads the entries' arrays themselves."""
+        (on CUDA a host read moves an array's buffer to managed memory; staging avoids that,
+        for no measured gain: benchmarks/RESULTS.md, "SSD write-behind on CUDA"); by default
+        the storage thread reads the entries' arrays themselves."""
         self.layout = layout
         self.block_tokens = block_tokens
         self.namespace = namespace_key(description)
@@ -188,11 +188,11 @@ class SsdTier:
         queued. The MLX thread runs no kernel for it: it only makes sure the entries' arrays
         are evaluated (one `async_eval` for all, usually nothing left to do); the storage
         thread reads each block's span of them as host memory (unified memory: no copy) and
-        copies it into its shared-memory slot, so decoding never waits for a copy. Building a
-        contiguous array per block on the device instead took ~64 kernels a block: about 4 ms
-        of the MLX thread per finished request on the H200, 7 ms a block on the CPU backend
-        (`benchmarks/ssd_persist.py`). While the disk refuses writes, nothing is queued but
-        one probe block per backoff."""
+        copies it into its shared-memory slot, so decoding never waits for a copy. Gathering
+        the blocks on the device instead (`device_staging`) costs the MLX thread kernels for
+        every finished request, and on the CPU backend their copies too
+        (`benchmarks/ssd_persist.py`; figures: benchmarks/HISTORY.md sections 16 and 18).
+        While the disk refuses writes, nothing is queued but one probe block per backoff."""
         import mlx.core as mx
         blocks: list[_Block] = []
         for entry in entries:

@@ -3,15 +3,16 @@ looking a prompt up costs the admission lane no file-system call for its tail (r
 engine, on the admission lanes and the storage thread).
 
 A tail is found by the key each length of the prompt's rest would have: up to
-`block_tokens - 1` names, each an `os.path.exists` (~4 us here, more on a busy disk) when asked
-of the disk. Every short conversation is a tail under the namespace's root, so a miss, the
-usual case for a new chat, asked them all: a burst of 32 new chats spent ~30 ms of admission on
-it. The index answers with set lookups.
+`block_tokens - 1` names, each an `os.path.exists` (slower on a busy disk) when asked of the
+disk. Every short conversation is a tail under the namespace's root, so a miss, the usual case
+for a new chat, asks them all, and a burst of new chats queues on the disk for it (figures:
+benchmarks/RESULTS.md, "KV cache tiers", and benchmarks/HISTORY.md section 18). The index
+answers with set lookups.
 
 It is filled by a scan of the namespace's folders at start (on a thread: until it ends, the
-reader asks the disk as before) and by the engine's own writes as the storage worker confirms
-them. The storage worker evicts blocks without telling the engine, so an entry may name a file
-that is gone: the read finds out, and `discard` forgets it. Names no lookup meets again would
+reader asks the disk) and by the engine's own writes as the storage worker confirms them. The
+storage worker evicts blocks without telling the engine, so an entry may name a file that is
+gone: the read finds out, and `discard` forgets it. Names no lookup meets again would
 stay for good, so once the index holds far more tails than the disk holds blocks (the worker
 reports its count with every answer) it is rebuilt by a new scan, on a thread. A block written
 by another process after a scan is not seen until the next one (one engine writes a namespace

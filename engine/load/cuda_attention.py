@@ -4,22 +4,17 @@ MLX sends attention with more than one query token to cuDNN, and builds one cuDN
 exact shape of queries, keys and mask (`mlx/backend/cuda/scaled_dot_product_attention.cpp`,
 an LRU of 256). A served engine meets a new shape at almost every such call: each prefill of
 a prompt of a length not seen before, and each speculative verify pass (its key length is the
-row's whole context). On the H200 (`benchmarks/cuda_sdpa_shapes.py`, random 1.24B, bf16):
-
-| | cuDNN on | cuDNN off |
-|---|---|---|
-| prefill of ~400 tokens, new length | 88.7 ms | 11.8 ms |
-| the same, a length seen before | 9.0 ms | 8.7 ms |
-| verify pass of 1 + 3 tokens, new key length | 73.7 ms | 8.1 ms |
-| prefill of 4,096 tokens, length seen before | 56.3 ms | 63.1 ms |
+row's whole context). Each new shape pays for a graph build, many times the pass itself, while
+a shape seen before runs about as fast either way (`benchmarks/cuda_sdpa_shapes.py`; figures:
+benchmarks/RESULTS.md, "cuDNN attention on CUDA").
 
 A decode step is not affected: a batch's cache always passes an array mask, which MLX's cuDNN
 decoding path does not take. So engines turn cuDNN's fused attention off unless the user set
-`MLX_CUDA_USE_CUDNN_SDPA` themselves; the fused kernel's gain, at best 11 % on long prompts
-whose length repeats, does not pay for ~75 ms on every prompt whose length does not. MLX reads the
-variable once, at its first attention on the GPU, so this must run before the model's first
-forward pass. A sharded group's ranks get rank 0's value (`kinds/group/leader.py`). Other
-backends (Metal, CPU) do not read it.
+`MLX_CUDA_USE_CUDNN_SDPA` themselves: the fused kernel's gain, small at best, on long prompts
+whose length repeats does not pay for a graph build on every prompt whose length does not.
+MLX reads the variable once, at its first attention on the GPU, so this must run before the
+model's first forward pass. A sharded group's ranks get rank 0's value (`kinds/group/leader.py`).
+Other backends (Metal, CPU) do not read it.
 """
 
 from __future__ import annotations

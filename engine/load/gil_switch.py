@@ -4,10 +4,9 @@ MLX releases the GIL while `mx.eval`, `tolist()` and `item()` wait for a computa
 llguidance's mask fills. Taking it back, a thread must wait for whichever thread holds it to
 let go: a thread busy in Python (the output thread detokenizing a step's tokens, the I/O thread
 encoding messages, the proxy's event loop in the in-process mode) is only asked to after the
-interpreter's switch interval, 5 ms by default, longer than a whole decode step on a GPU. On
-this project's CPU machine (`benchmarks/gil_handback.py`), a 2.7 ms evaluation beside a busy
-thread took 7.9 ms at 5 ms and 3.0 ms at 0.2 ms; a 22 µs grammar mask fill took 5.3 ms and
-22 µs.
+interpreter's switch interval, 5 ms by default, longer than a whole decode step on a GPU, so a
+short evaluation or mask fill beside a busy thread can take the whole interval to come back
+(`benchmarks/gil_handback.py`; figures: benchmarks/HISTORY.md section 16).
 
 So the engine's process runs with a short interval; the hidden setting `gil_switch_us`
 (`MLXD_GIL_SWITCH_US`) sets another, for the benchmarks' comparisons.

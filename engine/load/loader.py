@@ -62,7 +62,7 @@ def resolve_model_dir(spec: str, cache_dir: Path, on_progress: ProgressFn | None
 
 
 def _cast_for_device(model: Any, dtype: str) -> None:
-    """On MLX's CPU backend float16 activations are ~30x slower than float32; run float32
+    """On MLX's CPU backend float16 activations are many times slower than float32; run float32
     there unless told otherwise. Quantized weights stay quantized."""
     if dtype == "auto":
         dtype = "float32" if mx.default_device() == mx.cpu else "native"

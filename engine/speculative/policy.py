@@ -72,11 +72,11 @@ EMA = 0.3  # weight of a new timing in the running means
 BACKOFF_MIN = 8  # plain steps before drafting is tried again, after it did not pay
 BACKOFF_MAX = 256
 # A step that could not have paid whatever was accepted pauses at least BACKOFF_MAX steps, and
-# twice as long each time it happens again, up to this. On the H200 a lone row's probe cost
-# about 110-160 ms (a 1.24B model, about one probe per 256-token request: 4-15 % of the
-# one-stream rate): MLX built a cuDNN attention graph for each new key length, which engines
-# now avoid (engine/cuda_attention.py, RESULTS.md sections 21-22); on a CPU with reference
-# BLAS every probe is still one.
+# twice as long each time it happens again, up to this: on a CPU with reference BLAS every
+# probe is one. On CUDA with cuDNN attention, which engines turn off
+# (engine/load/cuda_attention.py), every probe would also pay for a graph build at its new key
+# length (figures: benchmarks/RESULTS.md, "cuDNN attention on CUDA", and benchmarks/HISTORY.md
+# section 21).
 NEVER_PAYS_MAX = 4096
 
 

@@ -11,7 +11,7 @@ whenever the batch grows: a request arriving mid-way waits for one step at most.
 
 Rows never speculated: those with logits processors (penalties, grammars: each position
 would need the context of the drafts before it), those asking for log-probabilities, and a
-sampler whose per-position key (engine/sampling.py) cannot be rewound.
+sampler whose per-position key (engine/admit/sampling.py) cannot be rewound.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class DraftModelDrafter:
 
 
 def sampler_position(sampler: Callable[..., Any]) -> list[int] | None:
-    """The one-item list holding a seeded sampler's next position (engine/sampling.py's
+    """The one-item list holding a seeded sampler's next position (engine/admit/sampling.py's
     closure), so that positions sampled beyond the accepted drafts are given back."""
     code = getattr(sampler, "__code__", None)
     cells = getattr(sampler, "__closure__", None)

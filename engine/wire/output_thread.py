@@ -43,7 +43,7 @@ class OutputThread:
         self.end_row = end_row  # a request its stop string ended: its row is freed
         self.token_text = token_text
         self.outputs: dict[str, RequestOutput] = {}  # this thread's alone
-        self.trace: Any = None  # stage_trace.OutputTrace under MLXD_STAGE_TRACE
+        self.trace: Any = None  # stage_clock.OutputTrace under the stage clock
         if stage_trace.ON:
             from mlxd.engine.stage_clock import attach
             self.trace = attach()

@@ -6,8 +6,8 @@ extract_cache, next, close; and the start-up probes, `ProbeModel`) to the follow
 makes it. A `Follower` makes the same calls in the same order on its own generator over its
 shard of the model, so the collectives inside the model meet: every rank runs the same steps
 in lockstep. Samplers are rebuilt on each follower from the request's sampling parameters
-(seeded per position, `sampling.py`), and the logits every rank samples from are the same
-(the all-reduce gives every rank the same sums), so every rank picks the same token.
+(seeded per position, `engine/admit/sampling.py`), and the logits every rank samples from are
+the same (the all-reduce gives every rank the same sums), so every rank picks the same token.
 
 KV reuse: when rank 0 starts a row from cached KV (its RAM prefix cache, or a prefill group's
 prompt), the command names the cached tokens; the follower takes its own shard of that KV from

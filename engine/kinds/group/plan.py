@@ -124,7 +124,7 @@ class GroupPlan:
         and MLX_HOSTFILE (ring; None: written on the remote host by the start script) or
         NCCL's rendezvous at rank 0 and the rank's GPU (the n-th of `visible`, this
         machine's CUDA_VISIBLE_DEVICES, counting the ranks on the same host); and
-        `attention`, rank 0's MLX_CUDA_USE_CUDNN_SDPA (engine/cuda_attention.py), so that
+        `attention`, rank 0's MLX_CUDA_USE_CUDNN_SDPA (engine/load/cuda_attention.py), so that
         every rank runs the same attention kernels (a remote shell inherits nothing)."""
         env = {"MLX_RANK": str(rank)}
         if attention is not None:
