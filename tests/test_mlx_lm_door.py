@@ -6,18 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import start_daemon
-from support.harness import Daemon
+from conftest import start_daemon, stop_and_check
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
-
-def _finish(d: Daemon) -> None:
-    try:
-        assert d.stop() == 0, d.log()
-        d.assert_clean()
-    finally:
-        d.cleanup()
 
 
 def test_an_engine_on_an_untested_mlx_lm_fails_at_start_in_one_line(tiny_model, tmp_path: Path):
@@ -43,4 +35,4 @@ def test_an_engine_on_an_untested_mlx_lm_fails_at_start_in_one_line(tiny_model, 
         lines = [line for line in d.lines if "model failed to load" in line]
         assert len(lines) == 1 and "Traceback" not in d.log()
     finally:
-        _finish(d)
+        stop_and_check(d)

@@ -5,20 +5,19 @@ passes take more than tokens), a burst's prompts tokenized together, `--kv-bits`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from mlxd.engine.admit.prepare import Admitted, Answered, prepare, refused
-from mlxd.engine.batch.runner import Runner
 from mlxd.engine.kinds.base import Features, KindName, Lookup, ProgressFn, Weights
+from mlxd.engine.kinds.defaults import SingleProcessKind
 from mlxd.engine.kinds.text.lora import LoraSet, apply_adapters, mark_prompt, unmarked_processors
 from mlxd.engine.load.loader import load_model
 from mlxd.engine.state import LoadedModel
-from mlxd.protocol.messages import EngineStatus, Generate
+from mlxd.protocol.messages import Generate
 from mlxd.protocol.models import adapters_of, model_id
 from mlxd.protocol.settings import EngineLaunch
 
 
-class TextKind:
+class TextKind(SingleProcessKind):
     name: KindName = "text"
 
     def __init__(self, launch: EngineLaunch) -> None:
@@ -52,7 +51,7 @@ class TextKind:
         index = lora.index(msg.adapter) if lora is not None else None
         if lora is None or index is None:
             return refused(msg.request_id, f"{model_id(self.launch.model)} has no adapter "
-                                 f"{msg.adapter[:200]!r}")
+                                           f"{msg.adapter[:200]!r}")
         vocab = lora.vocab
         result = prepare(msg, model, lambda p: lookup.restore(mark_prompt(p, index, vocab)),
                          received_at)
@@ -64,15 +63,3 @@ class TextKind:
     def ssd_namespace(self) -> str:
         # what each adapter index means: blocks computed under one are keyed apart
         return f"|lora {self.lora.identity()}" if self.lora is not None else ""
-
-    def status(self, status: EngineStatus) -> EngineStatus:
-        return status
-
-    def runner_class(self) -> type[Runner]:
-        return Runner
-
-    def probe_model(self, model: Any, loaded: LoadedModel) -> Any:
-        return model
-
-    def close(self) -> None:
-        pass

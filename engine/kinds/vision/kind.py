@@ -6,13 +6,12 @@ mlxd does not make its caches (no `--kv-bits`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from mlxd.engine.admit.prepare import Admitted, Answered
-from mlxd.engine.batch.runner import Runner
 from mlxd.engine.kinds.base import Features, KindName, Lookup, ProgressFn, Weights
+from mlxd.engine.kinds.defaults import SingleProcessKind
 from mlxd.engine.kinds.text.lora import AdapterError
 from mlxd.engine.kinds.vision.model import load_vision
 from mlxd.engine.kinds.vision.prompt import VisionAdmission
@@ -24,7 +23,7 @@ from mlxd.protocol.settings import EngineLaunch
 FEATURES = Features(speculative=False, prompt_batch=False, kv_quant=False)
 
 
-class VisionKind:
+class VisionKind(SingleProcessKind):
     name: KindName = "vision"
     features = FEATURES
 
@@ -45,17 +44,5 @@ class VisionKind:
         assert self.admission is not None  # requests come once the model is loaded
         return self.admission.prepare(msg, model, lookup, received_at)
 
-    def ssd_namespace(self) -> str:
-        return ""
-
     def status(self, status: EngineStatus) -> EngineStatus:
         return msgspec.structs.replace(status, capabilities=[*status.capabilities, "vision"])
-
-    def runner_class(self) -> type[Runner]:
-        return Runner
-
-    def probe_model(self, model: Any, loaded: LoadedModel) -> Any:
-        return model
-
-    def close(self) -> None:
-        pass
