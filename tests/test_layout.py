@@ -291,3 +291,21 @@ def test_the_environment_read_check_finds_reads():
                      'b = os.getenv("MLXD_Y")\nc = os.environ["MLXD_Z"]\n'
                      'd = "MLXD_W" in os.environ\n')
     assert set(_environment_reads(tree)) == {"MLXD_X", "MLXD_Y", "MLXD_Z", "MLXD_W"}
+
+
+def test_every_package_folder_is_packaged():
+    """A non-editable install (a wheel) holds only the packages pyproject.toml lists: every
+    folder of the product with modules is one, with its `__init__.py`, and is listed."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(project["packages"])
+    roots = {name: folder for name, folder in project["package-dir"].items()}
+    found = set()
+    for name, folder in roots.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.parent.relative_to(ROOT / folder)
+            if "__pycache__" in rel.parts:
+                continue
+            assert (path.parent / "__init__.py").exists(), f"{path.parent} has no __init__.py"
+            found.add(".".join([name, *rel.parts]))
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
