@@ -33,6 +33,7 @@ class RowTable:
     def __init__(self) -> None:
         self._by_uid: dict[int, Row] = {}
         self._by_rid: dict[str, Row] = {}
+        self.logprob_uids: set[int] = set()  # rows asking for log-probabilities
 
     def __len__(self) -> int:
         return len(self._by_uid)
@@ -43,6 +44,8 @@ class RowTable:
     def add(self, row: Row) -> None:
         self._by_uid[row.uid] = row
         self._by_rid[row.request_id] = row
+        if row.logprobs >= 0:
+            self.logprob_uids.add(row.uid)
 
     def get(self, uid: int) -> Row | None:
         return self._by_uid.get(uid)
@@ -54,6 +57,7 @@ class RowTable:
         row = self._by_uid.pop(uid, None)
         if row is not None:
             del self._by_rid[row.request_id]
+            self.logprob_uids.discard(uid)
         return row
 
     def request_ids(self) -> list[str]:
@@ -65,6 +69,7 @@ class RowTable:
     def clear(self) -> None:
         self._by_uid.clear()
         self._by_rid.clear()
+        self.logprob_uids.clear()
 
 
 @dataclass

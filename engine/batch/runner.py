@@ -434,7 +434,7 @@ class Runner:
         try:
             with self._grammar.step(self._gen):
                 prompt_responses, responses = (self._gen.next() if self.spec is None else
-                                               self.spec.next(self._gen, self._logprob_uids()))
+                                               self.spec.next(self._gen, self.rows.logprob_uids))
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
             self._fail_all(f"generation step failed: {e}", held=False)
@@ -494,10 +494,6 @@ class Runner:
         c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         self._count_rows()
         self._outbox.put(StepTokens(rows, logprobs))
-
-    def _logprob_uids(self) -> set[int]:
-        """Rows asking for log-probabilities (never speculated)."""
-        return {row.uid for row in self.rows if row.logprobs >= 0}
 
     def _publish_prompt(self, row: Row) -> None:
         """A leader's prompt is in its cache: store that boundary, admit its followers."""
