@@ -1,7 +1,7 @@
 """Does a short cached prefix make a burst's prefill slower? (issue 14, HISTORY.md section 18).
 mlx-lm's BatchGenerator in this process, N prompts sharing a head of --prefix tokens, inserted
 at once: without caches, and with the head's KV lent to every row (or half of them) as the
-runner lends a RAM-tier hit (`kv_quant.lend`); time until every row's first token.
+runner lends a RAM-tier hit (`codec.CacheCodec.lend`); time until every row's first token.
 
 --where says where the lent arrays were before the burst, as the KV tiers leave them:
 `device` (computed there, never read by the host), `host-read` (then read through numpy by the
@@ -37,7 +37,7 @@ def main() -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxd.engine.kv import quant as kv_quant
+    from mlxd.engine.kv.codec import CacheCodec
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", choices=sorted(throughput.SHAPES))
     ap.add_argument("--model-dtype", default="float32")
@@ -59,6 +59,11 @@ def main() -> None:
                mx.contiguous(c.values[..., :args.prefix, :])) for c in held]
     mx.eval(layers)
 
+    codec = CacheCodec.for_model(model)
+
+    def lend_rows(layers: list[tuple[Any, Any]], n: int, quant: Any) -> list[Any]:
+        return codec.lend(layers, [], n, quant)
+
     def placed(where: str) -> list[tuple[Any, Any]]:
         """Fresh copies of the head's KV, left where `where` says (see the module text)."""
         out = [(k + 0, v + 0) for k, v in layers]
@@ -79,7 +84,7 @@ def main() -> None:
     def lend(n: int, where: str) -> list[Any]:
         if where.startswith("views"):
             return lend_views(n, where == "views-gen")
-        return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in placed(where)],
+        return lend_rows([(k[..., :n, :], v[..., :n, :]) for k, v in placed(where)],
                              n, None)
 
     def lend_views(n: int, in_gen_stream: bool) -> list[Any]:
@@ -91,9 +96,9 @@ def main() -> None:
         mx.eval(longer)
         if in_gen_stream:
             with mx.stream(generation_stream):
-                return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in longer],
+                return lend_rows([(k[..., :n, :], v[..., :n, :]) for k, v in longer],
                                      n, None)
-        return kv_quant.lend([(k[..., :n, :], v[..., :n, :]) for k, v in longer], n, None)
+        return lend_rows([(k[..., :n, :], v[..., :n, :]) for k, v in longer], n, None)
 
     def run(cached_tokens: int, share: float, n_rows: int, where: str) -> float:
         from mlx_lm.generate import BatchGenerator

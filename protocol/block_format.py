@@ -15,6 +15,15 @@ File: ROOT/<namespace>/<parent[:2]>/<parent>-<n_tokens>-<key>.blk
 The header records the bits and the group size (0, 0: unquantized) and a reader checks them
 against its own: a block of other bits is a miss, never misread. (The namespace, the keys'
 root, names them too, so an engine set to other bits does not even find such a block.)
+
+Models with fixed-size state layers (sliding windows, recurrent states) store only their
+append-only layers in blocks (`Layout.n_layers` counts those) and the state layers as snapshot
+files beside them, one per position a snapshot was taken at:
+  ROOT/<namespace>/<parent[:2]>/<parent>-<n_tokens>-<snap key>.snp
+named like the block (full or tail) that ends at that position, with `snap_key(key)` for its
+key; same header (flag SNAPSHOT, the payload's length and hash) and token ids; payload: per
+state layer, as `SnapLayout` says (a ring's last min(position, window) tokens of K then V,
+(kv_heads, tokens, head_dim); a recurrent layer's arrays, each whole), C order.
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ HEADER = struct.Struct("<8sHHIIIII BBH4x 32s32s32s Q32s")
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 STORED_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}  # numpy's
+
+
+TAIL, SNAPSHOT = 1, 2  # header flags
+BLOCK_SUFFIX, SNAP_SUFFIX = ".blk", ".snp"
 
 
 class BadBlock(Exception):
@@ -79,6 +92,59 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, repr_omit_defaults=Tr
 
     def payload_bytes(self, n_tokens: int) -> int:
         return self.n_layers * self.layer_bytes(n_tokens)
+
+
+class SnapLeaf(msgspec.Struct, frozen=True, array_like=True):
+    """One state layer as a snapshot stores it: a ring (`kind` "ring": heads, head sizes,
+    window, dtype) or a recurrent layer's arrays (`kind` "arrays": each slot's shape without
+    the batch axis and dtype; an empty shape and dtype for a slot the layer leaves None)."""
+    kind: str
+    dtype: str = ""  # the ring's (an MLX dtype name)
+    kv_heads: int = 0
+    k_head_dim: int = 0
+    v_head_dim: int = 0
+    window: int = 0
+    shapes: list[list[int]] = []
+    dtypes: list[str] = []
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4, "int64": 8}
+
+
+class SnapLayout(msgspec.Struct, frozen=True, array_like=True):
+    """The state layers of a model, in order, as snapshot files store them."""
+    leaves: list[SnapLeaf]
+
+    def arrays(self, position: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(dtype, shape) of every array a snapshot at `position` stores, in order."""
+        out: list[tuple[str, tuple[int, ...]]] = []
+        for leaf in self.leaves:
+            if leaf.kind == "ring":
+                t = min(position, leaf.window)
+                out += [(leaf.dtype, (leaf.kv_heads, t, leaf.k_head_dim)),
+                        (leaf.dtype, (leaf.kv_heads, t, leaf.v_head_dim))]
+            else:
+                out += [(d, tuple(sh)) for sh, d in zip(leaf.shapes, leaf.dtypes, strict=True)
+                        if d]
+        return out
+
+    def payload_bytes(self, position: int) -> int:
+        return sum(_ITEMSIZE[d] * int(np.prod(sh)) for d, sh in self.arrays(position))
+
+    def max_bytes(self) -> int:
+        return self.payload_bytes(max([leaf.window for leaf in self.leaves] + [1]))
+
+
+def snap_key(key: bytes) -> bytes:
+    """The key of the snapshot taken where the block `key` ends (apart from the block's own,
+    so the store's index by key holds both)."""
+    return blake3.blake3(b"mlxd-snapshot\0" + key).digest()
+
+
+def snap_file(ns_dir: str, parent: bytes, n_tokens: int, key: bytes) -> str:
+    """The snapshot taken where the block (`parent`, `n_tokens`, `key`) ends."""
+    return os.path.join(ns_dir, parent.hex()[:2],
+                        f"{parent.hex()}-{n_tokens}-{snap_key(key).hex()}{SNAP_SUFFIX}")
 
 
 def namespace_key(description: str) -> bytes:
@@ -146,9 +212,10 @@ def block_file(ns_dir: str, parent: bytes, n_tokens: int, key: bytes) -> str:
     return os.path.join(ns_dir, parent.hex()[:2], block_name(parent, n_tokens, key))
 
 
-def parse_name(name: str) -> tuple[str, int, str] | None:
-    """(parent hex, n_tokens, key hex) from a block file name."""
-    if not name.endswith(".blk"):
+def parse_name(name: str, suffixes: tuple[str, ...] = (BLOCK_SUFFIX, SNAP_SUFFIX)
+               ) -> tuple[str, int, str] | None:
+    """(parent hex, n_tokens, key hex) from a block (or snapshot) file name."""
+    if not name.endswith(suffixes):
         return None
     parts = name[:-4].split("-")
     if len(parts) != 3 or not parts[1].isdigit():
@@ -157,8 +224,10 @@ def parse_name(name: str) -> tuple[str, int, str] | None:
 
 
 def pack_header(layout: Layout, namespace: bytes, parent: bytes, key: bytes, tokens: list[int],
-                payload_hash: bytes, payload_len: int, tail: bool) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, 1 if tail else 0, len(tokens), layout.n_layers,
+                payload_hash: bytes, payload_len: int, tail: bool, snapshot: bool = False
+                ) -> bytes:
+    flags = (TAIL if tail else 0) | (SNAPSHOT if snapshot else 0)
+    head = HEADER.pack(MAGIC, VERSION, flags, len(tokens), layout.n_layers,
                        layout.kv_heads, layout.k_head_dim, layout.v_head_dim,
                        DTYPE_CODES[layout.dtype], layout.kv_bits, layout.kv_group_size,
                        namespace, parent, key, payload_len, payload_hash)
@@ -166,9 +235,10 @@ def pack_header(layout: Layout, namespace: bytes, parent: bytes, key: bytes, tok
 
 
 def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key: bytes,
-               tokens: list[int], verify: bool = True) -> memoryview:
+               tokens: list[int], verify: bool = True, snapshot_bytes: int = -1) -> memoryview:
     """The payload of a block file (a view of the bytes read), after checking everything that
-    can be checked."""
+    can be checked. `snapshot_bytes` (>= 0): a snapshot file of that payload size, whose key
+    is `snap_key(key)`."""
     try:
         data = path.read_bytes()
     except FileNotFoundError as e:
@@ -177,11 +247,15 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
         raise BadBlock(f"{path.name}: {e}") from e
     if len(data) < HEADER.size:
         raise BadBlock(f"{path.name}: truncated header")
-    (magic, version, _flags, n, n_layers, kv_heads, kd, vd, dtype, bits, group, ns, par, k, plen,
+    (magic, version, flags, n, n_layers, kv_heads, kd, vd, dtype, bits, group, ns, par, k, plen,
      phash) = HEADER.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         raise BadBlock(f"{path.name}: not a v{VERSION} block")
-    if (ns, par, k) != (namespace, parent, key):
+    snapshot = snapshot_bytes >= 0
+    if bool(flags & SNAPSHOT) != snapshot:
+        raise BadBlock(f"{path.name}: a {'block' if snapshot else 'snapshot'}, not a "
+                       f"{'snapshot' if snapshot else 'block'}")
+    if (ns, par, k) != (namespace, parent, snap_key(key) if snapshot else key):
         raise BadBlock(f"{path.name}: namespace, parent or key mismatch")
     if (n_layers, kv_heads, kd, vd, dtype) != (layout.n_layers, layout.kv_heads, layout.k_head_dim,
                                                layout.v_head_dim, DTYPE_CODES[layout.dtype]):
@@ -189,7 +263,7 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
     if (bits, group) != (layout.kv_bits, layout.kv_group_size):
         raise BadBlock(f"{path.name}: KV quantization mismatch (block: {bits} bits, group "
                        f"{group}; wanted {layout.kv_bits} bits, group {layout.kv_group_size})")
-    if n != len(tokens) or plen != layout.payload_bytes(n):
+    if n != len(tokens) or plen != (snapshot_bytes if snapshot else layout.payload_bytes(n)):
         raise BadBlock(f"{path.name}: size mismatch")
     start = HEADER.size + 4 * n
     if len(data) != start + plen:

@@ -217,6 +217,14 @@ class EngineStats(msgspec.Struct, array_like=True):
     # memory (1.0 alone; with --model-pool N, the part the supervisor granted it)
     kv_budget_bytes: int = 0
     memory_share: float = 1.0
+    # What the tiers hold of this model's cache (engine/kv/codec.py): its layers by kind
+    # ("kv 16", "kv 4, ring 12 (window 512)", "arrays 24"), the snapshots of state layers held
+    # in RAM, and a cache class mlxd cannot hold ("": none; then no tier holds anything).
+    # `weights_bytes` and `mlx_active_bytes` beside `ram_bytes` show what MLX holds besides.
+    cache_layers: str = ""
+    ram_snapshots: int = 0
+    cache_unsupported: str = ""
+    weights_bytes: int = 0
 
 
 # A prompt's text is refused before tokenizing when it has more characters than
@@ -391,6 +399,10 @@ class BlockWrite(msgspec.Struct, array_like=True):
     key: bytes
     tokens: list[int]
     tail: bool = False
+    # a state snapshot taken where this block ends (protocol/block_format.py): its payload is
+    # `nbytes` long and its file is `snap_file(..., key)`
+    snapshot: bool = False
+    nbytes: int = 0
 
 
 class StoreBlocks(_Msg, tag="store"):

@@ -17,7 +17,7 @@ import zmq
 
 from mlxd.protocol import codec, exit_codes, faults, shm
 from mlxd.protocol.addresses import Endpoints, identity
-from mlxd.protocol.block_format import block_path, pack_header, parse_name
+from mlxd.protocol.block_format import block_path, pack_header, parse_name, snap_file, snap_key
 from mlxd.protocol.messages import (
     Heartbeat,
     Hello,
@@ -138,13 +138,19 @@ class StorageWorker:
             self.store.scan()  # the cache dir is back (remounted, recreated): index it again
         for i, b in enumerate(msg.blocks):
             n = len(b.tokens)
-            size = layout.payload_bytes(n)
+            size = b.nbytes if b.snapshot else layout.payload_bytes(n)
+            if not 0 < size <= msg.slot_bytes:  # an engine's bug: never read past a slot
+                log.error("dropped a block of %d bytes for slots of %d", size, msg.slot_bytes)
+                continue
             payload = seg.buf[b.slot * msg.slot_bytes: b.slot * msg.slot_bytes + size]
             try:
                 digest = blake3.blake3(payload).digest()
-                header = pack_header(layout, msg.namespace, b.parent, b.key, b.tokens, digest,
-                                     size, b.tail)
-                wrote = self.store.write(block_path(ns_dir, b.parent, n, b.key), [header, payload])
+                key = snap_key(b.key) if b.snapshot else b.key
+                header = pack_header(layout, msg.namespace, b.parent, key, b.tokens, digest,
+                                     size, b.tail, b.snapshot)
+                path = Path(snap_file(str(ns_dir), b.parent, n, b.key)) if b.snapshot \
+                    else block_path(ns_dir, b.parent, n, b.key)
+                wrote = self.store.write(path, [header, payload])
             except (OSError, faults.FaultInjected) as e:
                 # The disk refused: the rest of this message is not tried (it would be refused
                 # alike); the engine backs off and probes later.

@@ -106,7 +106,7 @@ def test_the_index_answers_as_a_brute_force_search_does(seed):
                 assert hit is None and chosen is None
             else:
                 assert hit is not None and chosen is not None
-                layers, n = hit
+                layers, n = hit.layers, hit.n
                 assert n == want and chosen.tokens[:n] == tuple(prompt[:n])
                 assert layers[0][0].reshape(-1).tolist() == prompt[:n]  # the prompt's KV
                 assert (layers[0][1] == -layers[0][0]).all()
@@ -121,10 +121,11 @@ def test_a_lookup_leaves_one_token_to_feed_and_trims_a_longer_entry():
     cache = PrefixCache(10**6)
     cache.insert([1, 2, 3, 4, 5, 6], layers_for((1, 2, 3, 4, 5, 6)), 6)
     assert cache.lookup([1, 2, 3, 4, 5, 6]) is not None
-    layers, n = cache.lookup([1, 2, 3, 4, 5, 6])  # type: ignore[misc]
-    assert n == 5 and layers[0][0].reshape(-1).tolist() == [1, 2, 3, 4, 5]
-    layers, n = cache.lookup([1, 2, 3, 9])  # type: ignore[misc]
-    assert n == 3 and layers[0][0].reshape(-1).tolist() == [1, 2, 3]
+    hit = cache.lookup([1, 2, 3, 4, 5, 6])
+    assert hit is not None and hit.n == 5
+    assert hit.layers[0][0].reshape(-1).tolist() == [1, 2, 3, 4, 5]
+    hit = cache.lookup([1, 2, 3, 9])
+    assert hit is not None and hit.n == 3 and hit.layers[0][0].reshape(-1).tolist() == [1, 2, 3]
     assert cache.lookup([7, 1, 2]) is None and cache.lookup([1]) is None
     assert cache.stats.hits == 3 and cache.stats.misses == 2
 
@@ -137,7 +138,7 @@ def test_a_prefix_shorter_than_min_tokens_is_a_miss_that_touches_nothing():
     assert (cache.stats.hits, cache.stats.misses) == (0, 1)
     assert next(iter(cache._lru.values())) is a  # still the least recently used
     got = cache.lookup([1, 2, 3, 9], min_tokens=3)
-    assert got is not None and got[1] == 3 and cache.stats.hits == 1
+    assert got is not None and got.n == 3 and cache.stats.hits == 1
     assert next(reversed(cache._lru.values())) is a  # a hit touches it
 
 

@@ -15,6 +15,7 @@ from mlxd.engine.batch.burst import GROUP_MIN_CACHED_GPU
 from mlxd.engine.batch.messages import AddRequest, StepTokens
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.kv import quant as kv_quant
+from mlxd.engine.kv.codec import CacheCodec
 from mlxd.engine.load.loader import load_model
 from support.runner_drive import run_one, run_together
 
@@ -102,7 +103,8 @@ def test_logits_after_restore_equal_live_logits(model):
     # restore: new cache objects over copies of the stored K/V (what an SSD restore builds)
     layers = [(np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :]))
               for c in live]
-    restored = kv_quant.lend([(mx.array(k), mx.array(v)) for k, v in layers], len(prompt), None)
+    restored = CacheCodec.for_model(m).lend([(mx.array(k), mx.array(v)) for k, v in layers], [],
+                                            len(prompt), None)
     nxt = mx.array([[int(mx.argmax(logits_live))]])
     a = m(nxt, cache=live)[:, -1]
     b = m(nxt, cache=restored)[:, -1]

@@ -1,45 +1,82 @@
 """What the runner hands to the KV tiers: a finished request's history and its prompt
 boundary into the RAM tier (and from there to the SSD tier), a prompt a leader prefilled for
-its followers, generation checkpoints (SSD only). On the MLX thread; the SSD tier's share is
-queued during a step and handed over in one call once its tokens are out."""
+its followers, the state snapshots a prompt leaves on its way (models with fixed-size state
+layers), generation checkpoints (SSD only). On the MLX thread; the SSD tier's share is
+queued during a step and handed over in one call once its tokens are out.
+
+Everything stored is evaluated when it is stored (`mx.async_eval`): what a tier holds is then
+its own arrays, not a graph that keeps the batch it was cut from alive (`codec.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from mlxd.engine.kv import quant as kv_quant
+import mlx.core as mx
+
+from mlxd.engine.kv.codec import CacheCodec, Held, State, kv_nbytes, kv_slice, nbytes, state_arrays
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache
 
 
 class Publisher:
-    def __init__(self, cache: PrefixCache,
+    def __init__(self, cache: PrefixCache, codec: CacheCodec,
                  persist: Callable[[list[Entry]], Any] | None) -> None:
         """`persist(entries)` queues KV entries' blocks for the SSD tier (None: no tier)."""
         self.cache = cache
+        self.codec = codec
         self.persist = persist
         self._pending: list[Entry] = []  # this step's new RAM entries, persisted at its end
 
-    def history(self, tokens: list[int], cache: list[Any], prompt_len: int = 0) -> None:
-        """A request's history into the RAM tier; to the SSD tier both the history and the
-        prompt boundary (a tail block ending with the prompt), so that repeating the same
-        prompt after a restart is served whole, not just its full blocks."""
-        held = kv_quant.cache_layers(cache, len(tokens)) if tokens else None
+    def history(self, tokens: list[int], cache: list[Any], prompt_len: int = 0,
+                snaps: dict[int, list[State]] | None = None) -> None:
+        """A request's history into the RAM tier, with the snapshots its row took on the way
+        (`snaps`, by position); to the SSD tier the history and the prompt boundary (a tail
+        block ending with the prompt, or its snapshot), so that repeating the same prompt
+        after a restart is served whole, not just its full blocks."""
+        held = self.codec.take(cache, len(tokens)) if tokens else None
         if held is None:
             return
-        layers, n = held
-        entry = self.cache.insert(list(tokens[:n]), layers, kv_quant.kv_nbytes(layers))
+        n = held.n
+        states: dict[int, list[State]] = {}
+        if self.codec.has_state:
+            states = {p: s for p, s in (snaps or {}).items() if 0 < p < n}
+            states[n] = held.states
+        entry = self.store(list(tokens[:n]), held.layers, states)
         if self.persist is None:
             return
         if entry is not None and not entry.persisted:
             self._pending.append(entry)
+        elif entry is None and states:  # too big for RAM: the SSD tier may still take it
+            self._pending.append(Entry(tuple(tokens[:n]), held.layers, 0, states=states))
         # One token short of the prompt: a lookup uses at most len(prompt) - 1 tokens (one is
-        # always fed), so this is the boundary the same prompt, repeated, can use whole.
+        # always fed), so this is the boundary the same prompt, repeated, can use whole. (A
+        # model with state layers has its snapshot there among `states`.)
         cut = prompt_len - 1
-        if 0 < cut < n:
-            boundary = [(kv_quant.kv_slice(k, cut), kv_quant.kv_slice(v, cut))
-                        for k, v in layers]
+        if not self.codec.has_state and 0 < cut < n:
+            boundary = [(kv_slice(k, cut), kv_slice(v, cut)) for k, v in held.layers]
             self._pending.append(Entry(tuple(tokens[:cut]), boundary, 0))
+
+    def store(self, tokens: list[int], layers: list[tuple[Any, Any]],
+              states: dict[int, list[State]]) -> Entry | None:
+        """Into the RAM tier, evaluated (the arrays a tier counts are the arrays it holds)."""
+        mx.async_eval([a for k, v in layers for x in (k, v)
+                       for a in (x if isinstance(x, tuple) else (x,))]
+                      + [a for s in states.values() for a in state_arrays(s)])
+        return self.cache.insert(tokens, layers, kv_nbytes(layers), states,
+                                 {p: nbytes(state_arrays(s)) for p, s in states.items()})
+
+    def prompt_point(self, tokens: list[int], cache: list[Any]) -> list[State] | None:
+        """A row stopped at a snapshot point of its prompt (models with state layers): the
+        state layers' snapshot there, kept by the row until it ends; the SSD tier gets the
+        point now (its KV and its snapshot), so that a restarted engine resumes from it."""
+        held = self.codec.take(cache, len(tokens))
+        if held is None or held.n != len(tokens):
+            return None
+        mx.async_eval(state_arrays(held.states))
+        if self.persist is not None:
+            self._pending.append(Entry(tuple(tokens), held.layers, 0,
+                                       states={held.n: held.states}))
+        return held.states
 
     def checkpoints(self, extracted: list[tuple[list[Any], list[int]]]) -> int:
         """--generation-checkpoint: running requests' boundaries (prompt and generated so
@@ -48,11 +85,11 @@ class Publisher:
         assert self.persist is not None  # without it the runner takes none
         entries = []
         for cache, tokens in extracted:
-            held = kv_quant.cache_layers(cache, len(tokens))
+            held = self.codec.take(cache, len(tokens))
             if held is None:
                 continue
-            layers, n = held
-            entries.append(Entry(tuple(tokens[:n]), layers, 0))
+            entries.append(Entry(tuple(tokens[:held.n]), held.layers, 0,
+                                 states={held.n: held.states} if held.states else {}))
         self.persist(entries)
         return len(entries)
 
@@ -62,3 +99,21 @@ class Publisher:
             entries, self._pending = self._pending, []
             assert self.persist is not None
             self.persist(entries)
+
+
+def shared_prefix(codec: CacheCodec, cache: list[Any], tokens: list[int],
+                  snap: tuple[int, list[State]] | None) -> tuple[Held, list[int]] | None:
+    """What a prefill group's members start from, out of the leader's cache at its prompt's
+    end: its layers (and, with state layers, its snapshot one token short of the prompt,
+    `snap`: the position a member, fed its last token, can use)."""
+    if not codec.has_state:
+        held = codec.take(cache, len(tokens))
+        return None if held is None else (held, list(tokens[:held.n]))
+    if snap is None:
+        return None
+    p, states = snap
+    held = codec.take(cache, len(tokens), states=False)
+    if held is None or held.n < p:
+        return None
+    return Held(p, [(kv_slice(k, p), kv_slice(v, p)) for k, v in held.layers], states), \
+        list(tokens[:p])

@@ -27,6 +27,9 @@ class Row:
     prefilling: list[int] | None = None  # its prompt, while others may wait to share it
     followers: list[AddRequest] = field(default_factory=list)  # requests waiting for it
     leads: str = ""  # the prefill group whose prompt it prefills
+    # (models with state layers) prompt positions to snapshot on the way, and those taken
+    snap_at: frozenset[int] = frozenset()
+    snaps: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class RowTable:
@@ -81,4 +84,4 @@ class PrefillGroup:
     waiting: list[AddRequest]
     expected: int  # members still to arrive
     created: float
-    prefix: tuple[list[tuple[Any, Any]], list[int]] | None = None  # (KV, tokens) once prefilled
+    prefix: tuple[Any, list[int]] | None = None  # (codec.Held, tokens) once prefilled

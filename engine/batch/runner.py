@@ -38,11 +38,15 @@ from mlxd.engine.batch.messages import (
     StepTokens,
     StopRunner,
 )
-from mlxd.engine.batch.publish import Publisher
+from mlxd.engine.batch.publish import Publisher, shared_prefix
 from mlxd.engine.batch.rows import GROUP_TTL, PrefillGroup, Row, RowTable
+from mlxd.engine.batch.sizing import weight_bytes
 from mlxd.engine.grammar.steps import GrammarSteps
 from mlxd.engine.kv import quant as kv_quant
+from mlxd.engine.kv.codec import CacheCodec, Held, kv_slice, to_mx
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
+from mlxd.engine.kv.snapshot_points import segments, snapshot_points
+from mlxd.engine.kv.ssd_snapshots import states_from_host
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol import faults
@@ -53,6 +57,10 @@ log = logging.getLogger("mlxd.engine")
 
 
 class Runner:
+    # whether rows may stop at prompt snapshot points (a sharded group's generator replays
+    # plain inserts only: it snapshots histories' ends alone)
+    segmented = True
+
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
                  outbox: queue.Queue[Any], stream: Any = None, cache_bytes: int = 0,
                  persist: Callable[[list[Entry]], Any] | None = None,
@@ -86,11 +94,16 @@ class Runner:
         self._outbox = outbox
         self.rows = RowTable()
         self.counters = RunnerCounters()
-        cacheable = kv_quant.cacheable(model)  # plain or quantized KV (--kv-bits)
+        self.codec = CacheCodec.for_model(model)  # what the tiers can hold of its cache
+        self.weights_bytes = weight_bytes(model)
+        if not self.codec.supported:
+            log.warning("no KV cache tiers for this model: mlxd cannot hold its cache "
+                        "class %s", self.codec.unsupported)
         self._kv_quant = kv_quant.config_of(model)
         self._gpu = mx.default_device() == mx.gpu  # see burst.lend_floor
-        self.cache = PrefixCache(cache_bytes if cacheable else 0, on_evict=on_evict)
-        self._publish = Publisher(self.cache, persist)
+        self.cache = PrefixCache(cache_bytes if self.codec.supported else 0,
+                                 on_evict=on_evict, exact=self.codec.has_state)
+        self._publish = Publisher(self.cache, self.codec, persist)
         self._checkpoint_every = checkpoint_every if persist else 0
         self._groups: dict[str, PrefillGroup] = {}
         self._gen = self._new_generator()
@@ -248,7 +261,7 @@ class Runner:
         shrunk = b.kv_bytes + b.cache_bytes < (
             old.kv_bytes + self.cache.max_bytes if old else 0)
         self.gate.set_budget(b)
-        if kv_quant.cacheable(self._model):
+        if self.codec.supported:
             self.cache.resize(b.cache_bytes)
         if shrunk:
             mx.clear_cache()
@@ -302,9 +315,9 @@ class Runner:
         waiting, group.waiting = group.waiting, []
         if got is not None:
             cache, tokens = got
-            held = kv_quant.cache_layers(cache, len(tokens))
-            if held is not None:
-                group.prefix = (held[0], list(tokens[:held[1]]))
+            p = row.prompt_len - 1
+            snap = (p, row.snaps[p]) if p in row.snaps else None
+            group.prefix = shared_prefix(self.codec, cache, list(tokens), snap)
         if group.expected <= 0:
             del self._groups[name]
         for add in waiting:
@@ -328,6 +341,8 @@ class Runner:
     def _leader_for(self, add: AddRequest) -> Row | None:
         """A prefilling row sharing MIN_SHARED_PREFIX tokens beyond what the caches give
         `add` already (one slice comparison per candidate, at C speed)."""
+        if self.cache.exact:  # followers could use a leader's state only where it stops
+            return None
         cached = max(self.cache.peek(add.prompt), add.restored.tokens if add.restored else 0)
         need = cached + MIN_SHARED_PREFIX
         if need >= len(add.prompt):
@@ -336,12 +351,12 @@ class Runner:
         return next((row for row in self.rows
                      if row.prefilling is not None and row.prefilling[:need] == head), None)
 
-    def _insert(self, add: AddRequest,
-                shared: tuple[list[tuple[Any, Any]], list[int]] | None = None,
+    def _insert(self, add: AddRequest, shared: tuple[Held, list[int]] | None = None,
                 floor: int | None = None) -> Row:
-        """Into the batch, from the best prefix at hand: `shared` (a prefill group's KV and
-        its tokens), the SSD tier's restored blocks or the RAM tier's, if of `floor` tokens
-        or more (default: the `min_cached_tokens` setting)."""
+        """Into the batch, from the best prefix at hand: `shared` (a prefill group's layers
+        and its tokens), the SSD tier's restored blocks or the RAM tier's, if of `floor`
+        tokens or more (default: the `min_cached_tokens` setting). A model with state layers
+        stops at the prompt's snapshot points on the way (`snapshot_points.py`)."""
         prompt = add.prompt
         floor = self._min_cached if floor is None else floor
         cache, cached = None, 0
@@ -349,28 +364,37 @@ class Runner:
         hit = self.cache.lookup(prompt, floor) if self.cache.max_bytes else None
         if shared is not None:
             # as much as the prompts share, and one token at least is always fed
-            common = min(common_prefix(tuple(shared[1]), tuple(prompt)), len(prompt) - 1)
-            if common > 0 and (hit is None or common > hit[1]):
-                hit = (shared[0], common)
+            base, tokens = shared
+            common = min(common_prefix(tuple(tokens), tuple(prompt)), len(prompt) - 1)
+            if self.codec.has_state and common != base.n:
+                common = 0  # a state is usable only where it was taken
+            if common > 0 and (hit is None or common > hit.n):
+                hit = Held(common, [(kv_slice(k, common), kv_slice(v, common))
+                                    for k, v in base.layers], base.states)
         restored = add.restored
         if restored is not None and restored.tokens < floor:
             restored = None
-        if restored is not None and (hit is None or restored.tokens > hit[1]):
+        if restored is not None and (hit is None or restored.tokens > hit.n):
             n, dtype = restored.tokens, restored.dtype
-            layers = [(kv_quant.to_mx(k, dtype), kv_quant.to_mx(v, dtype))
-                      for k, v in restored.layers]
-            cache, cached, source = kv_quant.lend(layers, n, self._kv_quant), n, "ssd"
+            layers = [(to_mx(k, dtype), to_mx(v, dtype)) for k, v in restored.layers]
+            states = states_from_host(restored.states)
+            cache, cached, source = self.codec.lend(layers, states, n, self._kv_quant), n, "ssd"
             self.counters.ssd_restored_tokens += n
-            entry = self.cache.insert(prompt[:n], layers, kv_quant.kv_nbytes(layers))
+            entry = self._publish.store(prompt[:n], layers,
+                                        {n: states} if self.codec.has_state else {})
             if entry is not None:
                 entry.persisted = True  # it came from the SSD tier
         elif hit is not None:
-            layers, n = hit
+            n = hit.n
             # new cache objects over the stored buffers: the donor entry is never written
-            cache, cached, source = kv_quant.lend(layers, n, self._kv_quant), n, "ram"
+            cache, cached, source = self.codec.lend(hit.layers, hit.states, n,
+                                                    self._kv_quant), n, "ram"
+        points = snapshot_points(cached, len(prompt)) \
+            if self.codec.has_state and self.cache.max_bytes and self.segmented else []
         self.clock.inserted(add.request_id)
-        uid = self._gen.insert(
-            [prompt[cached:]],
+        insert = self._gen.insert_segments if points else self._gen.insert
+        uid = insert(
+            [segments(prompt, cached, points) if points else prompt[cached:]],
             max_tokens=[add.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]] if cached else None,
@@ -379,7 +403,7 @@ class Runner:
             stop_sequences=[self._stop_sequences],
         )[0]
         row = Row(uid, add.request_id, len(prompt), add.received_at, time.monotonic(),
-                  add.logprobs)
+                  add.logprobs, snap_at=frozenset(points))
         self.rows.add(row)
         c = self.counters
         c.prompt_tokens += len(prompt)
@@ -408,7 +432,7 @@ class Runner:
                 self._release_followers(row)
                 if row.uid in caches:
                     cache, tokens = caches[row.uid]
-                    self._publish.history(tokens, cache, row.prompt_len)
+                    self._publish.history(tokens, cache, row.prompt_len, row.snaps)
         self._outbox.put(RequestsRemoved(rids))
         self._publish.hand_over()
 
@@ -444,7 +468,11 @@ class Runner:
         c = self.counters
         c.steps += 1
         for pr in prompt_responses:
-            if not pr.end_of_prompt or (row := self.rows.get(pr.uid)) is None:
+            if not pr.end_of_segment or (row := self.rows.get(pr.uid)) is None:
+                continue
+            if not pr.end_of_prompt:
+                if row.snap_at:
+                    self._take_snapshot(row)
                 continue
             if row.leads:
                 self._share_group_prefix(row)
@@ -481,7 +509,7 @@ class Runner:
             finished.append(row.request_id)
             self._release_followers(row)
             if r.prompt_cache is not None and self.cache.max_bytes:
-                self._publish.history(r.all_tokens, r.prompt_cache, row.prompt_len)
+                self._publish.history(r.all_tokens, r.prompt_cache, row.prompt_len, row.snaps)
         logprobs: dict[str, TopLogprobs] | None = top_logprobs(wanted) if wanted else None
         if finished:
             self._release(finished)
@@ -494,6 +522,18 @@ class Runner:
         c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         self._count_rows()
         self._outbox.put(StepTokens(rows, logprobs))
+
+    def _take_snapshot(self, row: Row) -> None:
+        """The row stopped at the end of a prompt segment: the state layers' snapshot, if it
+        is one of its points (`snapshot_points.py`)."""
+        got = self._gen.extract_cache([row.uid]).get(row.uid)
+        if got is None:
+            return
+        cache, tokens = got
+        if len(tokens) in row.snap_at:
+            states = self._publish.prompt_point(list(tokens), cache)
+            if states is not None:
+                row.snaps[len(tokens)] = states
 
     def _publish_prompt(self, row: Row) -> None:
         """A leader's prompt is in its cache: store that boundary, admit its followers."""

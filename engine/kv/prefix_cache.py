@@ -3,6 +3,12 @@ byte-capped LRU. A hit lends the stored arrays (MLX arrays are immutable, so new
 over the same buffers leave the donor intact); nothing is deep-copied per hit, unlike mlx-lm's
 LRUPromptCache.
 
+A model whose cache is append-only KV in every layer is served at any prefix an entry shares
+with the prompt. A model with fixed-size state layers (sliding windows, recurrent states;
+`codec.py`) is `exact`: an entry holds snapshots of those layers at some positions of its
+tokens (`Entry.states`), and a hit is the longest of them the prompt starts with; the entry's
+append-only layers are sliced to it.
+
 The index (a radix tree of tokens) is guarded by a lock so that the I/O thread may ask how
 much a prompt would hit while the MLX thread inserts and evicts.
 """
@@ -12,35 +18,32 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-
-def kv_slice(x: Any, n: int) -> Any:
-    """The first `n` tokens of one layer's keys or values: an array (1, kv_heads, T, dim) or,
-    with --kv-bits, a triplet of them (packed, scales, biases; engine/kv/quant.py)."""
-    if isinstance(x, tuple):
-        return tuple(a[..., :n, :] for a in x)
-    return x[..., :n, :]
+from mlxd.engine.kv.codec import Held, State, kv_slice
 
 
 @dataclass(eq=False)
 class Entry:
     tokens: tuple[int, ...]
-    layers: list[tuple[Any, Any]]  # per layer (keys, values), each (1, kv_heads, T, head_dim)
-    #                                  or, quantized, a triplet (see kv_slice)
+    layers: list[tuple[Any, Any]]  # per append-only layer (keys, values), each (1, kv_heads,
+    #                                  T, head_dim) or, quantized, a triplet (see kv_slice)
     nbytes: int
     persisted: bool = False  # every block of it is on SSD (or queued there)
+    # state layers' snapshots by the position they were taken at (models with such layers)
+    states: dict[int, list[State]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
 class RestoredPrefix:
     """KV for a prompt's first `tokens` tokens, read from the SSD tier on an admission lane as
-    host arrays (per layer (keys, values), each (1, kv_heads, tokens, head_dim)); the MLX
-    thread turns them into MLX arrays."""
+    host arrays (per append-only layer (keys, values), each (1, kv_heads, tokens, head_dim),
+    and the state layers' snapshot at `tokens`); the MLX thread turns them into MLX arrays."""
     tokens: int
     layers: list[tuple[Any, Any]]
     dtype: str
+    states: list[Any] = field(default_factory=list)
 
 
 class _Node:
@@ -49,13 +52,14 @@ class _Node:
     comparison at C speed (a node per token makes the MLX thread's insert grow with every
     token of a long conversation: benchmarks/RESULTS.md, "KV cache tiers", and
     benchmarks/HISTORY.md section 17)."""
-    __slots__ = ("edge", "children", "entry", "any_entry")
+    __slots__ = ("edge", "children", "entry", "any_entry", "marks")
 
     def __init__(self, edge: tuple[int, ...], any_entry: Entry | None) -> None:
         self.edge = edge
         self.children: dict[int, _Node] = {}  # by their edge's first token
         self.entry: Entry | None = None  # the entry whose tokens end exactly here
         self.any_entry = any_entry  # some entry in this subtree: trimmable to any depth in it
+        self.marks: list[Entry] = []  # (exact caches) entries with a snapshot at this depth
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -86,8 +90,10 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, max_bytes: int,
-                 on_evict: Callable[[Entry], None] | None = None) -> None:
+                 on_evict: Callable[[Entry], None] | None = None, exact: bool = False) -> None:
+        """`exact`: hits only at the positions of entries' state snapshots (module doc)."""
         self.max_bytes = max_bytes
+        self.exact = exact
         self.on_evict = on_evict  # called before an entry is dropped (persist it first)
         self._root = _Node((), None)
         self._lru: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
@@ -98,6 +104,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    @property
+    def snapshots(self) -> int:
+        """State snapshots held (exact caches), over all entries."""
+        return sum(len(e.states) for e in list(self._lru.values()))
+
     # ------------------------------------------------------------------ lookup
 
     def _match(self, prompt: list[int] | tuple[int, ...]) -> tuple[Entry | None, int]:
@@ -106,7 +117,7 @@ class PrefixCache:
         limit = len(key) - 1
         node = self._root
         best: Entry | None = None
-        depth = 0
+        depth = best_depth = 0
         while depth < limit:
             child = node.children.get(key[depth])
             if child is None:
@@ -114,21 +125,26 @@ class PrefixCache:
             edge = child.edge
             n = min(common_prefix(key[depth:depth + len(edge)], edge), limit - depth)
             depth += n
-            best = child.any_entry  # every entry below shares the tokens matched so far
             if n < len(edge):
+                if not self.exact:
+                    best, best_depth = child.any_entry, depth
                 break
             node = child
-        return (best, depth) if best is not None else (None, 0)
+            if not self.exact:  # every entry below shares the tokens matched so far
+                best, best_depth = child.any_entry, depth
+            elif child.marks:
+                best, best_depth = child.marks[-1], depth
+        return (best, best_depth) if best is not None else (None, 0)
 
     def peek(self, prompt: list[int]) -> int:
         """How many prompt tokens a lookup would serve now (no LRU update)."""
         with self._lock:
             return self._match(prompt)[1]
 
-    def lookup(self, prompt: list[int], min_tokens: int = 0
-               ) -> tuple[list[tuple[Any, Any]], int] | None:
-        """Views of the cached K/V for the longest usable prefix, and its length; a prefix
-        shorter than `min_tokens` is a miss (not counted as a hit, its entry not touched)."""
+    def lookup(self, prompt: list[int], min_tokens: int = 0) -> Held | None:
+        """Views of the cached layers for the longest usable prefix (with the state layers'
+        snapshot there); a prefix shorter than `min_tokens` is a miss (not counted as a hit,
+        its entry not touched)."""
         with self._lock:
             entry, n = self._match(prompt)
             if entry is None or n < min_tokens:
@@ -136,25 +152,47 @@ class PrefixCache:
                 return None
             self._lru.move_to_end(entry.tokens)
             self.stats.hits += 1
+            states = entry.states.get(n, []) if self.exact else []
             if n == len(entry.tokens):
-                return list(entry.layers), n
-            return [(kv_slice(k, n), kv_slice(v, n)) for k, v in entry.layers], n
+                return Held(n, list(entry.layers), states)
+            return Held(n, [(kv_slice(k, n), kv_slice(v, n)) for k, v in entry.layers], states)
 
     # ------------------------------------------------------------------ insert / evict
 
-    def insert(self, tokens: list[int], layers: list[tuple[Any, Any]], nbytes: int) -> Entry | None:
-        if not tokens or nbytes > self.max_bytes:
+    def insert(self, tokens: list[int], layers: list[tuple[Any, Any]], nbytes: int,
+               states: dict[int, list[State]] | None = None,
+               state_bytes: dict[int, int] | None = None) -> Entry | None:
+        """`nbytes`: the append-only layers' bytes; (exact caches) `states` by position, each
+        of `state_bytes[position]` bytes. An entry already held for the same tokens takes the
+        snapshots it lacks."""
+        if not tokens:
+            return None
+        states, state_bytes = states or {}, state_bytes or {}
+        if self.exact and not states:
+            return None  # no position a hit could use
+        if nbytes + sum(state_bytes.values()) > self.max_bytes:
             return None
         key = tuple(tokens)
         with self._lock:
             old = self._lru.get(key)
             if old is not None:
                 self._lru.move_to_end(key)
-                return old
-            entry = Entry(key, layers, nbytes)
-            self._link(entry)
-            self._lru[key] = entry
-            self.nbytes += nbytes
+                new = {p: s for p, s in states.items() if p not in old.states}
+                if new:
+                    old.states.update(new)
+                    added = sum(state_bytes.get(p, 0) for p in new)
+                    old.nbytes += added
+                    self.nbytes += added
+                    old.persisted = False
+                    for p in new:
+                        self._ensure(key[:p], old).marks.append(old)
+                entry = old
+            else:
+                entry = Entry(key, layers, nbytes + sum(state_bytes.values()),
+                              states=dict(states))
+                self._link(entry)
+                self._lru[key] = entry
+                self.nbytes += entry.nbytes
             victims = self._evict_beyond(keep=1)  # the entry just inserted stays
         self._evicted(victims)
         return entry
@@ -189,9 +227,15 @@ class PrefixCache:
             return list(self._lru.values())
 
     def _link(self, entry: Entry) -> None:
-        """Under the lock: the entry's path made (an edge split where it leaves one), and the
-        entry recorded as one to trim for every node on it."""
-        key = entry.tokens
+        """Under the lock: the entry's path made (an edge split where it leaves one, and at
+        each of its snapshots), the entry recorded as one to trim for every node on it."""
+        self._ensure(entry.tokens, entry).entry = entry
+        for p in sorted(entry.states):
+            self._ensure(entry.tokens[:p], entry).marks.append(entry)
+
+    def _ensure(self, key: tuple[int, ...], entry: Entry) -> _Node:
+        """Under the lock: the node at the end of `key` (made, splitting an edge, if needed);
+        `entry`, whose tokens start with `key`, recorded as one to trim on the way."""
         node = self._root
         node.any_entry = entry
         depth = 0
@@ -210,7 +254,7 @@ class PrefixCache:
                 node.children[key[depth]] = child = head
             child.any_entry = entry
             node, depth = child, depth + n
-        node.entry = entry
+        return node
 
     def _unlink(self, entry: Entry) -> None:
         """Under the lock: the entry's node cleared, emptied nodes removed, and a node left
@@ -225,12 +269,15 @@ class PrefixCache:
             path.append(node)
             depth += len(node.edge)
         node.entry = None
+        for n in path:  # its snapshots' marks lie on its path
+            if entry in n.marks:
+                n.marks = [m for m in n.marks if m is not entry]
         for i in range(len(path) - 1, -1, -1):
             n = path[i]
             if n.any_entry is entry:
                 n.any_entry = n.entry or next(
-                    (c.any_entry for c in n.children.values()), None)
-            if i == 0 or n.entry is not None:
+                    (c.any_entry for c in n.children.values() if c.any_entry is not None), None)
+            if i == 0 or n.entry is not None or n.marks:
                 continue
             if not n.children:
                 del path[i - 1].children[n.edge[0]]
@@ -238,3 +285,4 @@ class PrefixCache:
                 (only,) = n.children.values()
                 n.edge += only.edge
                 n.children, n.entry, n.any_entry = only.children, only.entry, only.any_entry
+                n.marks = only.marks

@@ -14,8 +14,7 @@ This module adds the batched form and wires it in without touching the generator
   every cache the generator makes (and every forward pass through `make_prompt_cache`) stores
   quantized KV. Models whose cache is not a plain `KVCache` per layer (rotating windows,
   state-space arrays, ...) are refused at load time with a clear error (`KvQuantError`).
-- Helpers for the tiers: a layer's keys or values are an array (unquantized) or a triplet
-  (quantized); `kv_slice`, `kv_nbytes`, `cache_layers` and `lend` handle both.
+- The tiers hold a quantized layer's keys and values as triplets (`codec.py` handles both).
 
 No quantized_kv_start here (mlx-lm's generate keeps the first 5000 tokens unquantized): a row
 is quantized from its first token, so one layout holds for the whole batch and every tier.
@@ -28,9 +27,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, dynamic_roll
+from mlx_lm.models.cache import QuantizedKVCache, dynamic_roll
 
-from mlxd.engine.kv.prefix_cache import kv_slice
 from mlxd.engine.load.loader import ModelLoadError
 from mlxd.engine.mlx_lm_internals import BaseCache
 
@@ -312,47 +310,3 @@ def config_of(model: Any) -> tuple[int, int] | None:
     """(bits, group size) that `install` gave `model`, or None: unquantized."""
     q = getattr(model, "__dict__", {}).get("mlxd_kv_quant")
     return (q.bits, q.group_size) if isinstance(q, KvQuant) else None
-
-
-def cacheable(model: Any) -> bool:
-    """Whether the RAM and SSD tiers can hold this model's cache: plain or quantized KV."""
-    from mlx_lm.models.cache import make_prompt_cache
-    return all(type(c) in (KVCache, QuantizedRowCache) for c in make_prompt_cache(model))
-
-
-# ---------------------------------------------------------------------- layers for the tiers
-
-def kv_nbytes(layers: list[tuple[Any, Any]]) -> int:
-    return sum(a.nbytes for k, v in layers for x in (k, v)
-               for a in (x if isinstance(x, tuple) else (x,)))
-
-
-def cache_layers(cache: list[Any], tokens: int) -> tuple[list[tuple[Any, Any]], int] | None:
-    """Per layer (keys, values) of a row's cache, cut to what it holds of `tokens`, and that
-    count; None for a cache the tiers cannot hold."""
-    if not cache or any(type(c) not in (KVCache, QuantizedRowCache) or c.keys is None
-                        for c in cache):
-        return None
-    n = min(tokens, int(cache[0].offset))
-    return [(kv_slice(c.keys, n), kv_slice(c.values, n)) for c in cache], n
-
-
-def lend(layers: list[tuple[Any, Any]], n: int, quant: tuple[int, int] | None) -> list[Any]:
-    """New row caches over stored layers (the donor is never written)."""
-    out: list[Any] = []
-    for k, v in layers:
-        if quant is not None:
-            c: Any = QuantizedRowCache(group_size=quant[1], bits=quant[0])
-        else:
-            c = KVCache()
-        c.keys, c.values, c.offset = k, v, n
-        out.append(c)
-    return out
-
-
-def to_mx(x: Any, dtype: str) -> Any:
-    """Host arrays read from the SSD tier as MLX arrays (a triplet: packed, scales, biases)."""
-    if isinstance(x, tuple):
-        return (mx.array(x[0]), *(to_mx(a, dtype) for a in x[1:]))
-    arr = mx.array(x)
-    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr

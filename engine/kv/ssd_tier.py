@@ -17,6 +17,10 @@
 - Restore: `ssd_restore.SsdReader` (`self.reader`), on the admission lanes; it finds tails
   through `self.tails` (`tail_index.TailIndex`), which the storage thread's confirmed
   writes keep current.
+- State snapshots (sliding-window and recurrent layers, `codec.py`): an entry's snapshot at a
+  position goes as one more "block" (`ssd_snapshots.py`), beside the append-only layers'
+  blocks and the tail block ending there; the reader restores the newest snapshot the prompt
+  reaches with the blocks before it.
 - Wiring: `open_ssd_tier` derives the block layout and the namespace from the loaded model.
 """
 
@@ -39,14 +43,18 @@ import zmq
 from mlxd.engine.kv.prefix_cache import Entry
 from mlxd.engine.kv.ssd_health import Admit, Change, Refusal, WriteHealth
 from mlxd.engine.kv.ssd_restore import SsdReader
-from mlxd.engine.kv.tail_index import TailIndex
+from mlxd.engine.kv.ssd_snapshots import fits, state_parts
+from mlxd.engine.kv.tail_index import TailIndex, snapshots
 from mlxd.protocol import codec, shm
 from mlxd.protocol.block_format import (
     KvDtype,
     Layout,
+    SnapLayout,
     block_file,
     block_spans,
     namespace_key,
+    snap_file,
+    snap_key,
 )
 from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
 from mlxd.protocol.settings import EngineLaunch
@@ -94,6 +102,7 @@ class _Block:
     staged: Any = None  # device staging: the call's staging array, this block's bytes at
     offset: int = 0  # `offset` (`parts` is then None)
     nbytes: int = 0
+    whole: bool = False  # a snapshot: each of `parts` whole, one after the other
 
 
 @dataclass
@@ -101,6 +110,7 @@ class _Pending:
     sent_at: float
     keys: list[bytes] = field(default_factory=list)
     tail: tuple[bytes, int, bytes] | None = None  # (parent, tokens, key) of a tail block
+    snap: tuple[bytes, int, bytes] | None = None  # (parent, tokens, snap key) of a snapshot
 
 
 def weights_digest(model_dir: Path) -> str:
@@ -125,7 +135,8 @@ class _ReclaimAll:
 class SsdTier:
     def __init__(self, *, root: Path, layout: Layout, description: str, block_tokens: int,
                  run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
-                 ctx: zmq.Context, endpoint: str, device_staging: bool = False) -> None:
+                 ctx: zmq.Context, endpoint: str, device_staging: bool = False,
+                 snap_layout: SnapLayout | None = None) -> None:
         """`device_staging`: blocks are gathered on the device before the host reads them
         (on CUDA a host read moves an array's buffer to managed memory; staging avoids that,
         for no measured gain: benchmarks/RESULTS.md, "SSD write-behind on CUDA"); by default
@@ -136,7 +147,9 @@ class SsdTier:
         self.ns_dir = root / self.namespace.hex()[:16]
         self.verify = verify
         self.engine_id, self.epoch = engine_id, epoch
-        self.slot_bytes = layout.payload_bytes(block_tokens)
+        self.snap_layout = snap_layout  # None: a model without state layers
+        self.slot_bytes = max(layout.payload_bytes(block_tokens),
+                              snap_layout.max_bytes() if snap_layout else 0)
         self.segment = shm.segment_name(run_dir, engine_id, epoch)
         self._shm = shm.create(run_dir, self.segment, self.slot_bytes * slots)
         self._free: queue.Queue[int] = queue.Queue()
@@ -154,9 +167,13 @@ class SsdTier:
         self.device_staging = device_staging
         self.tails = TailIndex(block_tokens)
         self.tails.scan_in_background(self.ns_dir)
+        self.snaps = snapshots(block_tokens) if snap_layout else None
+        if self.snaps is not None:
+            self.snaps.scan_in_background(self.ns_dir)
         self.reader = SsdReader(self.namespace, self.ns_dir, layout, block_tokens, verify,
                                 self.stats, lambda names: self._out.put(
-                                    TouchBlocks(self.namespace, names)), self.tails)
+                                    TouchBlocks(self.namespace, names)), self.tails,
+                                self.snaps, snap_layout)
         self._thread = threading.Thread(target=self._client_loop, name="engine-ssd", daemon=True)
         self._thread.start()
 
@@ -175,13 +192,29 @@ class SsdTier:
 
     # ------------------------------------------------------------------ write-behind (MLX thread)
 
-    def _missing(self, entry: Entry) -> list[tuple[int, int, bytes, bytes]]:
+    def _missing(self, entry: Entry) -> list[tuple[int, int, bytes, bytes, int]]:
+        """(start, end, parent, key, snapshot position or -1) of the entry's blocks and
+        snapshots the disk lacks: the append-only layers' blocks of its tokens, and for each
+        of its snapshots the snapshot and the tail block ending where it was taken."""
         # os.path.exists: False on any OSError (an unreadable folder: the write then fails in
         # the worker and the tier degrades), where Path.exists raises on some, on the MLX thread
         ns_dir = str(self.ns_dir)
-        return [(s, e, p, k) for s, e, p, k in self._blocks_of(entry.tokens)
-                if k not in self._queued_keys
-                and not os.path.exists(block_file(ns_dir, p, e - s, k))]
+        kv = self.layout.n_layers > 0
+        out = [(s, e, p, k, -1) for s, e, p, k in (self._blocks_of(entry.tokens) if kv else [])
+               if k not in self._queued_keys
+               and not os.path.exists(block_file(ns_dir, p, e - s, k))]
+        for pos in sorted(entry.states) if self.snap_layout else []:
+            if not 0 < pos <= len(entry.tokens):
+                continue
+            s, e, p, k = self._blocks_of(entry.tokens[:pos])[-1]
+            if kv and pos < len(entry.tokens) and e - s < self.block_tokens \
+                    and k not in self._queued_keys \
+                    and not os.path.exists(block_file(ns_dir, p, e - s, k)):
+                out.append((s, e, p, k, -1))
+            if snap_key(k) not in self._queued_keys \
+                    and not os.path.exists(snap_file(ns_dir, p, e - s, k)):
+                out.append((s, e, p, k, pos))
+        return out
 
     def persist_all(self, entries: list[Entry]) -> int:
         """Queue the entries' missing blocks for the storage worker; return how many were
@@ -200,10 +233,11 @@ class SsdTier:
         if not blocks:
             return 0
         try:
-            if self.device_staging:
-                mx.async_eval(self._stage_on_device(blocks))
-            else:
-                mx.async_eval(list({id(a): a for b in blocks for a in b.parts}.values()))
+            plain = [b for b in blocks if not b.whole]
+            if self.device_staging and plain:
+                mx.async_eval(self._stage_on_device(plain))
+            mx.async_eval(list({id(a): a for b in blocks if b.parts is not None
+                                for a in b.parts}.values()))
         except Exception as e:  # e.g. no device memory left: these blocks fail, not the step
             log.exception("staging KV blocks for the SSD tier failed")
             for entry in entries:
@@ -222,9 +256,11 @@ class SsdTier:
         with self._idle:
             for b in blocks:
                 w = b.write
+                key = snap_key(w.key) if w.snapshot else w.key
                 self._pending[b.slot] = _Pending(
-                    time.monotonic(), [w.key],
-                    (w.parent, len(w.tokens), w.key) if w.tail else None)
+                    time.monotonic(), [key],
+                    (w.parent, len(w.tokens), w.key) if w.tail and not w.snapshot else None,
+                    (w.parent, len(w.tokens), key) if w.snapshot else None)
 
     def _stage(self, entry: Entry) -> list[_Block]:
         """The entry's missing blocks that get a slot now (marks it persisted if all do)."""
@@ -242,15 +278,29 @@ class SsdTier:
         self.stats.skipped_degraded += len(todo) - len(chosen)
         blocks = []
         parts = self._host_parts(entry)
-        for start, end, parent, key in chosen:
+        for start, end, parent, key, pos in chosen:
+            snap: list[Any] | None = None
+            if pos >= 0:
+                states = entry.states[pos]
+                assert self.snap_layout is not None
+                if not fits(states, self.snap_layout, pos):
+                    log.warning("a snapshot at %d does not match the model's layout: not "
+                                "stored", pos)
+                    continue
+                snap = state_parts(states)
             try:
                 slot = self._free.get_nowait()
             except queue.Empty:
                 self.stats.skipped_no_slot += 1
                 continue
-            blocks.append(_Block(slot, parts, start, end, BlockWrite(
-                slot, parent, key, list(entry.tokens[start:end]),
-                tail=end - start < self.block_tokens)))
+            write = BlockWrite(slot, parent, key, list(entry.tokens[start:end]),
+                               tail=end - start < self.block_tokens)
+            if snap is not None:
+                write.snapshot, write.nbytes = True, sum(a.nbytes for a in snap)
+                blocks.append(_Block(slot, snap, start, end, write, whole=True))
+                self._queued_keys.add(snap_key(key))
+                continue
+            blocks.append(_Block(slot, parts, start, end, write))
             self._queued_keys.add(key)
         if admit is Admit.PROBE and blocks:
             with self._idle:
@@ -323,6 +373,14 @@ class SsdTier:
             if views is None:
                 views = host[id(b.parts)] = [np.asarray(a) for a in b.parts]
             off = b.slot * self.slot_bytes
+            if b.whole:  # a snapshot: its arrays whole
+                for a in views:
+                    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                    np.ndarray(flat.shape, dtype=np.uint8, buffer=self._shm.buf,
+                               offset=off)[...] = flat
+                    off += flat.nbytes
+                b.parts = None
+                continue
             for a in views:
                 span = a[0, :, b.start:b.end, :]
                 np.ndarray(span.shape, dtype=span.dtype, buffer=self._shm.buf,
@@ -482,6 +540,8 @@ class SsdTier:
                     self._free.put(slot)
                     if p.tail is not None and not done.failed:  # on disk now (or already)
                         self.tails.add(*p.tail)
+                    if p.snap is not None and self.snaps is not None and not done.failed:
+                        self.snaps.add(*p.snap)
             self._idle.notify_all()
         s.error = f"{current.code}: {current.message}" if current else None
         if change is Change.DEGRADED and current:
@@ -512,31 +572,39 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
     or no shared memory). The namespace names everything a block's bytes depend on;
     `kind_part` is what the engine's kind adds (an adapter set, a shard)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxd.engine.kv.quant import QuantizedRowCache, config_of
+    from mlxd.engine.kv.codec import CacheCodec
+    from mlxd.engine.kv.quant import config_of
+    from mlxd.engine.kv.ssd_snapshots import snap_layout
     from mlxd.engine.load.loader import resolve_model_dir
     from mlxd.protocol.models import model_id
     if launch.ssd_root is None or not endpoint:
         return None
     probe = make_prompt_cache(model)
-    if not all(type(c) in (KVCache, QuantizedRowCache) for c in probe):
-        log.info("this model's cache is not a plain KV cache: no SSD tier")
+    cache_codec = CacheCodec(probe)
+    if not cache_codec.supported:
+        log.info("no SSD tier: mlxd cannot hold this model's cache class %s",
+                 cache_codec.unsupported)
         return None
     model(mx.array([[0]]), cache=probe)
-    k, v = probe[0].keys, probe[0].values
+    leaves = cache_codec.leaves(probe)
+    kv = [leaves[i] for i in cache_codec.appends]
     quant = config_of(model)  # --kv-bits: blocks hold the quantized triplets as they are
     bits, group = quant if quant is not None else (0, 0)
-    if quant is not None:  # (packed, scales, biases): the head size is the scales' times group
-        k, v = k[1], v[1]
     kv_dtypes: dict[Any, KvDtype] = {mx.float32: "float32", mx.float16: "float16",
                                     mx.bfloat16: "bfloat16"}
-    dtype = kv_dtypes.get(k.dtype)
-    if dtype is None:
-        log.info("this model's KV dtype %s has no block format: no SSD tier", k.dtype)
+    shapes = set()
+    for c in kv:  # (packed, scales, biases): the head size is the scales' times group
+        k, v = (c.keys[1], c.values[1]) if quant is not None else (c.keys, c.values)
+        shapes.add((k.shape[1], k.shape[3] * (group or 1), v.shape[3] * (group or 1),
+                    kv_dtypes.get(k.dtype)))
+    if len(shapes) > 1 or None in {sh[3] for sh in shapes}:
+        log.info("no SSD tier: this model's KV layers differ in shape or dtype (%s)", shapes)
         return None
-    layout = Layout(len(probe), k.shape[1], k.shape[3] * (group or 1), v.shape[3] * (group or 1),
-                    dtype, bits, group)
+    heads, kd, vd, dtype = shapes.pop() if shapes else (0, 0, 0, "float32")
+    layout = Layout(len(kv), heads, kd, vd, dtype, bits, group)
+    snaps = snap_layout(cache_codec, probe)
     block_tokens = launch.settings.block_tokens
     digest = weights_digest(resolve_model_dir(launch.model, Path(launch.cache_dir)))
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # missing from mlx's stubs
@@ -544,6 +612,8 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
                    f"mlx {mlx_version}|{layout}")
     if quant is not None:  # also in the layout above; named here too, plainly
         description += f"|kv {bits} bits, group {group}"
+    if snaps is not None:  # a model with state layers: its snapshots' layout too
+        description += f"|states {cache_codec.describe()}|{snaps}"
     description += kind_part
     try:
         return SsdTier(root=Path(launch.ssd_root), layout=layout, description=description,
@@ -551,7 +621,8 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
                        engine_id=launch.engine_id, epoch=launch.epoch,
                        slots=launch.settings.kv_slots, verify=launch.settings.ssd_cache_verify,
                        ctx=ctx, endpoint=endpoint,
-                       device_staging=launch.tuning.ssd_staging == "device")
+                       device_staging=launch.tuning.ssd_staging == "device",
+                       snap_layout=snaps)
     except OSError as e:
         log.error("no SSD tier: cannot create shared memory: %s", e)
         return None

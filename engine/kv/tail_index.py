@@ -17,6 +17,9 @@ stay for good, so once the index holds far more tails than the disk holds blocks
 reports its count with every answer) it is rebuilt by a new scan, on a thread. A block written
 by another process after a scan is not seen until the next one (one engine writes a namespace
 at a time).
+
+The same index finds state snapshots (`snapshots(block_tokens)`: `.snp` files, at any length
+up to a whole block, named by `snap_key` of the block key ending there).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import os
 import threading
 from pathlib import Path
 
-from mlxd.protocol.block_format import parse_name, prefix_keys
+from collections.abc import Callable
+
+from mlxd.protocol.block_format import BLOCK_SUFFIX, SNAP_SUFFIX, parse_name, prefix_keys, snap_key
 
 log = logging.getLogger("mlxd.engine")
 
@@ -35,8 +40,14 @@ STALE_SLACK = 10_000
 
 
 class TailIndex:
-    def __init__(self, block_tokens: int) -> None:
+    def __init__(self, block_tokens: int, suffix: str = BLOCK_SUFFIX, max_len: int = 0,
+                 key_of: Callable[[bytes], bytes] | None = None) -> None:
+        """Tails of `suffix` files of 1 .. `max_len` tokens (default: `block_tokens - 1`),
+        whose file key is `key_of(block key)` (default: the block key)."""
         self.block_tokens = block_tokens
+        self.suffix = suffix
+        self.max_len = max_len or block_tokens - 1
+        self.key_of = key_of
         self._lock = threading.Lock()
         self._tails: dict[bytes, dict[int, set[bytes]]] = {}  # parent -> length -> keys
         self.ready = threading.Event()  # set once the start-up scan has ended
@@ -45,7 +56,7 @@ class TailIndex:
         self._meanwhile: list[tuple[bytes, int, bytes]] | None = None  # adds during a rebuild
 
     def add(self, parent: bytes, n_tokens: int, key: bytes) -> None:
-        if not 0 < n_tokens < self.block_tokens:
+        if not 0 < n_tokens <= self.max_len:
             return  # a full block: the chain walk asks the disk for those
         with self._lock:
             if self._meanwhile is not None:
@@ -76,10 +87,11 @@ class TailIndex:
         if not longest:
             return None
         keys = prefix_keys(parent, rest[:longest])
+        key_of = self.key_of or (lambda k: k)
         with self._lock:
             by_len = self._tails.get(parent) or {}
             for t in sorted(by_len, reverse=True):
-                if t <= longest and keys[t - 1] in by_len[t]:
+                if t <= longest and key_of(keys[t - 1]) in by_len[t]:
                     return t, keys[t - 1]
         return None
 
@@ -90,8 +102,8 @@ class TailIndex:
                 subdirs = [f.path for f in folders if len(f.name) == 2 and f.is_dir()]
             for folder in subdirs:
                 for name in os.listdir(folder):
-                    parsed = parse_name(name)
-                    if parsed is None or not 0 < parsed[1] < self.block_tokens:
+                    parsed = parse_name(name, (self.suffix,))
+                    if parsed is None or not 0 < parsed[1] <= self.max_len:
                         continue
                     try:
                         self.add(bytes.fromhex(parsed[0]), parsed[1], bytes.fromhex(parsed[2]))
@@ -118,7 +130,7 @@ class TailIndex:
         return t
 
     def _rebuild(self, ns_dir: Path) -> None:
-        fresh = TailIndex(self.block_tokens)
+        fresh = TailIndex(self.block_tokens, self.suffix, self.max_len, self.key_of)
         fresh.scan(ns_dir)
         with self._lock:
             added, self._meanwhile = self._meanwhile or [], None
@@ -134,3 +146,8 @@ class TailIndex:
                              daemon=True)
         t.start()
         return t
+
+
+def snapshots(block_tokens: int) -> TailIndex:
+    """An index of state snapshot files (a whole block's length included)."""
+    return TailIndex(block_tokens, SNAP_SUFFIX, block_tokens, snap_key)

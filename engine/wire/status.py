@@ -32,7 +32,9 @@ def engine_stats(runner: Runner, ssd: SsdTier | None) -> EngineStats:
         step_s=round(c.step_s, 4), first_tokens=c.first_tokens,
         to_admit_s=round(c.to_admit_s, 4), to_first_token_s=round(c.to_first_token_s, 4),
         mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
-        bursts=c.bursts)
+        bursts=c.bursts, cache_layers=runner.codec.describe(),
+        ram_snapshots=cache.snapshots, cache_unsupported=runner.codec.unsupported,
+        weights_bytes=runner.weights_bytes)
     budget = runner.gate.budget  # None: no memory rule
     if budget is not None:
         st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share

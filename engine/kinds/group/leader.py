@@ -281,6 +281,7 @@ class GroupLeader:
 
         class GroupRunner(Runner):
             """Rank 0's runner: its generator's calls go to the followers first."""
+            segmented = False
 
             def _new_generator(self) -> Any:
                 gen = super()._new_generator()
