@@ -128,6 +128,7 @@ def test_a_steps_new_entries_go_to_the_ssd_tier_together_after_its_tokens(model)
     r.take_commands()
     while r.rows:
         r.step()
+    calls = [c for c in calls if c[0]]  # (every step calls: the tier may have work left)
     assert len(calls) == 1, [len(e) for e, _ in calls]
     entries, tokens_out_first = calls[0]
     assert tokens_out_first

@@ -66,16 +66,17 @@ class Publisher:
                                  {p: nbytes(state_arrays(s)) for p, s in states.items()})
 
     def prompt_point(self, tokens: list[int], cache: list[Any]) -> list[State] | None:
-        """A row stopped at a snapshot point of its prompt (models with state layers): the
-        state layers' snapshot there, kept by the row until it ends; the SSD tier gets the
-        point now (its KV and its snapshot), so that a restarted engine resumes from it."""
+        """A row stopped at a point of its prompt: the state layers' snapshot there (models
+        with state layers), kept by the row until it ends; the SSD tier gets the point now
+        (its KV and its snapshot), so that a restarted engine resumes from it."""
         held = self.codec.take(cache, len(tokens))
         if held is None or held.n != len(tokens):
             return None
-        mx.async_eval(state_arrays(held.states))
+        if held.states:
+            mx.async_eval(state_arrays(held.states))
         if self.persist is not None:
             self._pending.append(Entry(tuple(tokens), held.layers, 0,
-                                       states={held.n: held.states}))
+                                       states={held.n: held.states} if held.states else {}))
         return held.states
 
     def checkpoints(self, extracted: list[tuple[list[Any], list[int]]]) -> int:
@@ -94,10 +95,10 @@ class Publisher:
         return len(entries)
 
     def hand_over(self) -> None:
-        """The step's new RAM entries to the SSD tier in one call, after its tokens are out."""
-        if self._pending:
+        """The step's new RAM entries to the SSD tier in one call, after its tokens are out
+        (every step while the tier has entries to finish: `SsdTier.persist_all`)."""
+        if self.persist is not None:
             entries, self._pending = self._pending, []
-            assert self.persist is not None
             self.persist(entries)
 
 

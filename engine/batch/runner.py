@@ -45,7 +45,7 @@ from mlxd.engine.grammar.steps import GrammarSteps
 from mlxd.engine.kv import quant as kv_quant
 from mlxd.engine.kv.codec import CacheCodec, Held, kv_slice, to_mx
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
-from mlxd.engine.kv.snapshot_points import segments, snapshot_points
+from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
@@ -474,6 +474,9 @@ class Runner:
                 if row.snap_at:
                     self._take_snapshot(row)
                 continue
+            if self._publish.persist is not None and not self.codec.has_state \
+                    and row.prompt_len >= PERSIST_MIN:
+                self._persist_prompt(row)
             if row.leads:
                 self._share_group_prefix(row)
             if row.prefilling is not None:
@@ -522,6 +525,14 @@ class Runner:
         c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         self._count_rows()
         self._outbox.put(StepTokens(rows, logprobs))
+
+    def _persist_prompt(self, row: Row) -> None:
+        """A long prompt's KV to the SSD tier as its prefill ends (`PERSIST_MIN`): what a
+        resumed request restarts from if the engine dies while it generates. Blocks the disk
+        holds already cost nothing: the arrays are copied only for blocks it lacks."""
+        got = self._gen.extract_cache([row.uid]).get(row.uid)
+        if got is not None:
+            self._publish.prompt_point(list(got[1]), got[0])
 
     def _take_snapshot(self, row: Row) -> None:
         """The row stopped at the end of a prompt segment: the state layers' snapshot, if it

@@ -14,6 +14,11 @@ is where the next turn of a conversation continues.
 from __future__ import annotations
 
 EVERY = 4096  # tokens; a multiple of the default SSD block (256), so a point ends a block
+# A prompt at least this long goes to the SSD tier as its prefill ends (not only when its
+# request ends), so that an engine killed while it generates resumes without prefilling it
+# again; a shorter one costs little to prefill again. (Models with state layers send each of
+# their points as they are taken, whatever the length.)
+PERSIST_MIN = 512
 
 
 def snapshot_points(cached: int, prompt_len: int, every: int = EVERY) -> list[int]:

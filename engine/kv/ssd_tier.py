@@ -62,6 +62,11 @@ from mlxd.protocol.settings import EngineLaunch
 log = logging.getLogger("mlxd.engine")
 
 RECLAIM_AFTER = 30.0  # seconds a slot may wait for a StoreDone before a dead worker is assumed
+# Entries left part-written for want of a free slot are tried again with later calls (at most
+# this many, the oldest dropped first; at most every RETRY_EVERY seconds): a long prompt's
+# blocks outnumber the slots, and a snapshot is of no use without every block before it.
+RETRY_MAX = 64
+RETRY_EVERY = 0.02
 
 
 @dataclass
@@ -157,6 +162,8 @@ class SsdTier:
             self._free.put(i)
         self._pending: dict[int, _Pending] = {}
         self._queued_keys: set[bytes] = set()
+        self._retry: list[Entry] = []  # part-written for want of a slot (RETRY_MAX)
+        self._retry_at = 0.0
         self._out: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Condition()  # guards _pending and health; notified on answers
         self.health = WriteHealth()
@@ -227,9 +234,16 @@ class SsdTier:
         (`benchmarks/ssd_persist.py`; figures: benchmarks/HISTORY.md sections 16 and 18).
         While the disk refuses writes, nothing is queued but one probe block per backoff."""
         import mlx.core as mx
+        now = time.monotonic()
+        if self._retry and now >= self._retry_at:
+            entries, self._retry = self._retry + entries, []
+            self._retry_at = now + RETRY_EVERY
         blocks: list[_Block] = []
         for entry in entries:
+            skipped = self.stats.skipped_no_slot
             blocks += self._stage(entry)
+            if self.stats.skipped_no_slot > skipped and entry not in self._retry:
+                self._retry = [*self._retry[-(RETRY_MAX - 1):], entry]
         if not blocks:
             return 0
         try:
