@@ -228,3 +228,37 @@ def test_weights_on_disk_are_a_model_directorys_safetensors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert weight_bytes_on_disk(str(tmp_path)) == 1024
     assert weight_bytes_on_disk("org/some-repo") == 0
+
+
+def test_a_window_layer_costs_at_most_its_window_and_a_recurrent_state_a_constant():
+    # gemma3-like: 2 global layers and 2 sliding-window layers of 16 tokens, same heads
+    mixed = KvShape(2, 2, 16, 16, 4, window_layers=2, window=16)
+    assert mixed.bytes_per_token == 2 * 2 * 32 * 4  # the unit: an append-only token
+    assert mixed.row_tokens(10) == 20  # short rows: every layer holds every token
+    assert mixed.row_tokens(1000) == 1000 + 16  # long rows: the windows stop at 16
+    assert reserved_tokens(900, 100, 0, mixed) == 1016
+    plain = KvShape(4, 2, 16, 16, 4)  # the same model if it had no windows
+    assert plain.row_tokens(1000) * plain.bytes_per_token > \
+        mixed.row_tokens(1000) * mixed.bytes_per_token
+    # a pure recurrent model: the same bytes per row whatever its length
+    recurrent = KvShape(0, 0, 0, 0, 0, state_bytes=4096)
+    assert recurrent.row_tokens(10) == recurrent.row_tokens(100_000) == 4096
+    b = budget(10 * 2**20 + 1000, 1000, recurrent, None, "test")
+    rows = b.kv_tokens // recurrent.row_tokens(100_000)
+    assert 2000 < rows < 2600  # ~9 MiB of KV room at 4 KiB a row, however long
+
+
+def test_sizing_measures_windows_and_states_from_a_forward_pass(tmp_path):
+    import mlx.core as mx
+
+    from mlxd.engine.batch.sizing import kv_shape
+    from mlxd.engine.load.loader import load_model
+    from support.random_model import write_random_model
+    gemma, _, _ = load_model(str(write_random_model(tmp_path / "g", family="gemma3_text")),
+                             tmp_path / "c")
+    shape = kv_shape(gemma, mx.default_stream(mx.default_device()))
+    assert (shape.layers, shape.window_layers, shape.window) == (2, 2, 16)
+    mamba, _, _ = load_model(str(write_random_model(tmp_path / "m", family="mamba2")),
+                             tmp_path / "c")
+    shape = kv_shape(mamba, mx.default_stream(mx.default_device()))
+    assert shape.layers == shape.window_layers == 0 and shape.state_bytes > 0

@@ -25,16 +25,34 @@ RESERVE_FRACTION = 0.10  # of the memory the engine may use, kept free for activ
 
 @dataclass(frozen=True)
 class KvShape:
+    """What one row's cache costs: `layers` append-only KV layers (a token each), plus
+    `window_layers` sliding-window layers that hold at most `window` tokens (alike in heads
+    and head sizes), plus `state_bytes` of fixed-size recurrent state however long the row."""
     layers: int
     kv_heads: int
     k_head_dim: int
     v_head_dim: int
     bytes_per_element: float  # 2 for float16/bfloat16, 4 for float32, ~0.56 for 4-bit + scales
+    window_layers: int = 0
+    window: int = 0
+    state_bytes: int = 0
+
+    def _per_layer_token(self) -> float:
+        return self.kv_heads * (self.k_head_dim + self.v_head_dim) * self.bytes_per_element
 
     @property
     def bytes_per_token(self) -> int:
-        return int(self.layers * self.kv_heads * (self.k_head_dim + self.v_head_dim)
-                   * self.bytes_per_element) or 1
+        """The unit budgets count in: an append-only token's bytes (a window layer's token,
+        for a model with none)."""
+        return int((self.layers or self.window_layers) * self._per_layer_token()) or 1
+
+    def row_tokens(self, tokens: int) -> int:
+        """A row of `tokens` tokens' cache, in `bytes_per_token` units."""
+        if not (self.window_layers or self.state_bytes):
+            return tokens
+        total = (self.layers * tokens + self.window_layers * min(tokens, self.window)) \
+            * self._per_layer_token() + self.state_bytes
+        return -int(-total // self.bytes_per_token)
 
 
 @dataclass(frozen=True)
@@ -125,9 +143,12 @@ def machine_memory(found_bytes: int, share: PoolShare | None, whole: bool) -> in
     return found_bytes + share.others_weight_bytes
 
 
-def reserved_tokens(prompt_tokens: int, max_tokens: int, context: int) -> int:
-    """The most KV tokens one request can come to hold."""
-    return min(prompt_tokens + max_tokens, context) if context else prompt_tokens + max_tokens
+def reserved_tokens(prompt_tokens: int, max_tokens: int, context: int,
+                    shape: KvShape | None = None) -> int:
+    """The most KV tokens one request can come to hold (with `shape`, in its units: a window
+    layer holds at most its window, a recurrent state a constant)."""
+    n = min(prompt_tokens + max_tokens, context) if context else prompt_tokens + max_tokens
+    return shape.row_tokens(n) if shape is not None else n
 
 
 def may_admit(b: Budget, running: int, running_reserved: int, request_reserved: int) -> bool:

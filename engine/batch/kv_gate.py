@@ -32,7 +32,8 @@ class KvGate:
         admitted = []
         while self.held:
             add = self.held[0]
-            need = reserved_tokens(len(add.prompt), add.max_tokens, self.context)
+            shape = self.budget.sizing.shape if self.budget and self.budget.sizing else None
+            need = reserved_tokens(len(add.prompt), add.max_tokens, self.context, shape)
             if self.budget is not None and not may_admit(
                     self.budget, len(self.reserved), self.reserved_total, need):
                 break

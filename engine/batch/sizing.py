@@ -74,30 +74,43 @@ def available_memory(weights: int, memory_gb: float | None = None) -> tuple[int,
 
 
 def kv_shape(model: Any, stream: Any) -> KvShape:
-    """KV bytes per token as a forward pass lays them out: layers with keys, and the first
-    such layer's heads, head sizes and dtype. With --kv-bits the keys and values are
-    quantized triplets (packed, scales, biases; engine/kv/quant.py): bytes per element is
-    what the three arrays take per element (0.5625 at 4 bits, group 64, float16 scales)."""
+    """KV bytes per token as a forward pass lays them out (`codec.py`'s kinds): append-only
+    layers, and the first such layer's heads, head sizes and dtype; sliding-window layers
+    (a window's tokens at most); recurrent states (bytes per row). With --kv-bits the keys
+    and values are quantized triplets (packed, scales, biases; engine/kv/quant.py): bytes
+    per element is what the three arrays take per element (0.5625 at 4 bits, group 64,
+    float16 scales)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxd.engine.kv.codec import APPEND, ARRAYS, RING, CacheCodec
     try:
         with mx.stream(stream):
             cache = make_prompt_cache(model)
             model(mx.array([[0]]), cache=cache)
-            kv = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array | tuple)]
-            mx.eval([(c.keys, c.values) for c in kv])
+            codec = CacheCodec(cache)
+            leaves = codec.leaves(cache)
+            mx.eval([c.state for c in leaves])
     except Exception as e:  # noqa: BLE001  a model that cannot run alone: no KV figure
         log.warning("cannot measure the KV size per token (%s): the batch is capped only by "
                     "its ceiling", e)
         return KvShape(0, 0, 0, 0, 0)
-    if not kv:  # no per-token KV (a state-space model): memory does not limit the batch
-        return KvShape(0, 0, 0, 0, 0)
-    k, v = kv[0].keys, kv[0].values
+    kv = [c for c, kind in zip(leaves, codec.kinds, strict=True) if kind == APPEND]
+    rings = [c for c, kind in zip(leaves, codec.kinds, strict=True) if kind == RING]
+    state = sum(a.nbytes for c, kind in zip(leaves, codec.kinds, strict=True) if kind == ARRAYS
+                for a in c.cache if a is not None)
+    window = max((c.max_size for c in rings), default=0)
+    first = (kv or rings or [None])[0]
+    if first is None:  # no per-token KV (a state-space model): a constant per row
+        return KvShape(0, 0, 0, 0, 0, state_bytes=state)
+    k, v = first.keys, first.values
     if isinstance(k, tuple):  # quantized: head size from the scales, bytes from all three
-        group = kv[0].group_size
+        group = first.group_size
         kd, vd = k[1].shape[-1] * group, v[1].shape[-1] * group
         per_token = sum(a.shape[1] * a.shape[-1] * a.dtype.size for a in (*k, *v))
         return KvShape(layers=len(kv), kv_heads=k[0].shape[1], k_head_dim=kd, v_head_dim=vd,
-                       bytes_per_element=per_token / (k[0].shape[1] * (kd + vd)))
+                       bytes_per_element=per_token / (k[0].shape[1] * (kd + vd)),
+                       window_layers=len(rings), window=window, state_bytes=state)
     return KvShape(layers=len(kv), kv_heads=k.shape[1], k_head_dim=k.shape[-1],
-                   v_head_dim=v.shape[-1], bytes_per_element=k.dtype.size)
+                   v_head_dim=v.shape[-1], bytes_per_element=k.dtype.size,
+                   window_layers=len(rings), window=window, state_bytes=state)
