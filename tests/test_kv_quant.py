@@ -152,6 +152,39 @@ def test_ram_prefix_cache_holds_quantized_kv(qmodel):
     assert run_one(cold, outq, AddRequest("d", follow, 5, greedy_sampler, []))[0] == gen3
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_a_mixed_models_plain_kv_layers_are_quantized_and_its_hits_exact(family, tmp_path):
+    """--kv-bits on a model with sliding-window or recurrent layers quantizes its plain KV
+    layers only; its RAM tier hits give the text of a cold run of the same quantized model."""
+    path = write_random_model(tmp_path / family, family=family, hidden=128, heads=2,
+                              kv_heads=1)  # head size 64
+    m, _, _ = load_model(str(path), tmp_path / "c")
+    kv_quant.install(m, 8, 64)
+    kinds = [type(c).__name__ for c in m.make_cache()]
+    assert "QuantizedRowCache" in kinds and "KVCache" not in kinds
+    assert {"RotatingKVCache", "ArraysCache"} & set(kinds)
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=32, outbox=outq, cache_bytes=1 << 30)
+    prompt = [5 + (i * 37) % 290 for i in range(90)]
+    gen1, _ = run_one(r, outq, AddRequest("a", prompt, 8, greedy_sampler, []))
+    gen2, s2 = run_one(r, outq, AddRequest("b", prompt, 8, greedy_sampler, []))
+    assert s2.cached_tokens == len(prompt) - 1 and gen2 == gen1
+    follow = prompt + gen1 + [7, 8, 9]
+    gen3, s3 = run_one(r, outq, AddRequest("c", follow, 5, greedy_sampler, []))
+    assert s3.cached_tokens == len(prompt) + len(gen1)
+    cold = Runner(m, [], batch_size=4, prefill_step=32, outbox=outq, cache_bytes=0)
+    assert run_one(cold, outq, AddRequest("d", follow, 5, greedy_sampler, []))[0] == gen3
+
+
+def test_kv_bits_refuses_attention_sinks_in_one_line(tmp_path):
+    path = write_random_model(tmp_path / "oss", family="gpt_oss", hidden=128, heads=2,
+                              kv_heads=1)
+    m, _, _ = load_model(str(path), tmp_path / "c")
+    with pytest.raises(kv_quant.KvQuantError, match="no quantized attention"):
+        kv_quant.install(m, 8, 64)
+    assert "make_cache" not in m.__dict__  # left as it was
+
+
 # ---------------------------------------------------------------------- block header and key
 
 L8 = Layout(2, 2, 64, 64, "float32", 8, 64)

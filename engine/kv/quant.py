@@ -12,8 +12,10 @@ This module adds the batched form and wires it in without touching the generator
   padded prompts, filter, extend, extract, merge, trim, state) over quantized triplets.
 - `install(model, bits, group_size)`: the model's `make_cache` then makes quantized rows, so
   every cache the generator makes (and every forward pass through `make_prompt_cache`) stores
-  quantized KV. Models whose cache is not a plain `KVCache` per layer (rotating windows,
-  state-space arrays, ...) are refused at load time with a clear error (`KvQuantError`).
+  quantized KV. A model's plain `KVCache` layers are quantized; its sliding-window and
+  recurrent layers stay as they are (their size is bounded already). Other caches, and
+  attention mlx-lm cannot run quantized (sinks), are refused at load time with a clear error
+  (`KvQuantError`).
 - The tiers hold a quantized layer's keys and values as triplets (`codec.py` handles both).
 
 No quantized_kv_start here (mlx-lm's generate keeps the first 5000 tokens unquantized): a row
@@ -259,30 +261,63 @@ def install(model: Any, bits: int | None, group_size: int) -> None:
     if bits not in BITS or group_size not in GROUP_SIZES:
         raise KvQuantError(f"--kv-bits must be one of {BITS} and --kv-group-size one of "
                            f"{GROUP_SIZES} (got {bits}, {group_size})")
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
     uninstall(model)  # installing again replaces the bits
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {"KVCache"}:
-        raise KvQuantError(f"--kv-bits needs a model whose cache is a plain KVCache per layer; "
-                           f"this one uses {', '.join(sorted(kinds))}")
+    made = make_prompt_cache(model)
+    kinds = {type(c).__name__ for c in made}
+    if "KVCache" not in kinds or not kinds <= MIXABLE:
+        raise KvQuantError(f"--kv-bits needs a model with plain KVCache layers (beside which "
+                           f"sliding-window and recurrent layers stay as they are); this one "
+                           f"uses {', '.join(sorted(kinds))}")
     probe = make_prompt_cache(model)
     model(mx.array([[0]]), cache=probe)
-    dims = {d for c in probe for d in (c.keys.shape[-1], c.values.shape[-1])}
+    dims = {d for c in probe if type(c) is KVCache
+            for d in (c.keys.shape[-1], c.values.shape[-1])}
     if any(d % group_size for d in dims):
         fits = [str(g) for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
         raise KvQuantError(f"--kv-group-size {group_size} does not divide this model's head "
                            f"size ({', '.join(map(str, sorted(dims)))}): use "
                            f"{' or '.join(fits) if fits else 'no --kv-bits'}")
-    n_layers = len(probe)
+
+    def make_cache() -> list[Any]:
+        """The model's own caches, its plain KV layers quantized."""
+        return [QuantizedRowCache(group_size, bits) if type(c) is KVCache else c
+                for c in make_prompt_cache(model_for_cache)]
+    model_for_cache = _OwnCaches(model)
     # instance attributes (nn.Module keeps only arrays, dicts, lists and tuples as children)
-    model.make_cache = lambda: [QuantizedRowCache(group_size, bits) for _ in range(n_layers)]
+    model.make_cache = make_cache
     model.mlxd_kv_quant = KvQuant(bits, group_size)
-    try:  # MLX's CUDA backend (0.32) has no quantized_matmul for attention's shapes
+    try:  # MLX's CUDA backend (0.32) has no quantized_matmul for attention's shapes; models
+        # with attention sinks (GPT-OSS) have no quantized attention in mlx-lm
         mx.eval(model(mx.array([[0, 0]]), cache=model.make_cache()))
+    except ValueError as e:  # mlx-lm's own refusal, whatever the device
+        uninstall(model)
+        raise KvQuantError(f"--kv-bits {bits}: mlx-lm has no quantized attention for this "
+                           f"model ({str(e)[:160]}); use no --kv-bits") from e
     except RuntimeError as e:
         uninstall(model)
         raise KvQuantError(f"--kv-bits {bits}: this MLX build cannot attend over quantized KV "
                            f"on {mx.default_device()} ({str(e)[:160]}); use no --kv-bits") from e
+
+
+MIXABLE = {"KVCache", "RotatingKVCache", "ArraysCache"}
+
+
+class _OwnCaches:
+    """`model` as `make_prompt_cache` sees it, without the quantized `make_cache` installed
+    on the instance: its class's own caches."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        own = getattr(type(model), "make_cache", None)
+        if own is not None:
+            self.make_cache = lambda: own(model)
+        self.layers = getattr(model, "layers", None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "make_cache":  # the class has none: mlx-lm's default, plain KV per layer
+            raise AttributeError(name)
+        return getattr(self._model, name)
 
 
 def install_for(model: Any, settings: Any, alone: bool) -> None:
