@@ -56,10 +56,11 @@ def make_runner(model: Any, eos: list[int], variant: str) -> tuple[Any, queue.Qu
         if variant == "cache-eval":
             insert = runner.cache.insert
 
-            def insert_evaluated(tokens: list[int], layers: list, nbytes: int) -> Any:
-                mx.eval(layers)
-                return insert(tokens, layers, nbytes)
-            runner.cache.insert = insert_evaluated  # type: ignore[method-assign]
+            def insert_evaluated(tokens: list[int], layers: list, nbytes: int,
+                                 *rest: Any) -> Any:
+                mx.eval(layers)  # (entries are evaluated when stored now: as cache-all)
+                return insert(tokens, layers, nbytes, *rest)
+            runner.cache.insert = insert_evaluated  # type: ignore[method-assign,assignment]
         made.put(runner)
         runner.run()
     threading.Thread(target=serve, name=f"runner-{variant}", daemon=True).start()

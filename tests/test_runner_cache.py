@@ -14,7 +14,6 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlxd.engine.batch.burst import GROUP_MIN_CACHED_GPU
 from mlxd.engine.batch.messages import AddRequest, StepTokens
 from mlxd.engine.batch.runner import Runner
-from mlxd.engine.kv import quant as kv_quant
 from mlxd.engine.kv.codec import CacheCodec
 from mlxd.engine.load.loader import load_model
 from support.runner_drive import run_one, run_together

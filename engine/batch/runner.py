@@ -392,9 +392,10 @@ class Runner:
         points = snapshot_points(cached, len(prompt)) \
             if self.codec.has_state and self.cache.max_bytes and self.segmented else []
         self.clock.inserted(add.request_id)
+        rows: list[Any] = [segments(prompt, cached, points) if points else prompt[cached:]]
         insert = self._gen.insert_segments if points else self._gen.insert
         uid = insert(
-            [segments(prompt, cached, points) if points else prompt[cached:]],
+            rows,
             max_tokens=[add.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]] if cached else None,

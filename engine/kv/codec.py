@@ -198,13 +198,14 @@ class CacheCodec:
 
     def _snapshot(self, c: Any, n: int) -> State | None:
         if type(c) is RotatingKVCache:
-            if c.keys is None or int(c.offset) != n:
+            keys, values = c.keys, c.values
+            if keys is None or values is None or int(c.offset) != n:
                 return None
             keep = min(n, c.max_size)  # what the next token attends to (merge needs this many)
-            if c.keys.shape[2] < keep:
+            if keys.shape[2] < keep:
                 return None
-            return Ring(_own(c.keys[..., c.keys.shape[2] - keep:, :]),
-                        _own(c.values[..., c.values.shape[2] - keep:, :]))
+            return Ring(_own(keys[..., keys.shape[2] - keep:, :]),
+                        _own(values[..., values.shape[2] - keep:, :]))
         if c.empty():
             return None
         return Arrays(tuple(None if a is None else _own(a) for a in c.cache))

@@ -271,8 +271,8 @@ def install(model: Any, bits: int | None, group_size: int) -> None:
                            f"uses {', '.join(sorted(kinds))}")
     probe = make_prompt_cache(model)
     model(mx.array([[0]]), cache=probe)
-    dims = {d for c in probe if type(c) is KVCache
-            for d in (c.keys.shape[-1], c.values.shape[-1])}
+    dims = {d for c in probe if type(c) is KVCache and c.keys is not None
+            and c.values is not None for d in (c.keys.shape[-1], c.values.shape[-1])}
     if any(d % group_size for d in dims):
         fits = [str(g) for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
         raise KvQuantError(f"--kv-group-size {group_size} does not divide this model's head "
@@ -282,7 +282,7 @@ def install(model: Any, bits: int | None, group_size: int) -> None:
     def make_cache() -> list[Any]:
         """The model's own caches, its plain KV layers quantized."""
         return [QuantizedRowCache(group_size, bits) if type(c) is KVCache else c
-                for c in make_prompt_cache(model_for_cache)]
+                for c in make_prompt_cache(cast(Any, model_for_cache))]
     model_for_cache = _OwnCaches(model)
     # instance attributes (nn.Module keeps only arrays, dicts, lists and tuples as children)
     model.make_cache = make_cache

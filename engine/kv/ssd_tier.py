@@ -608,7 +608,7 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
     bits, group = quant if quant is not None else (0, 0)
     kv_dtypes: dict[Any, KvDtype] = {mx.float32: "float32", mx.float16: "float16",
                                     mx.bfloat16: "bfloat16"}
-    shapes = set()
+    shapes: set[tuple[int, int, int, KvDtype | None]] = set()
     for c in kv:  # (packed, scales, biases): the head size is the scales' times group
         k, v = (c.keys[1], c.values[1]) if quant is not None else (c.keys, c.values)
         shapes.add((k.shape[1], k.shape[3] * (group or 1), v.shape[3] * (group or 1),
@@ -616,7 +616,8 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
     if len(shapes) > 1 or None in {sh[3] for sh in shapes}:
         log.info("no SSD tier: this model's KV layers differ in shape or dtype (%s)", shapes)
         return None
-    heads, kd, vd, dtype = shapes.pop() if shapes else (0, 0, 0, "float32")
+    heads, kd, vd, found = shapes.pop() if shapes else (0, 0, 0, "float32")
+    dtype: KvDtype = found or "float32"
     layout = Layout(len(kv), heads, kd, vd, dtype, bits, group)
     snaps = snap_layout(cache_codec, probe)
     block_tokens = launch.settings.block_tokens

@@ -27,9 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from pathlib import Path
-
 from collections.abc import Callable
+from pathlib import Path
 
 from mlxd.protocol.block_format import BLOCK_SUFFIX, SNAP_SUFFIX, parse_name, prefix_keys, snap_key
 
