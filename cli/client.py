@@ -202,11 +202,28 @@ def format_status(stats: dict, sock: Path | None = None) -> str:
     whys = [f"  {e['model']}: {e['batch_why']}" for e in stats["engines"] if e.get("batch_why")]
     if whys:
         out += ["", "batch cap, why:", *whys]
+    held = [f"  {e['model']}: {cache_holds(e.get('cache') or {})}" for e in stats["engines"]
+            if (e.get("cache") or {}).get("cache_layers")]
+    if held:
+        out += ["", "KV cache, what it holds:", *held]
     r = p.get("resume") or {}
     if r.get("resumes"):
         out += ["", f"resumed after crashes: {r['resumes']} request(s), "
                     f"{r['resumed_tokens']} token(s) kept"]
     return "\n".join(out)
+
+
+def cache_holds(c: dict) -> str:
+    """An engine's cache layers, snapshots, and what the RAM tier counts beside what MLX holds
+    beyond the weights (a gap between the two would be memory the tier does not count)."""
+    if c.get("cache_unsupported"):
+        return f"{c['cache_layers']}; no cache tiers: mlxd cannot hold {c['cache_unsupported']}"
+    out = c["cache_layers"]
+    if c.get("ram_snapshots"):
+        out += f"; {c['ram_snapshots']} state snapshot(s)"
+    beyond = max(0, c.get("mlx_active_bytes", 0) - c.get("weights_bytes", 0))
+    return out + (f"; RAM tier {_size(c.get('ram_bytes'))} counted, MLX holds "
+                  f"{_size(beyond)} beyond the weights")
 
 
 def format_models(models: dict) -> str:

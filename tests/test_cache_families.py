@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
+from mlxd.cli.client import format_status
 from support.harness import Daemon
 from support.random_model import write_random_model
 
@@ -146,6 +147,8 @@ def test_a_family_hits_both_tiers_and_resumes_with_the_text_of_no_cache(family, 
         assert cache["cache_unsupported"] == "" and cache["ram_bytes"] > 0
         if family != "llama":
             assert cache["ram_snapshots"] >= 2
+        status = format_status(d.stats())  # what `mlxd status` prints
+        assert f"{family}: {cache['cache_layers']}" in status and "counted" in status
         # (d) kill -9 mid-stream: the same text, and the new engine prefills less than the
         # context (the prompt's snapshot, or its blocks, were persisted as it ended)
         epoch = d.stats()["engines"][0]["epoch"]
