@@ -21,65 +21,17 @@ buffer larger than it counts (a lazy slice of a batch would keep the whole batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from mlxd.engine.kv.prefix_cache import Arrays, Held, Ring, State, kv_slice, state_arrays
 from mlxd.engine.kv.quant import QuantizedRowCache
 
+__all__ = ["Arrays", "Held", "Ring", "State", "kv_slice", "state_arrays"]
+
 APPEND, RING, ARRAYS = "kv", "ring", "arrays"
-
-
-def kv_slice(x: Any, n: int) -> Any:
-    """The first `n` tokens of one layer's keys or values: an array (1, kv_heads, T, dim) or,
-    with --kv-bits, a triplet of them (packed, scales, biases; engine/kv/quant.py)."""
-    if isinstance(x, tuple):
-        return tuple(a[..., :n, :] for a in x)
-    return x[..., :n, :]
-
-
-@dataclass(frozen=True)
-class Ring:
-    """A sliding-window layer at one position: its last min(position, window) tokens' keys and
-    values, oldest first, each (1, kv_heads, tokens, head_dim)."""
-    keys: Any
-    values: Any
-
-
-@dataclass(frozen=True)
-class Arrays:
-    """A recurrent layer's state arrays at one position, each (1, ...); None where the layer
-    keeps none yet."""
-    arrays: tuple[Any, ...]
-
-
-State = Ring | Arrays
-
-
-@dataclass
-class Held:
-    """A row's cache at token position `n`, as the tiers keep it: the append-only layers'
-    (keys, values) of `n` tokens and the state layers' snapshots taken at exactly `n`."""
-    n: int
-    layers: list[tuple[Any, Any]]
-    states: list[State] = field(default_factory=list)
-
-    def arrays(self) -> list[Any]:
-        out = [a for k, v in self.layers for x in (k, v)
-               for a in (x if isinstance(x, tuple) else (x,))]
-        return out + state_arrays(self.states)
-
-
-def state_arrays(states: list[State]) -> list[Any]:
-    out: list[Any] = []
-    for s in states:
-        if isinstance(s, Ring):
-            out += [s.keys, s.values]
-        else:
-            out += [a for a in s.arrays if a is not None]
-    return out
 
 
 def nbytes(arrays: list[Any]) -> int:
