@@ -134,3 +134,46 @@ def test_a_steps_new_entries_go_to_the_ssd_tier_together_after_its_tokens(model)
     # each request's history (prompt and generated) and its prompt boundary (one token short)
     assert sorted(len(e.tokens) for e in entries) == sorted(
         [len(p) + 6 for p in prompts] + [len(p) - 1 for p in prompts])
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mamba2"])
+def test_state_models_prefill_a_shared_head_once_for_requests_admitted_together(family,
+                                                                                tmp_path):
+    """N agents with one long system prompt, arriving together, on a model with sliding-window
+    or recurrent layers: the first stops where they part ways, its snapshot there starts the
+    others, and every answer is that of a cold run."""
+    from support.random_model import write_random_model
+    m, _, _ = load_model(str(write_random_model(tmp_path / family, family=family)),
+                         tmp_path / "c")
+    head = [5 + (i * 37) % 290 for i in range(200)]
+    prompts = [head + [7 + (i * 11 + j) % 280 for j in range(30)] for i in range(3)]
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=8, prefill_step=64, outbox=outq, cache_bytes=1 << 30)
+    adds = [AddRequest(f"r{i}", p, 6, greedy_sampler, []) for i, p in enumerate(prompts)]
+    got, started = run_together(r, outq, adds)
+    assert started["r0"].cached_tokens == 0
+    assert all(started[f"r{i}"].cached_tokens >= len(head) for i in (1, 2))
+    assert r.counters.prefilled_tokens <= len(head) + 3 * 31
+    cold = Runner(m, [], batch_size=8, prefill_step=64, outbox=outq, cache_bytes=0)
+    for i, p in enumerate(prompts):
+        assert run_one(cold, outq, AddRequest(f"c{i}", p, 6, greedy_sampler, []))[0] == \
+            got[f"r{i}"]
+
+
+def test_generation_checkpoints_of_a_state_model_carry_its_snapshot(tmp_path):
+    """--generation-checkpoint on a hybrid model: each checkpoint holds the state layers'
+    snapshot at exactly its length (what a resumed request restarts from)."""
+    from support.random_model import write_random_model
+    m, _, _ = load_model(str(write_random_model(tmp_path / "q", family="qwen3_next")),
+                         tmp_path / "c")
+    persisted: list = []
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, cache_bytes=1 << 30,
+               persist=persisted.extend, checkpoint_every=4)
+    prompt = [5 + (i * 37) % 290 for i in range(40)]
+    run_one(r, outq, AddRequest("a", prompt, 12, greedy_sampler, []))
+    checkpoints = [e for e in persisted if len(e.tokens) > len(prompt)
+                   and len(e.tokens) < len(prompt) + 12]
+    assert r.counters.checkpoints >= 2 and checkpoints
+    for e in checkpoints:
+        assert list(e.states) == [len(e.tokens)] and len(e.states[len(e.tokens)]) == 2

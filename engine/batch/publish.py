@@ -65,7 +65,7 @@ class Publisher:
         return self.cache.insert(tokens, layers, kv_nbytes(layers), states,
                                  {p: nbytes(state_arrays(s)) for p, s in states.items()})
 
-    def prompt_point(self, tokens: list[int], cache: list[Any]) -> list[State] | None:
+    def prompt_point(self, tokens: list[int], cache: list[Any]) -> Held | None:
         """A row stopped at a point of its prompt: the state layers' snapshot there (models
         with state layers), kept by the row until it ends; the SSD tier gets the point now
         (its KV and its snapshot), so that a restarted engine resumes from it."""
@@ -77,7 +77,7 @@ class Publisher:
         if self.persist is not None:
             self._pending.append(Entry(tuple(tokens), held.layers, 0,
                                        states={held.n: held.states} if held.states else {}))
-        return held.states
+        return held
 
     def checkpoints(self, extracted: list[tuple[list[Any], list[int]]]) -> int:
         """--generation-checkpoint: running requests' boundaries (prompt and generated so

@@ -30,6 +30,7 @@ class Row:
     # (models with state layers) prompt positions to snapshot on the way, and those taken
     snap_at: frozenset[int] = frozenset()
     snaps: dict[int, list[Any]] = field(default_factory=dict)
+    waits: dict[str, int] = field(default_factory=dict)  # follower request id -> its point
 
 
 class RowTable:

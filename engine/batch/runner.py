@@ -275,6 +275,7 @@ class Runner:
         if self._groups:
             self._expire_groups()
         floor = lend_floor(len(adds), self._gpu, self._min_cached)
+        meet = self._meeting_points(adds) if self.cache.exact and self.segmented else {}
         for add in adds:
             if add.group and add.group_size > 1:
                 self._admit_grouped(add)
@@ -284,7 +285,7 @@ class Runner:
                 if lead is not None:
                     lead.followers.append(add)
                     continue
-            row = self._insert(add, floor=floor)
+            row = self._insert(add, floor=floor, extra_points=meet.get(add.request_id, ()))
             if self.cache.max_bytes:
                 row.prefilling = add.prompt
 
@@ -340,19 +341,47 @@ class Runner:
 
     def _leader_for(self, add: AddRequest) -> Row | None:
         """A prefilling row sharing MIN_SHARED_PREFIX tokens beyond what the caches give
-        `add` already (one slice comparison per candidate, at C speed)."""
-        if self.cache.exact:  # followers could use a leader's state only where it stops
-            return None
+        `add` already (one slice comparison per candidate, at C speed). With state layers,
+        one that will stop at a snapshot point within what they share (the follower waits
+        for that point: `row.waits`)."""
         cached = max(self.cache.peek(add.prompt), add.restored.tokens if add.restored else 0)
         need = cached + MIN_SHARED_PREFIX
         if need >= len(add.prompt):
             return None
         head = add.prompt[:need]
-        return next((row for row in self.rows
-                     if row.prefilling is not None and row.prefilling[:need] == head), None)
+        for row in self.rows:
+            if row.prefilling is None or row.prefilling[:need] != head:
+                continue
+            if not self.cache.exact:
+                return row
+            shared = min(common_prefix(tuple(row.prefilling), tuple(add.prompt)),
+                         len(add.prompt) - 1)
+            point = max((p for p in row.snap_at if need <= p <= shared and p not in row.snaps),
+                        default=0)
+            if point:
+                row.waits[add.request_id] = point
+                return row
+        return None
+
+    def _meeting_points(self, adds: list[AddRequest]) -> dict[str, set[int]]:
+        """(State layers) requests admitted together that share a long prefix: where each
+        leader must stop so that its followers can start from its snapshot (they part ways
+        there), by the leader's request id."""
+        leaders: list[AddRequest] = []
+        points: dict[str, set[int]] = {}
+        for add in adds:
+            for lead in leaders:
+                shared = min(common_prefix(tuple(lead.prompt), tuple(add.prompt)),
+                             len(add.prompt) - 1, len(lead.prompt) - 1)
+                if shared >= MIN_SHARED_PREFIX + self.cache.peek(add.prompt):
+                    points.setdefault(lead.request_id, set()).add(shared)
+                    break
+            else:
+                leaders.append(add)
+        return points
 
     def _insert(self, add: AddRequest, shared: tuple[Held, list[int]] | None = None,
-                floor: int | None = None) -> Row:
+                floor: int | None = None, extra_points: Any = ()) -> Row:
         """Into the batch, from the best prefix at hand: `shared` (a prefill group's layers
         and its tokens), the SSD tier's restored blocks or the RAM tier's, if of `floor`
         tokens or more (default: the `min_cached_tokens` setting). A model with state layers
@@ -389,8 +418,10 @@ class Runner:
             # new cache objects over the stored buffers: the donor entry is never written
             cache, cached, source = self.codec.lend(hit.layers, hit.states, n,
                                                     self._kv_quant), n, "ram"
-        points = snapshot_points(cached, len(prompt)) \
-            if self.codec.has_state and self.cache.max_bytes and self.segmented else []
+        points: list[int] = []
+        if self.codec.has_state and self.cache.max_bytes and self.segmented:
+            points = sorted({*snapshot_points(cached, len(prompt)),
+                             *(p for p in extra_points if cached < p < len(prompt) - 1)})
         self.clock.inserted(add.request_id)
         rows: list[Any] = [segments(prompt, cached, points) if points else prompt[cached:]]
         insert = self._gen.insert_segments if points else self._gen.insert
@@ -439,6 +470,7 @@ class Runner:
 
     def _release_followers(self, row: Row) -> None:
         row.prefilling = None
+        row.waits.clear()
         waiting, row.followers = row.followers, []
         if waiting:
             self._admit(waiting)
@@ -542,10 +574,20 @@ class Runner:
         if got is None:
             return
         cache, tokens = got
-        if len(tokens) in row.snap_at:
-            states = self._publish.prompt_point(list(tokens), cache)
-            if states is not None:
-                row.snaps[len(tokens)] = states
+        p = len(tokens)
+        if p not in row.snap_at:
+            return
+        held = self._publish.prompt_point(list(tokens), cache)
+        if held is None:
+            return
+        row.snaps[p] = held.states
+        waiting = [a for a in row.followers if row.waits.get(a.request_id) == p]
+        if waiting:  # requests that part ways with it here start from this snapshot
+            self._publish.store(list(tokens), held.layers, {p: held.states})
+            row.followers = [a for a in row.followers if a not in waiting]
+            for a in waiting:
+                del row.waits[a.request_id]
+            self._admit(waiting)
 
     def _publish_prompt(self, row: Row) -> None:
         """A leader's prompt is in its cache: store that boundary, admit its followers."""
