@@ -41,7 +41,8 @@ def engine_launch(cfg: ServeConfig, engine_id: str, spec: str, epoch: int,
         log_level=cfg.daemon.log_level, log_format=cfg.daemon.log_format, settings=cfg.engine,
         group=layout_for(spec, cfg.engine.shard, cfg.proxy.model_alias),
         group_hosts=str(Path(cfg.engine.shard_hosts).expanduser().resolve())
-        if cfg.engine.shard_hosts else None, tuning=cfg.tuning)
+        if cfg.engine.shard_hosts else None, tuning=cfg.tuning,
+        hang_timeout=cfg.daemon.hang_timeout)
 
 
 def proxy_launch(cfg: ServeConfig, epoch: int, listen_fds: list[int] | None = None

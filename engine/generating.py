@@ -17,6 +17,7 @@ from typing import Any
 from mlxd.engine.admit import prompt_batch
 from mlxd.engine.admit.prepare import Admitted, Answered, refused
 from mlxd.engine.batch.budget import Budget, ceiling, rebudget
+from mlxd.engine.batch.chunking import step_target
 from mlxd.engine.batch.handoff import ReleasingInbox, StepOutbox
 from mlxd.engine.batch.messages import AbortRequest, AddRequest, Call, StopRunner
 from mlxd.engine.batch.runner import Runner
@@ -89,7 +90,8 @@ class GeneratingEngine:
             on_evict=evicted if persist else None,
             checkpoint_every=settings.generation_checkpoint,
             speculator=Speculator(settings.num_draft_tokens, draft, settings.prefill_step)
-            if features.speculative else None, tuning=launch.tuning, clock=host.clock)
+            if features.speculative else None, tuning=launch.tuning, clock=host.clock,
+            step_target_s=step_target(launch.hang_timeout))
         if isinstance(outbox, StepOutbox) and not outbox.eager:
             runner.inbox = ReleasingInbox(outbox)  # idle: held tokens go out
         report = (f"loaded in {loaded_s:.1f} s" + (f", warmed up in {warm_s:.1f} s" if warm

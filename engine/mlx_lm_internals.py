@@ -198,6 +198,11 @@ def decoding_alone(gen: Any) -> bool:
             and not gen._unprocessed_sequences)
 
 
+def prefilled_tokens(gen: Any) -> int:
+    """Prompt tokens the generator has prefilled so far (its own counter)."""
+    return int(gen._counters.prompt_tokens)
+
+
 # ---------------------------------------------------------------------- hooks
 
 

@@ -266,6 +266,9 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     pool_share: PoolShare = PoolShare()  # its part of the machine's memory (--model-pool)
     tuning: TuningSettings = TuningSettings()
     lifeline_fd: int | None = None  # the inherited read end of the parent's lifeline pipe
+    # the supervisor's --hang-timeout: the engine keeps each step (a prefill chunk) well
+    # inside it (engine/batch/chunking.py)
+    hang_timeout: float = 0.0
 
 
 class ProxyLaunch(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxd.engine.batch.budget import Budget
 from mlxd.engine.batch.burst import MIN_SHARED_PREFIX, BurstWindow, lend_floor
+from mlxd.engine.batch.chunking import PrefillChunks
 from mlxd.engine.batch.counters import RunnerCounters
 from mlxd.engine.batch.kv_gate import KvGate
 from mlxd.engine.batch.logprobs import TopLogprobs, top_logprobs
@@ -47,6 +48,7 @@ from mlxd.engine.kv.codec import CacheCodec, Held, kv_slice, to_mx
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
+from mlxd.engine.mlx_lm_internals import prefilled_tokens
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol import faults
@@ -58,8 +60,10 @@ log = logging.getLogger("mlxd.engine")
 
 class Runner:
     # whether rows may stop at prompt snapshot points (a sharded group's generator replays
-    # plain inserts only: it snapshots histories' ends alone)
+    # plain inserts only: it snapshots histories' ends alone), and whether the prefill chunk
+    # follows the step time (`chunking.py`; a group's ranks must chunk alike)
     segmented = True
+    adaptive_chunks = True
 
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
                  outbox: queue.Queue[Any], stream: Any = None, cache_bytes: int = 0,
@@ -70,13 +74,14 @@ class Runner:
                  preparing: Callable[[float], int] | None = None,
                  speculator: Speculator | None = None,
                  tuning: TuningSettings | None = None,
-                 clock: RequestClock = NO_CLOCK) -> None:
+                 clock: RequestClock = NO_CLOCK, step_target_s: float = 0.0) -> None:
         """`batch_size`: the most rows the generator holds; `budget` (None: no memory rule)
         decides which requests join the running rows; `preparing(t)` counts requests that
         reached the engine by monotonic time t and are still being prepared for this runner
         (burst admission waits for them); `persist(entries)` queues KV entries' blocks for
         the SSD tier (new RAM entries, checkpoints); `tuning`: the hidden switches (burst
-        window, shortest prefix lent, grammar order), read once."""
+        window, shortest prefix lent, grammar order), read once; `step_target_s` (> 0): the
+        seconds a prefilling step should last at most (`chunking.py`)."""
         tuning = tuning or TuningSettings()
         self._model = model
         self.spec = speculator  # speculative steps for a row decoding alone
@@ -88,6 +93,8 @@ class Runner:
         self.gate = KvGate(batch_size, budget, context)  # who joins the running rows, when
         self._preparing = preparing or (lambda submitted_by: 0)
         self._prefill_step = prefill_step
+        self._chunks = PrefillChunks(prefill_step, step_target_s) \
+            if step_target_s > 0 and self.adaptive_chunks else None
         self._stream = stream
         self._stop_sequences = StopSequences([[e] for e in eos_ids])
         self.inbox: queue.Queue[Any] = queue.Queue()
@@ -110,13 +117,16 @@ class Runner:
         self._update_cap()
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        gen = BatchGenerator(
             self._model,
             completion_batch_size=self._batch_size,
             prefill_batch_size=self._batch_size,
             prefill_step_size=self._prefill_step,
             stream=self._stream,
         )
+        if self._chunks is not None:
+            gen.prefill_step_size = self._chunks.chunk
+        return gen
 
     def run(self) -> None:
         # Every MLX op of the loop in the generator's stream: the cache tiers' views of a lent
@@ -480,11 +490,17 @@ class Runner:
     def step(self) -> None:
         """One generation step (drivers may call it directly: tests, benchmarks)."""
         t0 = time.perf_counter()
+        before = prefilled_tokens(self._gen) if self._chunks is not None else 0
         try:
             self._generate()
             self._publish.hand_over()  # after the step's tokens went out
         finally:
-            self.counters.step_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.counters.step_s += dt
+            if self._chunks is not None:
+                prefilled = prefilled_tokens(self._gen) - before
+                if prefilled > 0:  # (a rebuilt generator counts from 0: nothing to learn)
+                    self._gen.prefill_step_size = self._chunks.observe(prefilled, dt)
 
     def _generate(self) -> None:
         faults.hit("engine.step")

@@ -282,6 +282,7 @@ class GroupLeader:
         class GroupRunner(Runner):
             """Rank 0's runner: its generator's calls go to the followers first."""
             segmented = False
+            adaptive_chunks = False
 
             def _new_generator(self) -> Any:
                 gen = super()._new_generator()

@@ -1,0 +1,42 @@
+"""How many prompt tokens one step prefills. Pure policy (the runner applies it).
+
+A step of mlx-lm's `BatchGenerator` decodes one token for every running row and prefills one
+chunk of waiting prompts, and the hang watchdog counts steps as the engine's progress. With a
+fixed chunk, a slow machine (a CPU, a large model, a long context: attention grows with it)
+can spend longer on one chunk than `--hang-timeout`, and the watchdog then kills an engine that
+was working, over and over, and running streams wait that long between tokens. So the chunk
+is bounded by time as well as by `--prefill-step`: after each step that prefilled, the chunk
+is set so that a step at the rate just seen lasts at most `target_s`
+(`step_target`: a quarter of the hang timeout, at most 2 s; a steady, reachable bound on the
+gap between two tokens of a running stream while prompts prefill). It grows back at most 2x a
+step (from `START` at first, so the first step cannot outlast the bound either), so one fast
+reading does not overshoot, and never falls below `FLOOR`. A fast device never meets the bound
+and reaches `--prefill-step` within a few steps.
+"""
+
+from __future__ import annotations
+
+FLOOR = 16  # tokens: below this a step's fixed costs dominate
+START = 64  # the first steps' chunk, before any is timed (doubling from there on fast ones)
+MAX_TARGET_S = 2.0
+
+
+def step_target(hang_timeout: float) -> float:
+    """Seconds a prefilling step may take: well inside the hang timeout (0: none)."""
+    return min(MAX_TARGET_S, hang_timeout / 4) if hang_timeout > 0 else MAX_TARGET_S
+
+
+class PrefillChunks:
+    def __init__(self, configured: int, target_s: float) -> None:
+        self.configured = configured  # --prefill-step: the most a step ever prefills
+        self.target_s = target_s
+        self.chunk = min(configured, START)
+
+    def observe(self, prefilled: int, seconds: float) -> int:
+        """A step prefilled `prefilled` tokens (all rows) in `seconds` (its whole time): the
+        chunk for the next steps."""
+        if prefilled <= 0 or seconds <= 0:
+            return self.chunk
+        fits = int(prefilled / seconds * self.target_s)
+        self.chunk = max(FLOOR, min(self.configured, fits, 2 * self.chunk))
+        return self.chunk

@@ -1,0 +1,59 @@
+"""A prefill longer than `--hang-timeout` is progress, not a hang: the engine keeps each step
+(one prefill chunk) well inside the timeout (engine/batch/chunking.py), so the watchdog never
+kills a working engine, and running streams keep getting tokens between chunks."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from mlx_lm.sample_utils import greedy_sampler
+
+from conftest import start_daemon
+from conftest import stop_and_check as stop
+from mlxd.engine.batch.chunking import FLOOR, PrefillChunks, step_target
+from support.random_model import write_random_model
+
+
+def test_the_chunk_follows_the_step_time_within_its_bounds():
+    chunks = PrefillChunks(512, step_target(2.0))  # a 0.5 s target
+    assert chunks.chunk == 64  # before any step is timed
+    assert chunks.observe(64, 0.01) == 128  # fast: grows, at most 2x a step
+    assert chunks.observe(128, 0.01) == 256 and chunks.observe(256, 0.01) == 512
+    assert chunks.observe(512, 0.001) == 512  # never past --prefill-step
+    assert chunks.observe(512, 4.0) == 64  # 128 tok/s: 64 fit in 0.5 s
+    assert chunks.observe(64, 10.0) == FLOOR  # never below the floor
+    assert step_target(0) == 2.0 and step_target(60) == 2.0 and step_target(2) == 0.5
+
+
+def test_a_prefill_several_times_the_hang_timeout_completes_without_a_restart(tmp_path):
+    model = write_random_model(tmp_path / "m", hidden=256, layers=6, heads=4, kv_heads=2,
+                               intermediate=512, context=4096)
+    prompt = [5 + (i * 37) % 400 for i in range(1500)]
+    # one chunk of the whole prompt would take several seconds on this CPU
+    d = start_daemon(model, "--hang-timeout", "2", "--prefill-step", "2048", isolate=True)
+    try:
+        t0 = time.monotonic()
+        with d.http(timeout=300) as c:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8,
+                                                "temperature": 0})
+        took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        st = d.stats()
+        assert st["engines"][0]["restarts"] == 0, st["children"]
+        assert st["proxy"]["resume"]["resumes"] == 0
+        assert st["engines"][0]["steps"] > 3  # the prefill was cut into steps
+        text = r.json()["choices"][0]["text"]
+    finally:
+        stop(d)
+    # the answer of an unhurried run: the runner in this process, no chunk control
+    from mlxd.engine.batch.messages import AddRequest
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from support.runner_drive import run_one
+    m, tok, _ = load_model(str(model), tmp_path / "c")
+    outq: queue.Queue = queue.Queue()
+    runner = Runner(m, [], batch_size=2, prefill_step=2048, outbox=outq, cache_bytes=0)
+    tokens, _ = run_one(runner, outq, AddRequest("x", prompt, 8, greedy_sampler, []))
+    assert text == tok.decode(tokens)
+    print(f"prefill of {len(prompt)} tokens took {took:.1f} s against a 2 s hang timeout")
