@@ -227,9 +227,10 @@ def cache_holds(c: dict) -> str:
 
 
 def format_models(models: dict) -> str:
-    rows = [[m["id"], m.get("state", "-"), ", ".join(a for a in m.get("aliases", [])
-                                                     if a != m["id"])] for m in models["data"]]
-    return table(rows, ["MODEL", "STATE", "ALSO KNOWN AS"])
+    rows = [[m["id"], m.get("state", "-"), str(m.get("context_length") or "-"),
+             ", ".join(a for a in m.get("aliases", []) if a != m["id"])]
+            for m in models["data"]]
+    return table(rows, ["MODEL", "STATE", "CONTEXT", "ALSO KNOWN AS"])
 
 
 def wait_for_exit(pid: int | None, sock_path: Path, timeout: float) -> bool:

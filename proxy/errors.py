@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import traceback
 
 from aiohttp import web
@@ -24,6 +25,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+        # Anthropic's own words where its clients act on them: "prompt is too long: N tokens
+        # > M maximum" makes Claude Code compact its context
+        self.anthropic_message = too_long(message) if code == "context_length_exceeded" else None
         self.type = type
         self.code = code
         self.param = param
@@ -33,7 +37,7 @@ class APIError(Exception):
         if dialect == "anthropic":
             return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(
                 self.status, "api_error" if self.status >= 500 else "invalid_request_error"),
-                "message": self.message}}
+                "message": self.anthropic_message or self.message}}
         if dialect == "ollama":
             return {"error": self.message}
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -50,6 +54,18 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                    529: "overloaded_error"}
+
+
+_TOKENS = re.compile(r"the prompt is (\d+) tokens, but this model's context is (\d+) tokens")
+_CHARS = re.compile(r"\(at least (\d+) tokens\).* context of (\d+) tokens")
+
+
+def too_long(message: str) -> str | None:
+    """Anthropic's message for a prompt over the context, from mlxd's ("the prompt is N
+    tokens, but this model's context is M tokens"; for a prompt refused by its length in
+    characters, N is the fewest tokens those characters can make)."""
+    m = _TOKENS.search(message) or _CHARS.search(message)
+    return f"prompt is too long: {m[1]} tokens > {m[2]} maximum" if m else None
 
 
 def dialect_of(path: str) -> str:

@@ -143,9 +143,9 @@ def check_prompt_size(msg: Generate, context_length: int, token_bytes: int) -> N
     chars = prompt_chars(msg)
     limit = context_length * token_bytes * PROMPT_SIZE_SLACK
     if limit and chars > limit:
-        raise ClientError(f"the prompt is {chars} characters, far more than this model's "
-                          f"context of {context_length} tokens can hold",
-                          "context_length_exceeded")
+        raise ClientError(f"the prompt is {chars} characters (at least {chars // token_bytes} "
+                          f"tokens), far more than this model's context of {context_length} "
+                          f"tokens can hold", "context_length_exceeded")
 
 
 def prompt_tokens(tok: Any, msg: Generate) -> list[int]:

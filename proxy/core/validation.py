@@ -36,5 +36,7 @@ def check_prompt_fits(msg: Generate, status: EngineStatus | None) -> None:
         content = m.get("content")
         chars += len(content) if isinstance(content, str) else 0
     if chars > ctx * status.max_token_bytes * PROMPT_SIZE_SLACK:
-        raise bad_request(f"the prompt is {chars} characters, far more than this model's "
-                          f"context of {ctx} tokens can hold", code="context_length_exceeded")
+        raise bad_request(f"the prompt is {chars} characters (at least "
+                          f"{chars // status.max_token_bytes} tokens), far more than this "
+                          f"model's context of {ctx} tokens can hold",
+                          code="context_length_exceeded")

@@ -321,6 +321,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, gens, shape, _include_usage(req))
 
 
+def context_fields(context: int) -> dict[str, int]:
+    """The model's context length under the names clients read it by (vLLM's `max_model_len`,
+    LM Studio's and OpenRouter's `context_length`), once an engine has loaded it."""
+    return {"context_length": context, "max_model_len": context} if context else {}
+
+
 def _models(request: web.Request) -> list[dict[str, Any]]:
     """Resident and configured models, with their state and the names they answer to."""
     proxy = request.app[STATE]
@@ -330,7 +336,8 @@ def _models(request: web.Request) -> list[dict[str, Any]]:
     for rec in client.engines.values():
         state = rec.state if rec.engine_id in resident or rec.state == "failed" else "unloaded"
         data.append({"id": rec.model_id, "object": "model", "created": proxy.started,
-                     "owned_by": "mlxd", "state": state, "aliases": rec.names})
+                     "owned_by": "mlxd", "state": state, "aliases": rec.names,
+                     **context_fields(rec.status.context_length if rec.status else 0)})
     listed = {n for d in data for n in d["aliases"]}
     for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
         base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
@@ -338,7 +345,8 @@ def _models(request: web.Request) -> list[dict[str, Any]]:
         data.append({"id": name, "object": "model", "created": proxy.started,
                      "owned_by": "mlxd", "state": base["state"] if base else "unloaded",
                      "aliases": [name], "parent": model_id(spec),
-                     "root": router.adapter_dirs[name].partition(":")[2]})
+                     "root": router.adapter_dirs[name].partition(":")[2],
+                     **context_fields(base.get("context_length", 0) if base else 0)})
     listed |= set(router.adapters)
     for alias, spec in router.aliases.items():
         if alias not in listed:
