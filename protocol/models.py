@@ -37,6 +37,31 @@ def local_model_dir(spec: str) -> Path | None:
         return None
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
+
+
+def config_context_length(config: dict) -> int:
+    """A model's context length as its config.json states it (0: it does not; the engine
+    then asks the tokenizer)."""
+    for scope in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            if isinstance(scope.get(key), int) and scope[key] > 0:
+                return int(scope[key])
+    return 0
+
+
+def declared_context_length(spec: str) -> int:
+    """The context length a local model directory's config.json declares (0: unknown, not a
+    local directory, or unreadable); what the proxy reports before the engine has loaded."""
+    path = local_model_dir(spec)
+    if path is None:
+        return 0
+    try:
+        return config_context_length(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def model_id(spec: str) -> str:
     """The id that /v1/models lists for a model spec."""
     if spec in ("", DEFAULT_MODEL):

@@ -291,6 +291,11 @@ def test_models_retrieve_by_any_name(daemon, tiny_model):
     c = oai(daemon)
     m = c.models.retrieve(MODEL)
     assert m.id == MODEL and m.object == "model" and m.owned_by == "mlxd"
+    # the context a client may use, under the names clients read (the tiny model's is 256)
+    assert m.model_extra is not None
+    assert m.model_extra["context_length"] == m.model_extra["max_model_len"] == 256
+    listed = {x.id: x.model_extra for x in c.models.list().data}
+    assert listed[MODEL] is not None and listed[MODEL]["context_length"] == 256
     assert c.models.retrieve(str(tiny_model)).id == MODEL  # a path, slashes and all
     with pytest.raises(openai.NotFoundError) as missing:
         c.models.retrieve("no/such-model")

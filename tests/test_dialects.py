@@ -147,6 +147,22 @@ def test_messages_bad_input_gets_anthropic_errors(daemon, body, status, fragment
     assert claude(daemon).messages.create(model=MODEL, max_tokens=2, messages=HI).content
 
 
+@pytest.mark.parametrize("words", [400, 60_000])
+def test_an_over_long_prompt_gets_anthropics_prompt_is_too_long(daemon, words):
+    """Claude Code compacts its context on Anthropic's own words for it; mlxd says them, with
+    the numbers: counted by the engine (400 words), or bounded by the proxy from the length
+    in characters before any tokenizing (60,000 words)."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(daemon).messages.create(model=MODEL, max_tokens=5, messages=[
+            {"role": "user", "content": "lighthouse " * words}])
+    body = e.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    message = body["error"]["message"]
+    assert message.startswith("prompt is too long: ") and message.endswith(" > 256 maximum")
+    assert int(message.split(": ")[1].split(" ")[0]) > 256
+
+
 # ---------------------------------------------------------------- Ollama
 
 def test_ollama_chat_streaming_equals_non_streaming(daemon):

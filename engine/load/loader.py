@@ -15,7 +15,12 @@ from mlx.utils import tree_flatten, tree_map
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol import faults
 from mlxd.protocol.logs import ProgressLog
-from mlxd.protocol.models import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL
+from mlxd.protocol.models import (
+    DEFAULT_GGUF_FILE,
+    DEFAULT_GGUF_PACKAGE,
+    DEFAULT_MODEL,
+    config_context_length,
+)
 
 log = logging.getLogger("mlxd.engine")
 
@@ -123,9 +128,9 @@ def _read_weights(model: Any, on_progress: ProgressFn | None) -> None:
 
 
 def context_length(config: dict, tokenizer: Any) -> int:
-    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return config[key]
+    declared = config_context_length(config)
+    if declared:
+        return declared
     limit = getattr(tokenizer, "model_max_length", 0)
     return limit if isinstance(limit, int) and 0 < limit < 10**7 else 4096
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta
-from mlxd.protocol.models import model_id
+from mlxd.protocol.models import declared_context_length, model_id
 from mlxd.proxy.bounds import clip, decode_body
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.generation import (
@@ -323,7 +323,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def context_fields(context: int) -> dict[str, int]:
     """The model's context length under the names clients read it by (vLLM's `max_model_len`,
-    LM Studio's and OpenRouter's `context_length`), once an engine has loaded it."""
+    LM Studio's and OpenRouter's `context_length`): the engine's once it has loaded the model,
+    its config.json's before (a local directory; none for a repo id not loaded yet)."""
     return {"context_length": context, "max_model_len": context} if context else {}
 
 
@@ -337,7 +338,8 @@ def _models(request: web.Request) -> list[dict[str, Any]]:
         state = rec.state if rec.engine_id in resident or rec.state == "failed" else "unloaded"
         data.append({"id": rec.model_id, "object": "model", "created": proxy.started,
                      "owned_by": "mlxd", "state": state, "aliases": rec.names,
-                     **context_fields(rec.status.context_length if rec.status else 0)})
+                     **context_fields((rec.status.context_length if rec.status else 0)
+                                      or declared_context_length(rec.spec))})
     listed = {n for d in data for n in d["aliases"]}
     for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
         base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
