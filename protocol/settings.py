@@ -91,6 +91,10 @@ class ProxySettings(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, description="default max_tokens")] = 512
     load_wait: Annotated[float, Meta(ge=0, description=(
         "seconds a request waits for a loading model before a 503"))] = 120.0
+    stream_ping: Annotated[float, Meta(ge=0, description=(
+        "seconds a stream may go without a byte before a keep-alive is sent (an SSE comment "
+        "on OpenAI routes, a `ping` event on /v1/messages), as while a long prompt prefills "
+        "(0: none)"))] = 10.0
     shutdown_timeout: Annotated[float, Meta(ge=0, description=(
         "on SIGTERM, seconds in-flight requests may take to finish before they are aborted; "
         "children then get as long again to flush and exit"))] = 15.0

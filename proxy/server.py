@@ -137,6 +137,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
                    shutdown_timeout=shutdown_timeout, request_stop=request_stop)
     state = app[STATE]
     state.allow_image_urls = s.allow_image_urls
+    state.stream_ping = s.stream_ping
     try:
         runner, where = await start_listeners(app, launch.listen_fds)
     except ListenError as e:

@@ -45,6 +45,7 @@ class ProxyState:
     resume: bool = False  # resume requests on a restarted engine (only under --isolate)
     allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls)
     shutdown_timeout: float = 15.0
+    stream_ping: float = 10.0  # seconds without a byte before a stream's keep-alive (0: none)
     request_stop: Callable[[], None] = lambda: None  # POST /admin/shutdown
     started: int = field(default_factory=lambda: int(time.time()))  # wall-clock seconds
     listening: ListeningAt | None = None  # set once the listeners are up

@@ -219,10 +219,10 @@ def _leader_and_follower(model_dir):
                       gen.prefill_step_size, eos))
             return LeaderGenerator(gen, send)
 
-        def _insert(self, add, shared=None, floor=None):
+        def _insert(self, add, shared=None, floor=None, extra_points=()):
             gen: Any = self._gen  # the LeaderGenerator made above
             gen.next_rows = [notes.take(add.request_id)]
-            return super()._insert(add, shared, floor)
+            return super()._insert(add, shared, floor, extra_points)
 
     out: queue.Queue = queue.Queue()
     runner = LeaderRunner(model_a, eos, batch_size=4, prefill_step=64, outbox=out,

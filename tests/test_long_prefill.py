@@ -1,12 +1,19 @@
 """A prefill longer than `--hang-timeout` is progress, not a hang: the engine keeps each step
 (one prefill chunk) well inside the timeout (engine/batch/chunking.py), so the watchdog never
-kills a working engine, and running streams keep getting tokens between chunks."""
+kills a working engine, and running streams keep getting tokens between chunks. While a prompt
+prefills, its stream sends keep-alives (`--stream-ping`): SSE comments on OpenAI routes,
+`ping` events on /v1/messages, which the official SDKs pass over."""
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 
+import anthropic
+import httpx
+import openai
+import pytest
 from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
@@ -57,3 +64,54 @@ def test_a_prefill_several_times_the_hang_timeout_completes_without_a_restart(tm
     tokens, _ = run_one(runner, outq, AddRequest("x", prompt, 8, greedy_sampler, []))
     assert text == tok.decode(tokens)
     print(f"prefill of {len(prompt)} tokens took {took:.1f} s against a 2 s hang timeout")
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    """A model this CPU prefills slowly (~1,000 tokens in several seconds), no caches (every
+    request prefills), keep-alives every 0.5 s."""
+    path = write_random_model(tmp_path_factory.mktemp("slow") / "m", hidden=256, layers=6,
+                              heads=4, kv_heads=2, intermediate=512, context=4096)
+    d = start_daemon(path, "--stream-ping", "0.5", "--prompt-cache", "0", "--ssd-cache", "off",
+                     isolate=True)
+    yield d
+    stop(d)
+
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 90  # ~1,000 tokens
+
+
+def raw_stream(d, path: str, body: dict) -> list[str]:
+    with httpx.Client(base_url=d.url, timeout=120) as c, \
+            c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line]
+
+
+def test_openai_streams_send_comments_while_prefilling_and_the_sdk_reads_through(slow):
+    body = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 6, "stream": True}
+    lines = raw_stream(slow, "/v1/chat/completions", body)
+    first_token = next(i for i, line in enumerate(lines) if line.startswith("data: {")
+                       and json.loads(line[6:])["choices"][0]["delta"].get("content"))
+    assert lines[:first_token].count(": keep-alive") >= 2, lines[:5]  # (after the role)
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in lines if line.startswith("data: {"))
+    client = openai.OpenAI(base_url=slow.url + "/v1", api_key="x", max_retries=0)
+    got = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="m", messages=body["messages"], max_tokens=6, stream=True) if ch.choices)
+    assert got == text and text
+
+
+def test_anthropic_streams_send_pings_while_prefilling_and_the_sdk_reads_through(slow):
+    body = {"model": "m", "max_tokens": 6, "stream": True,
+            "messages": [{"role": "user", "content": LONG}]}
+    lines = raw_stream(slow, "/v1/messages", body)
+    events = [line[7:] for line in lines if line.startswith("event: ")]
+    assert events.index("message_start") >= 2 and set(
+        events[:events.index("message_start")]) == {"ping"}, events[:5]
+    client = anthropic.Anthropic(base_url=slow.url, api_key="x", max_retries=0)
+    with client.messages.stream(model="m", max_tokens=6, messages=body["messages"]) as s:
+        got = s.get_final_text()
+    text = "".join(json.loads(line[6:])["delta"].get("text", "") for line in lines
+                   if line.startswith("data: ") and '"content_block_delta"' in line)
+    assert got == text and text

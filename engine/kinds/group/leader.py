@@ -291,10 +291,10 @@ class GroupLeader:
                 return LeaderGenerator(gen, leader.send, leader.broken)
 
             def _insert(self, add: AddRequest, shared: Any = None,
-                        floor: int | None = None) -> Row:
+                        floor: int | None = None, extra_points: Any = ()) -> Row:
                 gen: Any = self._gen  # a LeaderGenerator (see _new_generator)
                 gen.next_rows = [leader.notes.take(add.request_id)]
-                return super()._insert(add, shared, floor)
+                return super()._insert(add, shared, floor, extra_points)
 
             def _abort(self, rids: list[str]) -> None:
                 super()._abort(rids)

@@ -9,15 +9,18 @@ import uuid
 
 from aiohttp import web
 
+from mlxd.protocol.messages import Delta
 from mlxd.proxy.bounds import decode_body
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
+from mlxd.proxy.core.keepalive import with_pings
 from mlxd.proxy.core.sampling import count_only
 from mlxd.proxy.dialects.anthropic import schema
 from mlxd.proxy.errors import APIError, bad_request
 from mlxd.proxy.state import STATE
 
 PING_EVERY = 10  # content deltas between `ping` events
+_END = Delta("")  # the end of a stream's deltas (None from `with_pings` is a keep-alive)
 
 
 def _event(name: str, data: dict) -> bytes:
@@ -75,11 +78,20 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str,
                   forced: list[constraints.Tool] | None) -> web.StreamResponse:
     """Anthropic's event sequence. `message_start` waits for the first token, so its usage
     says how much of the prompt the KV cache served (and an error before it is a status)."""
-    deltas = gen.deltas()
-    first = await anext(deltas, None)
+    deltas = with_pings(gen.deltas(), request.app[STATE].stream_ping)
+    got = await anext(deltas, _END)  # an error this soon is still a status
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    try:
+        while got is None:  # no token yet (a long prefill): `ping`s until it comes
+            await resp.write(_event("ping", {"type": "ping"}))
+            got = await anext(deltas, _END)
+    except APIError as e:
+        await resp.write(_event("error", e.body("anthropic")))
+        await resp.write_eof()
+        return resp
+    first = None if got is _END else got
     await resp.write(_event("message_start", {"type": "message_start", "message": {
         "id": msg_id, "type": "message", "role": "assistant", "model": gen.model_name,
         "content": [], "stop_reason": None, "stop_sequence": None,
@@ -130,7 +142,12 @@ async def _stream(request: web.Request, gen: Generation, msg_id: str,
             if not gen.pending():
                 await resp.write(b"".join(out))
                 out.clear()
-            d = await anext(deltas, None)
+            got = await anext(deltas, _END)
+            while got is None:  # a long pause (a resumed request prefilling again)
+                await resp.write(b"".join(out) + _event("ping", {"type": "ping"}))
+                out.clear()
+                got = await anext(deltas, _END)
+            d = None if got is _END else got
         if out:
             await resp.write(b"".join(out))
     except APIError as e:  # after the stream started: Anthropic's `error` event

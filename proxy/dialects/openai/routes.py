@@ -23,6 +23,7 @@ from mlxd.proxy.core.generation import (
     started_generations,
     usage,
 )
+from mlxd.proxy.core.keepalive import with_pings
 from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.dialects.openai.schema import (
     ChatRequest,
@@ -215,7 +216,12 @@ async def _stream(request: web.Request, gens: list[Generation], shape: _Shape,
         from mlxd.proxy.stage_trace import StreamTrace
         trace = StreamTrace()
     try:
-        async for i, d in deltas:
+        async for got in with_pings(aiter(deltas), request.app[STATE].stream_ping):
+            if got is None:  # nothing to send for a while (a long prefill): an SSE comment
+                await resp.write(b"".join(out) + b": keep-alive\n\n")
+                out.clear()
+                continue
+            i, d = got
             stamps = trace.handler(d) if trace is not None else None
             if d.reasoning and shape.chat:
                 out.append(_sse({**base, "choices": [chunk(i, reasoning_content=d.reasoning)]}))
