@@ -147,11 +147,14 @@ class RunningBatch:
         return int(b.max_tokens[row] - b._num_tokens[row])
 
     def advance_alone(self, tokens: list[int], logprobs: list[Any], drafted: int,
-                      next_token: mx.array, next_logprobs: mx.array) -> list[Any]:
+                      next_token: mx.array, next_logprobs: mx.array,
+                      rewind: Callable[[int], None] | None = None) -> list[Any]:
         """The lone row produced `tokens` (its pending token and the accepted drafts) in one
         forward pass over `drafted` drafts: account them as that many plain steps would
         (token count, stop matcher, finish, the generator's counters), trim the row's cache
-        back to them and leave `next_token` to be fed next. mlx-lm's responses, in order."""
+        back to them (or, for layers that cannot be trimmed, `rewind(kept)`: restored and
+        fed the kept tokens again) and leave `next_token` to be fed next. mlx-lm's
+        responses, in order."""
         gen, b = self.gen, self._b
         finish = None
         produced = 0
@@ -165,7 +168,11 @@ class RunningBatch:
             if finish is not None:
                 break
         tokens = tokens[:produced]
-        trim_prompt_cache(b.prompt_cache, drafted + 1 - produced)
+        if drafted + 1 > produced:
+            if rewind is not None:
+                rewind(produced)
+            else:
+                trim_prompt_cache(b.prompt_cache, drafted + 1 - produced)
         b.tokens[0].extend(tokens)
         gen._counters.generation_tokens += produced
         gen._counters.generation_steps += 1
@@ -196,6 +203,38 @@ def decoding_alone(gen: Any) -> bool:
     """One row decoding, and no prompt waiting or being prefilled."""
     return (len(gen._generation_batch) == 1 and len(gen._prompt_batch) == 0
             and not gen._unprocessed_sequences)
+
+
+def _copy(x: Any) -> Any:
+    # a new array object: in-place operators (`+=`) on the cache's then rebind only its own
+    return None if x is None else x + 0
+
+
+def save_states(cache: list[Any]) -> list[Any]:
+    """What a batch's sliding-window and recurrent layers hold now (None for other layers),
+    for `restore_states`: their arrays by reference (a forward pass of several tokens builds
+    new ones rather than writing these), their small counters copied."""
+    from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache
+    saved: list[Any] = []
+    for c in cache:
+        if type(c) is BatchRotatingKVCache:
+            saved.append((c.keys, c.values, _copy(c.offset), _copy(c.left_padding),
+                          c.max_size, c._offset, c._idx, c.rotated, c._lengths))
+        elif type(c) is ArraysCache:
+            saved.append((list(c.cache), _copy(c.left_padding), _copy(c.lengths)))
+        else:
+            saved.append(None)
+    return saved
+
+
+def restore_states(cache: list[Any], saved: list[Any]) -> None:
+    from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache
+    for c, s in zip(cache, saved, strict=True):
+        if type(c) is BatchRotatingKVCache:
+            (c.keys, c.values, c.offset, c.left_padding, c.max_size, c._offset, c._idx,
+             c.rotated, c._lengths) = s
+        elif type(c) is ArraysCache:
+            c.cache, c.left_padding, c.lengths = list(s[0]), s[1], s[2]
 
 
 def prefilled_tokens(gen: Any) -> int:

@@ -287,3 +287,32 @@ def test_resume_after_a_kill_mid_speculation_gives_identical_text(tiny_model):
         assert 'mlxd_speculative_tokens_total{kind="accepted"' in metrics
     finally:
         stop(d)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_a_state_model_speculates_and_rewinds_rejected_drafts_to_the_plain_text(
+        family, models, tmp_path):
+    """Sliding-window (wrapped: 16 tokens) and recurrent layers cannot be trimmed: a rejected
+    draft is rewound (state restored, accepted tokens fed again), and the text is the plain
+    steps' token for token. The drafts come from another random model (a plain llama with the
+    same vocabulary): most are rejected."""
+    from support.random_model import write_random_model
+    _, other, _ = models
+    model, tok, _ = load_model(str(write_random_model(tmp_path / family, family=family)),
+                               tmp_path / "c")
+    prompt = tok.encode(CODE)
+    plain, _ = drive(model, None, [AddRequest("a", prompt, 60, greedy(), [])])
+    spec = forced(4, other)
+    got, _ = drive(model, spec, [AddRequest("a", prompt, 60, greedy(), [])])
+    assert got == plain and len(plain["a"]) == 60
+    c = spec.counters
+    assert c.steps > 0 and c.drafted > c.accepted  # drafts were rejected, and rewound
+
+
+def test_a_draft_model_that_cannot_be_trimmed_is_refused_at_load(models, tmp_path):
+    from mlxd.engine.load.loader import ModelLoadError, load_draft
+    from support.random_model import write_random_model
+    target, _, _ = models
+    recurrent = write_random_model(tmp_path / "m", family="mamba2")
+    with pytest.raises(ModelLoadError, match="cannot be trimmed"):
+        load_draft(str(recurrent), tmp_path / "c", "auto", target)

@@ -144,6 +144,12 @@ def load_draft(spec: str, cache_dir: Path, dtype: str, model: Any,
     if ours != theirs:
         raise ModelLoadError(f"--draft-model {spec} has a vocabulary of {theirs} tokens, the "
                              f"model {ours}: it cannot draft for it")
+    from mlx_lm.models.cache import make_prompt_cache
+    kinds = {type(c).__name__ for c in make_prompt_cache(draft)}
+    if kinds != {"KVCache"}:  # it trims its own cache back to what the target accepted
+        raise ModelLoadError(f"--draft-model {spec} keeps {', '.join(sorted(kinds))} layers, "
+                             f"which cannot be trimmed back after a rejected draft: use a draft "
+                             f"model with plain KV layers, or prompt lookup (no --draft-model)")
     return draft
 
 

@@ -11,7 +11,10 @@ whenever the batch grows: a request arriving mid-way waits for one step at most.
 
 Rows never speculated: those with logits processors (penalties, grammars: each position
 would need the context of the drafts before it), those asking for log-probabilities, and a
-sampler whose per-position key (engine/admit/sampling.py) cannot be rewound.
+sampler whose per-position key (engine/admit/sampling.py) cannot be rewound. A row whose
+model has sliding-window or recurrent layers is put back after a rejected draft by
+`rewind.py` (restored and fed the accepted tokens again), never by a trim those layers cannot
+do.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable, Container
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine.mlx_lm_internals import (
@@ -32,6 +35,7 @@ from mlxd.engine.mlx_lm_internals import (
     running_batch,
 )
 from mlxd.engine.speculative.policy import NgramIndex, SpecCounters, SpecPolicy, accepted
+from mlxd.engine.speculative.rewind import Rewind, needs_rewind, speculable
 
 Draw = Callable[[mx.array, int], mx.array]
 
@@ -167,7 +171,7 @@ class Speculator:
         batch = running_batch(gen)
         if batch is None or batch.uids[0] in exclude or batch.processors[0]:
             return None
-        if not all(type(c) is BatchKVCache for c in batch.cache):
+        if not speculable(batch.cache):
             return None
         sampler = batch.sampler(0)
         if sampler is not greedy_sampler and sampler_position(sampler) is None:
@@ -197,6 +201,8 @@ class Speculator:
                 self._prev = "miss"  # the plain step that follows waits on no device work
                 return None
             k = len(drafts)
+            rewind = Rewind(batch.model, batch.cache, [last, *drafts]) \
+                if needs_rewind(batch.cache) else None
             logits = batch.model(mx.array([[last, *drafts]], dtype=mx.uint32),
                                  cache=batch.cache)[0]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -211,7 +217,7 @@ class Speculator:
             out = batch.advance_alone([last, *drafts[:n]],
                                       [batch.pending_logprobs(0),
                                        *(logprobs[j] for j in range(n))],
-                                      k, sampled[n:n + 1], logprobs[n])
+                                      k, sampled[n:n + 1], logprobs[n], rewind)
         catch_up = getattr(self.drafter, "catch_up_s", 0.0)  # a one-off: not the step's cost
         self.policy.record_spec(time.perf_counter() - t0 - catch_up, k, n, len(out))
         return out
