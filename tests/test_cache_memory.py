@@ -50,5 +50,7 @@ def test_what_mlx_holds_beyond_the_weights_is_what_the_ram_tier_counts(family, t
         assert counted > 1_000_000, cache  # the rounds filled the tier
         # MLX holds little else once no row runs (a few small arrays of the generator's)
         assert held <= 1.2 * counted, (held, counted)
+        print(f"{family}: MLX holds {held / 1e6:.1f} MB beyond the weights, the RAM tier "
+              f"counts {counted / 1e6:.1f} MB ({held / counted:.2f}x)")
     finally:
         stop(d)
