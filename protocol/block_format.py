@@ -147,6 +147,18 @@ def snap_file(ns_dir: str, parent: bytes, n_tokens: int, key: bytes) -> str:
                         f"{parent.hex()}-{n_tokens}-{snap_key(key).hex()}{SNAP_SUFFIX}")
 
 
+PARALLEL_HASH_BYTES = 4 << 20  # larger payloads are hashed on every core (BLAKE3's tree)
+
+
+def payload_hash(payload: bytes | memoryview) -> bytes:
+    """A payload's blake3 digest: on every core for a large one (a state snapshot of a
+    sliding-window model is tens of MB; verifying it single-threaded costs a restore more than
+    reading it), the same digest either way."""
+    if len(payload) >= PARALLEL_HASH_BYTES:
+        return blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
+    return blake3.blake3(payload).digest()
+
+
 def namespace_key(description: str) -> bytes:
     return blake3.blake3(b"mlxd-namespace\0" + description.encode()).digest()
 
@@ -271,6 +283,6 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
     if data[HEADER.size:start] != np.asarray(tokens, dtype="<u4").tobytes():
         raise BadBlock(f"{path.name}: token mismatch")
     payload = memoryview(data)[start:]
-    if verify and blake3.blake3(payload).digest() != phash:
+    if verify and payload_hash(payload) != phash:
         raise BadBlock(f"{path.name}: payload hash mismatch")
     return payload

@@ -11,13 +11,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import blake3
 import msgspec
 import zmq
 
 from mlxd.protocol import codec, exit_codes, faults, shm
 from mlxd.protocol.addresses import Endpoints, identity
-from mlxd.protocol.block_format import block_path, pack_header, parse_name, snap_file, snap_key
+from mlxd.protocol.block_format import (
+    block_path,
+    pack_header,
+    parse_name,
+    payload_hash,
+    snap_file,
+    snap_key,
+)
 from mlxd.protocol.messages import (
     Heartbeat,
     Hello,
@@ -144,7 +150,7 @@ class StorageWorker:
                 continue
             payload = seg.buf[b.slot * msg.slot_bytes: b.slot * msg.slot_bytes + size]
             try:
-                digest = blake3.blake3(payload).digest()
+                digest = payload_hash(payload)
                 key = snap_key(b.key) if b.snapshot else b.key
                 header = pack_header(layout, msg.namespace, b.parent, key, b.tokens, digest,
                                      size, b.tail, b.snapshot)
