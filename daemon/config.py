@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from mlxd.protocol.settings import (
     StorageSettings,
     TuningSettings,
 )
+from mlxd.protocol.volatile_lines import compile_patterns
 
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 # Daemon settings that name a path: ServeConfig holds each resolved (defaults filled in).
@@ -201,6 +203,11 @@ def _check_together(values: dict[str, Any], sources: dict[str, str]) -> None:
     if values["shard"] and not values["isolate"]:  # rank 0 starts its followers as a child
         raise ConfigError(f"shard ({sources['shard']}): a sharded engine runs only with "
                           "--isolate")
+    try:
+        compile_patterns(values["volatile_line"])
+    except re.error as e:
+        raise ConfigError(f"volatile_line ({sources['volatile_line']}): not a regular "
+                          f"expression: {e}") from e
     if values["kv_group_size"] not in (32, 64, 128):  # the group sizes mx.quantize takes
         raise ConfigError(f"kv_group_size ({sources['kv_group_size']}): "
                           f"{values['kv_group_size']} is not one of 32, 64, 128")

@@ -91,6 +91,12 @@ class ProxySettings(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, description="default max_tokens")] = 512
     load_wait: Annotated[float, Meta(ge=0, description=(
         "seconds a request waits for a loading model before a 503"))] = 120.0
+    volatile_line: Annotated[list[str], Meta(
+        description=("a line of system prompts to drop before tokenizing, so the prefix cache "
+                     "matches past it: a regular expression matching the whole line, or the "
+                     "preset 'claude-code' (its per-request billing-header line); repeatable; "
+                     "off unless given"),
+        extra={"metavar": "REGEX|claude-code"})] = []
     stream_ping: Annotated[float, Meta(ge=0, description=(
         "seconds a stream may go without a byte before a keep-alive is sent (an SSE comment "
         "on OpenAI routes, a `ping` event on /v1/messages), as while a long prompt prefills "

@@ -107,6 +107,9 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({"proxy": {"pid": os.getpid(), "in_flight": len(client.streams),
                                         "draining": router.draining,
                                         "uptime_s": int(time.time()) - state.started,
+                                        "volatile_lines": {
+                                            "dropped": state.volatile.dropped,
+                                            "requests": state.volatile.requests},
                                         "resume": {"enabled": state.resume,
                                                    **dataclasses.asdict(state.resume_stats)}},
                               "engines": engines, "children": children, "pool": pool})

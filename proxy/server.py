@@ -31,6 +31,7 @@ from mlxd.protocol.settings import ProxyLaunch
 from mlxd.proxy import lifecycle
 from mlxd.proxy.app import ListenSettings, make_app, start_listeners, write_listen_file
 from mlxd.proxy.core.sampling import Defaults
+from mlxd.proxy.core.volatile import VolatileLines, compile_patterns
 from mlxd.proxy.engines.client import EngineClient
 from mlxd.proxy.engines.pool import ModelPool, kv_bytes_per_element
 from mlxd.proxy.engines.router import Router
@@ -138,6 +139,7 @@ async def run_proxy(ctx: zmq.asyncio.Context, endpoints: Endpoints, launch: Prox
     state = app[STATE]
     state.allow_image_urls = s.allow_image_urls
     state.stream_ping = s.stream_ping
+    state.volatile = VolatileLines(compile_patterns(s.volatile_line))
     try:
         runner, where = await start_listeners(app, launch.listen_fds)
     except ListenError as e:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from mlxd.proxy.core.volatile import VolatileLines
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -46,6 +48,7 @@ class ProxyState:
     allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls)
     shutdown_timeout: float = 15.0
     stream_ping: float = 10.0  # seconds without a byte before a stream's keep-alive (0: none)
+    volatile: VolatileLines = field(default_factory=lambda: VolatileLines(None))
     request_stop: Callable[[], None] = lambda: None  # POST /admin/shutdown
     started: int = field(default_factory=lambda: int(time.time()))  # wall-clock seconds
     listening: ListeningAt | None = None  # set once the listeners are up

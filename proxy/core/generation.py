@@ -7,6 +7,7 @@ reaches the router), then format what `Generation` yields."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -111,6 +112,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
     prefill there; each resumes on its own after an engine death."""
     router = state.router
     traced_at = stage_trace.now() if stage_trace.ON else 0
+    if req.messages and state.volatile.pattern is not None:
+        req = dataclasses.replace(req, messages=state.volatile.scrub(req.messages))
     images = await decode_images(list(req.images), state.allow_image_urls) \
         if req.images else []  # a bad image is a 400 before any engine is chosen
     engine = await router.acquire(req.model)
