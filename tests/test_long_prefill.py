@@ -115,3 +115,34 @@ def test_anthropic_streams_send_pings_while_prefilling_and_the_sdk_reads_through
     text = "".join(json.loads(line[6:])["delta"].get("text", "") for line in lines
                    if line.startswith("data: ") and '"content_block_delta"' in line)
     assert got == text and text
+
+
+def test_a_client_gone_mid_prefill_stops_it_and_a_resend_starts_from_what_was_computed(
+        tmp_path):
+    """A client that gives up while its prompt prefills stops the prefill within a chunk, and
+    the chunks computed stay in the prefix cache: the same request sent again starts from
+    them (more than nothing, less than the whole prompt: the first copy never finished)."""
+    path = write_random_model(tmp_path / "m", hidden=256, layers=6, heads=4, kv_heads=2,
+                              intermediate=512, context=4096)
+    d = start_daemon(path, "--stream-ping", "0.3", "--hang-timeout", "2", "--ssd-cache", "off",
+                     isolate=True)
+    prompt = [5 + (i * 37) % 400 for i in range(2000)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    try:
+        pings = 0
+        with httpx.Client(base_url=d.url, timeout=120) as c, \
+                c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                pings += line == ": keep-alive"
+                if pings == 3:  # about a second into the prefill: the client leaves
+                    break
+        d.wait_until(lambda s: s["engines"][0]["active_requests"] == 0
+                     and s["engines"][0]["cache"]["ram_entries"] > 0,
+                     what="the abandoned request gone, its KV kept")
+        with d.http(timeout=300) as c:
+            again = c.post("/v1/completions", json=body).json()
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < len(prompt) - 1, cached
+        assert d.stats()["engines"][0]["restarts"] == 0
+    finally:
+        stop(d)
