@@ -146,3 +146,32 @@ def test_a_client_gone_mid_prefill_stops_it_and_a_resend_starts_from_what_was_co
         assert d.stats()["engines"][0]["restarts"] == 0
     finally:
         stop(d)
+
+
+def test_two_identical_long_requests_at_once_cost_one_prefill(tmp_path):
+    """A client that re-sends a request while the first copy still prefills (or two agents
+    sending the same context) does not prefill it twice: the copy waits for the first's
+    prompt and starts from it."""
+    import threading
+    path = write_random_model(tmp_path / "m", hidden=256, layers=6, heads=4, kv_heads=2,
+                              intermediate=512, context=4096)
+    d = start_daemon(path, "--ssd-cache", "off", isolate=True)
+    prompt = [5 + (i * 37) % 400 for i in range(1200)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    answers: list[dict] = []
+    try:
+        def send() -> None:
+            with d.http(timeout=300) as c:
+                answers.append(c.post("/v1/completions", json=body).json())
+        threads = [threading.Thread(target=send) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        cache = d.stats()["engines"][0]["cache"]
+        assert cache["prefilled_tokens"] <= len(prompt) + 1, cache  # once, and a token
+        assert [a["choices"][0]["text"] for a in answers][0] == answers[1]["choices"][0]["text"]
+        assert sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"]
+                      for a in answers) == [0, len(prompt) - 1]
+    finally:
+        stop(d)
