@@ -12,11 +12,12 @@ Configurations (`--configs`, each a server and a route):
 The trace is synthetic but shaped like a coding agent's: a system prompt with instructions and
 twelve tool definitions (`--system-tokens`, 8,000 at scale 1: 6-10k; scaled down, a tool per
 600 tokens, at least 3); a first user message (the task); then each turn appends the model's
-own answer as returned, a tool call on it (the OpenAI
-`tool_calls` / Anthropic `tool_use` structure: Read, Bash, Grep, Edit with realistic arguments)
-and the tool's result (a file listing, test output, grep hits: 0.5-4k tokens at scale 1,
-log-uniform), until the prompt reaches `--target-tokens` (32k on the CPU, 64k on the GPU at scale
-1) or for `--turns` requests. `--sessions N` run at once, sharing the system prompt and tools
+answer as the server returned it, a tool call (the OpenAI `tool_calls` / Anthropic `tool_use`
+structure: the model's own calls as returned when it made any that parse, else the trace's
+Read, Bash, Grep, Edit... with realistic arguments) and the trace's tool result (a file
+listing, test output, grep hits: 0.5-4k tokens at scale 1, log-uniform), until the prompt
+reaches `--target-tokens` (32k on the CPU, 64k on the GPU at scale 1) or for `--turns`
+requests. `--sessions N` run at once, sharing the system prompt and tools
 (subagents), each with its own task and tool results. Between turns a short side request asks
 for a title ("Summarize this conversation in 5 words", a small prompt of its own, as Claude Code
 sends; `--side full`: the whole conversation plus that question; `--side none`: off).
@@ -38,14 +39,17 @@ Repetitions (`--reps`, 3) interleave the configurations in a rotating order; eac
 fresh traces (their own seeds: no repetition is served from another's cache; the OpenAI pair
 shares one). Medians with the min-max spread over repetitions; mlxd over mlx_lm.server ratios
 are paired within a repetition. Each server first runs a warm-up session of two turns. Prints
-markdown tables and writes benchmarks/results/agent_session-<model>-<machine>[-volatile].json.
+markdown tables and writes benchmarks/results/agent_session-<model>-<machine>[-<tag>].json (also
+after each repetition but the last, marked `partial`: a run cut short keeps what it measured);
+`--from-json FILE` computes a file's summary and tables again.
 
 The servers run the mlxd of `--tree` (default: the checkout holding this file) through a package
 view on PYTHONPATH (its commit is recorded), not whatever the editable install points at.
 
-    python benchmarks/agent_session.py --model tiny --scale 0.5 --sessions 2   # CPU
-    python benchmarks/agent_session.py --model default --scale 0.1 --turns 6   # CPU, SmolLM2
-    python benchmarks/agent_session.py --shape 1b --sessions 2 --turns 32 --machine h200  # GPU
+    python benchmarks/agent_session.py --model tiny --scale 0.5 --sessions 2       # CPU: 18 min
+    python benchmarks/agent_session.py --model default --scale 0.04 --turns 4 \
+        --warm-up-scale 0.02                  # CPU, SmolLM2 (prefills ~5-10 tok/s here): 31 min
+    python benchmarks/agent_session.py --shape 1b --sessions 2 --turns 32 --machine h200 --tag 2s
 
 Models: `--model tiny` (random float32 Llama, hidden 64, 2 layers, context 65,536), `--model
 default` (mlxd's default SmolLM2-135M, converted from its GGUF into mlxd's cache directory, the
@@ -449,11 +453,15 @@ class OpenAIRoute:
     def start(self, session: int) -> list[dict]:
         return [{"role": "user", "content": self.trace.sessions[session].task}]
 
-    def append(self, conv: list[dict], answer: str, call: Call, call_id: str) -> None:
+    def append(self, conv: list[dict], answer: str, calls: list[tuple[str, dict]],
+               results: list[str], call_id: str) -> None:
+        ids = [f"{call_id}_{j}" for j in range(len(calls))]
         conv.append({"role": "assistant", "content": answer, "tool_calls": [
-            {"id": call_id, "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.args)}}]})
-        conv.append({"role": "tool", "tool_call_id": call_id, "content": call.result})
+            {"id": i, "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+            for i, (name, args) in zip(ids, calls, strict=True)]})
+        for i, result in zip(ids, results, strict=True):
+            conv.append({"role": "tool", "tool_call_id": i, "content": result})
 
     def side(self, conv: list[dict], session: int, mode: str) -> list[dict]:
         if mode == "full":
@@ -469,6 +477,7 @@ class OpenAIRoute:
         t0 = time.perf_counter()
         first = last = None
         text: list[str] = []
+        calls: dict[int, list[str]] = {}  # index -> [name, arguments]
         usage = None
         finish = None
         stream = await self.client.chat.completions.create(
@@ -484,6 +493,11 @@ class OpenAIRoute:
                     first = now if first is None else first
                     last = now
                     text.append(d.content or "")
+                    for c in d.tool_calls or ():
+                        got = calls.setdefault(c.index, ["", ""])
+                        if c.function is not None:
+                            got[0] += c.function.name or ""
+                            got[1] += c.function.arguments or ""
                 if ch.finish_reason:
                     finish, last = ch.finish_reason, now
         details = usage.prompt_tokens_details if usage is not None else None
@@ -491,6 +505,7 @@ class OpenAIRoute:
         return {"prompt_tokens": usage.prompt_tokens if usage is not None else None,
                 "cached_tokens": details.cached_tokens if details is not None else None,
                 "completion_tokens": completion, "finish": finish, "text": "".join(text),
+                "tool_calls": [{"name": n, "arguments": a} for _, (n, a) in sorted(calls.items())],
                 **timing(t0, first, last, completion)}
 
 
@@ -509,12 +524,16 @@ class AnthropicRoute:
         return [{"role": "user", "content": [{"type": "text",
                                               "text": self.trace.sessions[session].task}]}]
 
-    def append(self, conv: list[dict], answer: str, call: Call, call_id: str) -> None:
+    def append(self, conv: list[dict], answer: str, calls: list[tuple[str, dict]],
+               results: list[str], call_id: str) -> None:
+        ids = [f"{call_id}_{j}" for j in range(len(calls))]
         blocks: list[dict] = [{"type": "text", "text": answer}] if answer else []
-        blocks.append({"type": "tool_use", "id": call_id, "name": call.name, "input": call.args})
+        blocks += [{"type": "tool_use", "id": i, "name": name, "input": args}
+                   for i, (name, args) in zip(ids, calls, strict=True)]
         conv.append({"role": "assistant", "content": blocks})
-        conv.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
-                                                  "content": call.result}]})
+        conv.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": i, "content": result}
+            for i, result in zip(ids, results, strict=True)]})
 
     def side(self, conv: list[dict], session: int, mode: str) -> list[dict]:
         if mode == "full":
@@ -538,6 +557,7 @@ class AnthropicRoute:
         prompt = cached = None
         out_tokens = 0
         finish = None
+        calls: dict[int, list[str]] = {}  # block index -> [name, partial json]
         stream = await self.client.messages.create(
             model=self.model, system=blocks, messages=[*conv[:-1], last_msg],
             max_tokens=max_tokens, stream=True, extra_body={"temperature": 0},  # (the SDK
@@ -548,21 +568,45 @@ class AnthropicRoute:
                 u = ev.message.usage
                 cached = u.cache_read_input_tokens or 0
                 prompt = u.input_tokens + cached + (u.cache_creation_input_tokens or 0)
+            elif ev.type == "content_block_start" and ev.content_block.type == "tool_use":
+                calls[ev.index] = [ev.content_block.name, ""]
             elif ev.type == "content_block_delta":
                 piece = getattr(ev.delta, "text", None) or getattr(ev.delta, "partial_json", None)
                 if piece:
                     first = now if first is None else first
                     last = now
                     text.append(getattr(ev.delta, "text", "") or "")
+                    if ev.index in calls:
+                        calls[ev.index][1] += getattr(ev.delta, "partial_json", "") or ""
             elif ev.type == "message_delta":
                 out_tokens = ev.usage.output_tokens
                 finish, last = ev.delta.stop_reason, now
         return {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": out_tokens,
                 "finish": finish, "text": "".join(text),
+                "tool_calls": [{"name": n, "arguments": a} for _, (n, a) in sorted(calls.items())],
                 **timing(t0, first, last, out_tokens)}
 
 
 TITLE_ASK = "Summarize this conversation in 5 words."
+
+
+def calls_to_send(r: dict, call: Call) -> tuple[list[tuple[str, dict]], list[str], str]:
+    """The tool calls an agent sends back after answer `r`: the model's own, as the server
+    returned them, when it made any that parse (the trace's result answers the first, the others
+    get a line); else the trace's call. And which of the two ("model", "trace", or
+    "trace (model's unparsable)")."""
+    own = []
+    for c in r.get("tool_calls") or ():
+        try:
+            args = json.loads(c["arguments"] or "{}")
+        except ValueError:
+            args = None
+        if not c["name"] or not isinstance(args, dict):
+            return [(call.name, call.args)], [call.result], "trace (model's unparsable)"
+        own.append((c["name"], args))
+    if own:
+        return own, [call.result] + ["(no output)"] * (len(own) - 1), "model"
+    return [(call.name, call.args)], [call.result], "trace"
 
 
 # ---------------------------------------------------------------- sessions
@@ -587,7 +631,8 @@ async def run_session(route: Any, trace: Trace, session: int, args: argparse.Nam
         if k == n - 1:
             break
         prefix = "toolu" if isinstance(route, AnthropicRoute) else "call"
-        route.append(conv, r["text"], st.calls[k], f"{prefix}_{trace.seed}_{session}_{k}")
+        calls, results, r["calls_sent"] = calls_to_send(r, st.calls[k])
+        route.append(conv, r["text"], calls, results, f"{prefix}_{trace.seed}_{session}_{k}")
         if args.side != "none" and (k + 1) % args.side_every == 0:
             kind = "title" if args.side == "short" else "side"
             sr = await route.request(trace.system_parts(session, k, kind),
@@ -692,6 +737,9 @@ def rep_figures(run: dict) -> dict:
             t["cached_tokens"] >= t["prev_prompt_tokens"] + t["prev_completion_tokens"] - 1
             for t in history),
         "turns_after_first": len(history),
+        "model_calls_sent": sum(t.get("calls_sent") == "model" for t in turns),
+        "model_calls_unparsable": sum(t.get("calls_sent") == "trace (model's unparsable)"
+                                      for t in turns),
         "side_ttft_median_s": statistics.median(x["ttft_s"] for s in run["sessions"]
                                                 for x in s["side"])
         if any(s["side"] for s in run["sessions"]) else None,
@@ -760,6 +808,8 @@ def tables(summary: dict, turns: dict[str, list[dict]]) -> str:
             continue
         reps = s["per_rep"]
         reused = "; ".join(f"{r['turns_reusing_previous_answer']}/{r['turns_after_first']}"
+                           + (f" ({r.get('model_calls_sent', 0)} own calls)"
+                              if r.get("model_calls_sent") else "")
                            for r in reps)
         lines.append(f"| {config} | {fmt_spread(s['cache_share_after_first'], pct=True)} | "
                      f"{fmt_spread(s['reusable_share_after_first'], pct=True)} | "
@@ -805,7 +855,8 @@ def machine_label() -> str:
     return "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
 
 
-async def main_async(args: argparse.Namespace, model: Path, work: Path) -> dict:
+async def main_async(args: argparse.Namespace, model: Path, work: Path, save: Any) -> dict:
+    """The run; `save(got)` after each whole repetition (a run cut short keeps those)."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     needed = {"mlx_lm" if c.startswith("mlx_lm") else "mlxd" for c in args.configs}
@@ -855,6 +906,8 @@ async def main_async(args: argparse.Namespace, model: Path, work: Path) -> dict:
                       f"{f['decode_tps'] or 0:.1f} tok/s, answers reused "
                       f"{f['turns_reusing_previous_answer']}/{f['turns_after_first']}",
                       flush=True)
+            if r + 1 < args.reps:
+                save({"runs": runs, "partial": f"{r + 1} of {args.reps} repetitions"})
         mlxd_stats = cache_figures(await stats(bases["mlxd"])) if "mlxd" in bases else None
     finally:
         for srv, _ in servers.values():
@@ -949,29 +1002,34 @@ def main() -> None:
     t0 = time.time()
     # SIGTERM (`timeout`, a job's end) as an interrupt: the servers are stopped on the way out
     signal.signal(signal.SIGTERM, interrupted)
-    try:
-        got = asyncio.run(main_async(args, model, work))
-    finally:
-        for srv in STARTED:
-            srv.stop()
-    summary = summarize(got["runs"])
-    turns = per_turn(got["runs"])
-    text = tables(summary, turns)
     from importlib.metadata import version
     tag = args.tag if args.tag is not None else "volatile" if args.volatile_line else ""
     name = "-".join(filter(None, ["agent_session", label, machine, tag]))
     out = args.out or HERE / "results" / f"{name}.json"
-    data = {"model": label, "model_dir": str(model), "machine": machine,
-            "platform": platform.platform(), "cpus": os.cpu_count(), "mlxd_commit": commit,
-            "mlxd_tree": str(args.tree.resolve()),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "mlx": version("mlx"), "mlx_lm": version("mlx-lm"), "openai": version("openai"),
-            "anthropic": version("anthropic"), "argv": sys.argv[1:],
-            "settings": {k: v for k, v in vars(args).items() if k not in ("tree", "out")},
-            "seconds": time.time() - t0, "summary": summary, "per_turn": turns,
-            "tables": text, **got}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1, default=str))
+
+    def save(got: dict) -> str:
+        summary = summarize(got["runs"])
+        turns = per_turn(got["runs"])
+        text = tables(summary, turns)
+        data = {"model": label, "model_dir": str(model), "machine": machine,
+                "platform": platform.platform(), "cpus": os.cpu_count(), "mlxd_commit": commit,
+                "mlxd_tree": str(args.tree.resolve()),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
+                "openai": version("openai"), "anthropic": version("anthropic"),
+                "argv": sys.argv[1:],
+                "settings": {k: v for k, v in vars(args).items() if k not in ("tree", "out")},
+                "seconds": time.time() - t0, "summary": summary, "per_turn": turns,
+                "tables": text, **got}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1, default=str))
+        return text
+    try:
+        got = asyncio.run(main_async(args, model, work, save))
+    finally:
+        for srv in STARTED:
+            srv.stop()
+    text = save(got)
     print()
     print(f"{label} model, {machine}, mlxd {commit}; {args.sessions} session(s) at once; "
           f"median (min-max) of {args.reps} interleaved repetitions")
