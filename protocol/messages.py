@@ -225,6 +225,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     ram_snapshots: int = 0
     cache_unsupported: str = ""
     weights_bytes: int = 0
+    # The RAM tier's keep policy (engine/kv/keep_policy.py): entries dropped for a newer one
+    # holding all but their last tokens, and the bytes of sessions' entries (evicted after
+    # one-offs).
+    ram_superseded: int = 0
+    ram_kept_bytes: int = 0
 
 
 # A prompt's text is refused before tokenizing when it has more characters than

@@ -147,7 +147,8 @@ class DaemonCollector(Collector):
                 spec_per.add_metric([m], x.spec_tokens_per_step)
             for tier, event, value in (
                     ("ram", "hits", x.ram_hits), ("ram", "misses", x.ram_misses),
-                    ("ram", "evictions", x.ram_evictions), ("ssd", "hits", x.ssd_hits),
+                    ("ram", "evictions", x.ram_evictions),
+                    ("ram", "superseded", x.ram_superseded), ("ssd", "hits", x.ssd_hits),
                     ("ssd", "misses", x.ssd_misses), ("ssd", "evictions", x.ssd_evicted)):
                 if tier == "ram" or x.ssd_state != "off":
                     hits.add_metric([m, tier, event], value)

@@ -177,3 +177,42 @@ def test_generation_checkpoints_of_a_state_model_carry_its_snapshot(tmp_path):
     assert r.counters.checkpoints >= 2 and checkpoints
     for e in checkpoints:
         assert list(e.states) == [len(e.tokens)] and len(e.states[len(e.tokens)]) == 2
+
+
+def test_agent_sessions_stay_in_a_full_cache_and_one_off_prompts_go_first(model):
+    """Two sessions' turns (each prompt the last one, its answer and a new tool result) in a
+    cache with room for two of their entries and not much more: each new turn supersedes its
+    session's previous entry (one entry per session), and unrelated one-off prompts, however
+    many, are evicted before a session's latest turn (keep_policy.py)."""
+    m, tok = model
+    outq: queue.Queue = queue.Queue()
+    rng = np.random.default_rng(7)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(100, 400, n).tolist()
+
+    r = Runner(m, [], batch_size=4, prefill_step=256, outbox=outq, cache_bytes=1 << 30)
+    system = tokens(300)
+    prompts = {s: system + tokens(100) for s in "ab"}  # tails past SUPERSEDE_SLACK
+    for s in "ab":
+        gen, _ = run_one(r, outq, AddRequest(f"{s}0", prompts[s], 8, greedy_sampler, []))
+        prompts[s] = prompts[s] + gen + tokens(120)
+    per_token = r.cache.nbytes / sum(len(e.tokens) for e in r.cache.entries())
+    final = len(prompts["a"]) + 3 * (8 + 120)  # a session's last prompt
+    r.cache.resize(int(per_token * 2.5 * final))  # two sessions, not two and a one-off
+    for k in range(1, 4):
+        for s in "ab":
+            gen, st = run_one(r, outq, AddRequest(f"{s}{k}", prompts[s], 8, greedy_sampler, []))
+            assert st.source == "ram" and st.cached_tokens >= len(prompts[s]) - 120 - 8
+            prompts[s] = prompts[s] + gen + tokens(120)
+        kept = [e for e in r.cache.entries() if e.kept]
+        assert sorted(list(e.tokens) == prompts[s][:len(e.tokens)]
+                      for e in kept for s in "ab") == [False, False, True, True]
+        for j in range(2):  # one-offs: as long as a session's turn, sharing nothing
+            run_one(r, outq, AddRequest(f"x{k}{j}", tokens(len(prompts["a"])), 4,
+                                        greedy_sampler, []))
+        assert sorted(e.kept for e in r.cache.entries()) in ([True, True], [False, True, True])
+    assert r.cache.stats.superseded >= 6 and r.cache.stats.evictions >= 5
+    for s in "ab":
+        _, st = run_one(r, outq, AddRequest(f"{s}-last", prompts[s], 4, greedy_sampler, []))
+        assert st.source == "ram" and st.cached_tokens >= len(prompts[s]) - 120 - 8

@@ -28,9 +28,9 @@ class Publisher:
         self._pending: list[Entry] = []  # this step's new RAM entries, persisted at its end
 
     def history(self, tokens: list[int], cache: list[Any], prompt_len: int = 0,
-                snaps: dict[int, list[State]] | None = None) -> None:
+                snaps: dict[int, list[State]] | None = None, kept: bool = False) -> None:
         """A request's history into the RAM tier, with the snapshots its row took on the way
-        (`snaps`, by position); to the SSD tier the history and the prompt boundary (a tail
+        (`snaps`, by position), a session's entry if `kept` (`keep_policy.py`); to the SSD tier the history and the prompt boundary (a tail
         block ending with the prompt, or its snapshot), so that repeating the same prompt
         after a restart is served whole, not just its full blocks."""
         held = self.codec.take(cache, len(tokens)) if tokens else None
@@ -41,7 +41,7 @@ class Publisher:
         if self.codec.has_state:
             states = {p: s for p, s in (snaps or {}).items() if 0 < p < n}
             states[n] = held.states
-        entry = self.store(list(tokens[:n]), held.layers, states)
+        entry = self.store(list(tokens[:n]), held.layers, states, kept)
         if self.persist is None:
             return
         if entry is not None and not entry.persisted:
@@ -57,13 +57,14 @@ class Publisher:
             self._pending.append(Entry(tuple(tokens[:cut]), boundary, 0))
 
     def store(self, tokens: list[int], layers: list[tuple[Any, Any]],
-              states: dict[int, list[State]]) -> Entry | None:
-        """Into the RAM tier, evaluated (the arrays a tier counts are the arrays it holds)."""
+              states: dict[int, list[State]], kept: bool = False) -> Entry | None:
+        """Into the RAM tier, evaluated (the arrays a tier counts are the arrays it holds).
+        None: not held (too big, or a one-off evicted at once: it went to the SSD tier)."""
         mx.async_eval([a for k, v in layers for x in (k, v)
                        for a in (x if isinstance(x, tuple) else (x,))]
                       + [a for s in states.values() for a in state_arrays(s)])
         return self.cache.insert(tokens, layers, kv_nbytes(layers), states,
-                                 {p: nbytes(state_arrays(s)) for p, s in states.items()})
+                                 {p: nbytes(state_arrays(s)) for p, s in states.items()}, kept)
 
     def prompt_point(self, tokens: list[int], cache: list[Any]) -> Held | None:
         """A row stopped at a point of its prompt: the state layers' snapshot there (models

@@ -22,6 +22,7 @@ class Row:
     received_at: float  # monotonic: when the engine received it (0: unknown)
     admitted_at: float  # when it was inserted
     logprobs: int = -1  # top alternatives to report per token (-1: none)
+    started_from: int = 0  # prompt tokens it took from a tier or a leader (not prefilled)
     generated: int = 0  # tokens generated, for generation checkpoints
     first_pending: bool = True  # its first token is still to come
     prefilling: list[int] | None = None  # its prompt, while others may wait to share it

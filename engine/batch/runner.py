@@ -45,6 +45,7 @@ from mlxd.engine.batch.sizing import weight_bytes
 from mlxd.engine.grammar.steps import GrammarSteps
 from mlxd.engine.kv import quant as kv_quant
 from mlxd.engine.kv.codec import CacheCodec, Held, kv_slice, to_mx
+from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
@@ -420,7 +421,7 @@ class Runner:
             cache, cached, source = self.codec.lend(layers, states, n, self._kv_quant), n, "ssd"
             self.counters.ssd_restored_tokens += n
             entry = self._publish.store(prompt[:n], layers,
-                                        {n: states} if self.codec.has_state else {})
+                                        {n: states} if self.codec.has_state else {}, kept=True)
             if entry is not None:
                 entry.persisted = True  # it came from the SSD tier
         elif hit is not None:
@@ -445,7 +446,7 @@ class Runner:
             stop_sequences=[self._stop_sequences],
         )[0]
         row = Row(uid, add.request_id, len(prompt), add.received_at, time.monotonic(),
-                  add.logprobs, snap_at=frozenset(points))
+                  add.logprobs, cached, snap_at=frozenset(points))
         self.rows.add(row)
         c = self.counters
         c.prompt_tokens += len(prompt)
@@ -561,7 +562,8 @@ class Runner:
             finished.append(row.request_id)
             self._release_followers(row)
             if r.prompt_cache is not None and self.cache.max_bytes:
-                self._publish.history(r.all_tokens, r.prompt_cache, row.prompt_len, row.snaps)
+                self._publish.history(r.all_tokens, r.prompt_cache, row.prompt_len, row.snaps,
+                                      kept=continues(row.started_from, row.prompt_len))
         logprobs: dict[str, TopLogprobs] | None = top_logprobs(wanted) if wanted else None
         if finished:
             self._release(finished)

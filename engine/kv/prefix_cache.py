@@ -1,5 +1,6 @@
 """The RAM tier: KV checkpoints keyed by exact token prefix, longest usable prefix match,
-byte-capped LRU. A hit lends the stored arrays (MLX arrays are immutable, so new cache objects
+byte-capped, evicted as `keep_policy.py` decides (superseded entries at once; one-offs before
+the entries of sessions, least recently used first in each). A hit lends the stored arrays (MLX arrays are immutable, so new cache objects
 over the same buffers leave the donor intact); nothing is deep-copied per hit, unlike mlx-lm's
 LRUPromptCache.
 
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxd.engine.kv.keep_policy import SUPERSEDE_SLACK, continues, supersedes
 
 def kv_slice(x: Any, n: int) -> Any:
     """The first `n` tokens of one layer's keys or values: an array (1, kv_heads, T, dim) or,
@@ -75,6 +77,10 @@ def state_arrays(states: list[State]) -> list[Any]:
     return out
 
 
+def state_nbytes(states: list[State]) -> int:
+    return sum(a.nbytes for a in state_arrays(states))
+
+
 
 @dataclass(eq=False)
 class Entry:
@@ -83,6 +89,7 @@ class Entry:
     #                                  T, head_dim) or, quantized, a triplet (see kv_slice)
     nbytes: int
     persisted: bool = False  # every block of it is on SSD (or queued there)
+    kept: bool = False  # a session's, evicted after the one-offs (keep_policy.py)
     # state layers' snapshots by the position they were taken at (models with such layers)
     states: dict[int, list[State]] = field(default_factory=dict)
 
@@ -138,6 +145,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    superseded: int = 0  # entries dropped for a newer one holding all but their last tokens
 
 
 class PrefixCache:
@@ -155,6 +163,11 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the entries kept as sessions' (`keep_policy.py`)."""
+        return sum(e.nbytes for e in list(self._lru.values()) if e.kept)
 
     @property
     def snapshots(self) -> int:
@@ -204,6 +217,8 @@ class PrefixCache:
                 return None
             self._lru.move_to_end(entry.tokens)
             self.stats.hits += 1
+            if continues(n, len(prompt)):
+                entry.kept = True
             states = entry.states.get(n, []) if self.exact else []
             if n == len(entry.tokens):
                 return Held(n, list(entry.layers), states)
@@ -213,10 +228,12 @@ class PrefixCache:
 
     def insert(self, tokens: list[int], layers: list[tuple[Any, Any]], nbytes: int,
                states: dict[int, list[State]] | None = None,
-               state_bytes: dict[int, int] | None = None) -> Entry | None:
+               state_bytes: dict[int, int] | None = None, kept: bool = False) -> Entry | None:
         """`nbytes`: the append-only layers' bytes; (exact caches) `states` by position, each
         of `state_bytes[position]` bytes. An entry already held for the same tokens takes the
-        snapshots it lacks."""
+        snapshots it lacks. `kept`: made by a request that continued earlier work
+        (`keep_policy.continues`). Entries it supersedes are dropped, their snapshots at the
+        tokens it shares with them taken over, and their class too."""
         if not tokens:
             return None
         states, state_bytes = states or {}, state_bytes or {}
@@ -245,27 +262,80 @@ class PrefixCache:
                 self._link(entry)
                 self._lru[key] = entry
                 self.nbytes += entry.nbytes
-            victims = self._evict_beyond(keep=1)  # the entry just inserted stays
+            entry.kept = entry.kept or kept
+            for old in self._superseded_by(entry):
+                self._take_over(entry, old)
+            victims = self._evict_beyond(entry)
         self._evicted(victims)
-        return entry
+        return entry if entry.tokens in self._lru else None
 
     def resize(self, max_bytes: int) -> None:
         """A new capacity (the engine's memory share changed): entries beyond it are evicted
         at once, least recently used first, each offered to `on_evict` as an insert's are."""
         with self._lock:
             self.max_bytes = max_bytes
-            victims = self._evict_beyond(keep=0)
+            victims = self._evict_beyond(None)
         self._evicted(victims)
 
-    def _evict_beyond(self, keep: int) -> list[Entry]:
-        """Under the lock: least recently used entries unlinked until the cache is within its
-        capacity (at least `keep` entries stay)."""
+    def _evict_beyond(self, new: Entry | None) -> list[Entry]:
+        """Under the lock: entries unlinked until the cache is within its capacity, one-offs
+        first, then kept ones, least recently used first in each. An entry `new` (just
+        inserted) goes only as a one-off: a kept one stays even if it alone fills the cache."""
         victims = []
-        while self.nbytes > self.max_bytes and len(self._lru) > keep:
-            _, victim = self._lru.popitem(last=False)
+        while self.nbytes > self.max_bytes and self._lru:
+            victim = next((e for e in self._lru.values() if not e.kept), None)
+            if victim is None:
+                victim = next((e for e in self._lru.values() if e is not new), None)
+            if victim is None:
+                break
+            del self._lru[victim.tokens]
             self._unlink(victim)
             victims.append(victim)
         return victims
+
+    def _superseded_by(self, entry: Entry) -> list[Entry]:
+        """Under the lock: the entries `entry` supersedes (`keep_policy.supersedes`): those
+        ending on its path, and those leaving it at most SUPERSEDE_SLACK tokens before their
+        end."""
+        found: list[Entry] = []
+        key = entry.tokens
+
+        def below(node: _Node, depth: int, common: int) -> None:
+            if depth - common > SUPERSEDE_SLACK:
+                return
+            if node.entry is not None and supersedes(len(key), depth, common):
+                found.append(node.entry)
+            for child in node.children.values():
+                below(child, depth + len(child.edge), common)
+
+        node, depth = self._root, 0
+        while depth < len(key):
+            child = node.children[key[depth]]
+            for first, side in node.children.items():
+                if first != key[depth]:
+                    below(side, depth + len(side.edge), depth)
+            node, depth = child, depth + len(child.edge)
+            if node.entry is not None and node.entry is not entry:
+                found.append(node.entry)  # ends on the path: a prefix of it
+        return found
+
+    def _take_over(self, entry: Entry, old: Entry) -> None:
+        """Under the lock: `old` dropped for `entry`, which takes its snapshots at the tokens
+        the two share (positions `entry` lacks) and its class."""
+        common = common_prefix(old.tokens, entry.tokens)
+        moved = {p: s for p, s in old.states.items() if p <= common and p not in entry.states}
+        moved_bytes = sum(state_nbytes(s) for s in moved.values())
+        del self._lru[old.tokens]
+        self._unlink(old)
+        self.stats.superseded += 1
+        if moved:
+            entry.states.update(moved)
+            entry.nbytes += moved_bytes
+            self.nbytes += moved_bytes
+            entry.persisted = False
+            for p in moved:
+                self._ensure(entry.tokens[:p], entry).marks.append(entry)
+        entry.kept = entry.kept or old.kept
 
     def _evicted(self, victims: list[Entry]) -> None:
         """Outside the lock: each evicted entry counted and offered to `on_evict`."""

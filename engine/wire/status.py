@@ -34,7 +34,8 @@ def engine_stats(runner: Runner, ssd: SsdTier | None) -> EngineStats:
         mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
         bursts=c.bursts, cache_layers=runner.codec.describe(),
         ram_snapshots=cache.snapshots, cache_unsupported=runner.codec.unsupported,
-        weights_bytes=runner.weights_bytes)
+        weights_bytes=runner.weights_bytes, ram_superseded=cache.stats.superseded,
+        ram_kept_bytes=cache.kept_bytes)
     budget = runner.gate.budget  # None: no memory rule
     if budget is not None:
         st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share
