@@ -222,8 +222,12 @@ def cache_holds(c: dict) -> str:
     if c.get("ram_snapshots"):
         out += f"; {c['ram_snapshots']} state snapshot(s)"
     beyond = max(0, c.get("mlx_active_bytes", 0) - c.get("weights_bytes", 0))
-    return out + (f"; RAM tier {_size(c.get('ram_bytes'))} counted, MLX holds "
-                  f"{_size(beyond)} beyond the weights")
+    out += (f"; RAM tier {_size(c.get('ram_bytes'))} counted (sessions' "
+            f"{_size(c.get('ram_kept_bytes'))}) of {_size(c.get('ram_capacity_bytes'))}, MLX "
+            f"holds {_size(beyond)} beyond the weights")
+    if c.get("ram_superseded"):
+        out += f"; {c['ram_superseded']} entries superseded by their next turn"
+    return out
 
 
 def format_models(models: dict) -> str:

@@ -35,7 +35,7 @@ from mlxd.engine.stage_clock import NO_CLOCK
 from mlxd.engine.state import LoadedModel, StatusTick
 from mlxd.engine.wire.status import generating_status
 from mlxd.protocol.messages import CacheFlushed, Embed, EngineStatus, FlushCache, Generate
-from mlxd.protocol.settings import PoolShare
+from mlxd.protocol.settings import PROMPT_CACHE_GROUP_GB, PoolShare
 
 log = logging.getLogger("mlxd.engine")
 
@@ -77,15 +77,19 @@ class GeneratingEngine:
         def evicted(entry: Any) -> None:  # RAM eviction persists an entry before it drops it
             if persist is not None and not entry.persisted:
                 persist([entry])
-        cache_bytes = int(settings.prompt_cache * 2**30)
+        runner_class = kind.runner_class()
+        cache_bytes = settings.prompt_cache_bytes
+        if cache_bytes is None and not runner_class.auto_cache:
+            cache_bytes = int(PROMPT_CACHE_GROUP_GB * 2**30)
         budget = measure_budget(probe, settings.batch, stream, cache_bytes, launch.pool_share,
                                 settings.engine_memory)
         log.info("batch: %s", budget.why)
         outbox = host.channels.outq
-        runner = kind.runner_class()(
+        runner = runner_class(
             model, sorted(loaded.eos_ids), batch_size=ceiling(settings.batch),
             prefill_step=settings.prefill_step, outbox=outbox, stream=stream, budget=budget,
-            context=loaded.context_length, preparing=host.preparing, cache_bytes=cache_bytes,
+            context=loaded.context_length, preparing=host.preparing,
+            cache_bytes=budget.cache_bytes,
             persist=persist,
             on_evict=evicted if persist else None,
             checkpoint_every=settings.generation_checkpoint,

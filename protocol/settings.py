@@ -23,6 +23,10 @@ from msgspec import Meta
 from mlxd.protocol.logs import LogFormat
 from mlxd.protocol.models import DEFAULT_MODEL
 
+# `--prompt-cache auto` where the capacity is needed before the memory is measured (a sharded
+# group's followers size their KV stores from it)
+PROMPT_CACHE_GROUP_GB = 4.0
+
 
 class DaemonSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What only the `mlxd serve` process (supervisor or one-process server) uses."""
@@ -137,9 +141,11 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Annotated[Literal["auto", "native", "float32", "float16", "bfloat16"], Meta(
         description=("activation dtype (auto: float32 on MLX's CPU backend, "
                      "else native)"))] = "auto"
-    prompt_cache: Annotated[float, Meta(
-        ge=0, description="RAM prefix cache per engine in GB (0 disables)",
-        extra={"metavar": "GB"})] = 4.0
+    prompt_cache: Annotated[Literal["auto"] | Annotated[float, Meta(ge=0)], Meta(
+        description=("RAM prefix cache per engine in GB (0 disables); auto: a quarter of "
+                     "the memory its weights leave it (a sharded group: "
+                     f"{PROMPT_CACHE_GROUP_GB:g} GB)"),
+        extra={"metavar": "auto|GB"})] = "auto"
     ssd_cache_verify: Annotated[bool, Meta(
         description="check every restored block's blake3 payload hash",
         extra={"kind": "onoff"})] = True
@@ -193,6 +199,11 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         "engines together), to leave the rest to other programs; --batch auto is sized from "
         "it (default: measured at load: free GPU memory, or available RAM / the GPU's "
         "working set on unified memory)"), extra={"metavar": "GB"})] = None
+
+    @property
+    def prompt_cache_bytes(self) -> int | None:
+        """The RAM prefix cache's capacity in bytes; None: auto (sized from the memory)."""
+        return None if self.prompt_cache == "auto" else int(self.prompt_cache * 2**30)
 
 
 class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):

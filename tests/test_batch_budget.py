@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from mlxd.daemon.memory_share import Engine, shares, weight_bytes_on_disk
 from mlxd.engine.batch.budget import (
+    AUTO_CACHE_FRACTION,
     CEILING,
     Budget,
     KvShape,
@@ -72,6 +73,19 @@ def test_the_prefix_cache_capacity_comes_off_the_budget():
     with_cache = budget(10 * GiB, 2 * GiB, LLAMA_1B, None, "test", cache_bytes=4 * GiB)
     assert without.kv_bytes - with_cache.kv_bytes == 4 * GiB
     assert "prefix cache 4.0 GiB" in with_cache.why and "prefix cache" not in without.why
+
+
+def test_an_auto_prefix_cache_is_a_quarter_of_what_the_weights_leave_and_follows_the_share():
+    b = budget(64 * GiB, 4 * GiB, LLAMA_1B, None, "test", cache_bytes=None)
+    room = int(64 * GiB * 0.9) - 4 * GiB
+    assert b.cache_bytes == int(room * AUTO_CACHE_FRACTION) and 0 < AUTO_CACHE_FRACTION < 1
+    assert b.kv_bytes == room - b.cache_bytes and "(auto)" in b.why
+    half = rebudget(b, PoolShare(fraction=0.5, pool=2, others=1))
+    half_room = int(32 * GiB * 0.9) - 4 * GiB
+    assert half.cache_bytes == int(half_room * AUTO_CACHE_FRACTION)
+    assert half.kv_bytes == half_room - half.cache_bytes
+    tight = budget(4 * GiB, 4 * GiB, LLAMA_1B, None, "test", cache_bytes=None)
+    assert tight.cache_bytes == 0 == tight.kv_bytes  # the weights leave nothing
 
 
 def test_the_setting_gives_the_cap_and_the_generator_ceiling():

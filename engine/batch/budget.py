@@ -21,6 +21,9 @@ from mlxd.protocol.settings import PoolShare
 
 CEILING = 128  # never more rows than this: past it a step's latency grows for little gain
 RESERVE_FRACTION = 0.10  # of the memory the engine may use, kept free for activations etc.
+# --prompt-cache auto: the RAM prefix cache's part of what the weights and the reserve leave;
+# running rows keep three quarters (a long agent context's row needs its own copy as it grows)
+AUTO_CACHE_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Sizing:
     shape: KvShape
     explicit_cap: int | None
     source: str
-    cache_bytes: int  # the RAM prefix cache's configured capacity
+    cache_bytes: int | None  # the RAM prefix cache's configured capacity (None: auto)
     counted_back: int
 
 
@@ -86,23 +89,26 @@ class Budget:
 
 
 def budget(available_bytes: int, model_bytes: int, shape: KvShape,
-           explicit_cap: int | None, source: str, cache_bytes: int = 0,
+           explicit_cap: int | None, source: str, cache_bytes: int | None = 0,
            share: PoolShare | None = None, counted_back: int = 0) -> Budget:
     """`available_bytes`: what the engine may use in all (free memory plus what the model
     already holds, on unified memory; the device's memory on a GPU), or with `share` what
     the machine can give all of the pool's engines (see `machine_memory`). `cache_bytes`: the
-    RAM prefix cache's capacity. The engine's part is `share.fraction` of it; weights, cache,
+    RAM prefix cache's capacity (None: `--prompt-cache auto`, AUTO_CACHE_FRACTION of what the
+    weights and the reserve leave). The engine's part is `share.fraction` of it; weights, cache,
     reserve and KV come out of that part. `counted_back`: the other engines' weights in
     `available_bytes` (for the reason shown)."""
     fraction = share.fraction if share is not None else 1.0
     mine = int(available_bytes * fraction)
     room = int(mine * (1 - RESERVE_FRACTION)) - model_bytes  # for the cache and KV
-    kv = max(0, room - cache_bytes)
-    cache_cap = max(0, min(cache_bytes, room))
-    cache = ""
-    if cache_bytes:
-        cache = f", prefix cache {_size(cache_cap)}" + (
+    if cache_bytes is None:
+        cache_cap = max(0, int(room * AUTO_CACHE_FRACTION))
+        cache = f", prefix cache {_size(cache_cap)} (auto)"
+    else:
+        cache_cap = max(0, min(cache_bytes, room))
+        cache = "" if not cache_bytes else f", prefix cache {_size(cache_cap)}" + (
             f" (of {_size(cache_bytes)})" if cache_cap < cache_bytes else "")
+    kv = max(0, room - cache_cap)
     whole = f"{source}: {_size(available_bytes)}"
     if share is not None and (fraction < 1 or share.pool > 1):
         back = (f" (the other engines' weights {_size(counted_back)} counted back)"

@@ -30,9 +30,10 @@ class Publisher:
     def history(self, tokens: list[int], cache: list[Any], prompt_len: int = 0,
                 snaps: dict[int, list[State]] | None = None, kept: bool = False) -> None:
         """A request's history into the RAM tier, with the snapshots its row took on the way
-        (`snaps`, by position), a session's entry if `kept` (`keep_policy.py`); to the SSD tier the history and the prompt boundary (a tail
-        block ending with the prompt, or its snapshot), so that repeating the same prompt
-        after a restart is served whole, not just its full blocks."""
+        (`snaps`, by position), a session's entry if `kept` (`keep_policy.py`); to the SSD
+        tier the history and the prompt boundary (a tail block ending with the prompt, or its
+        snapshot), so that repeating the same prompt after a restart is served whole, not just
+        its full blocks."""
         held = self.codec.take(cache, len(tokens)) if tokens else None
         if held is None:
             return

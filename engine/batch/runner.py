@@ -61,10 +61,13 @@ log = logging.getLogger("mlxd.engine")
 
 class Runner:
     # whether rows may stop at prompt snapshot points (a sharded group's generator replays
-    # plain inserts only: it snapshots histories' ends alone), and whether the prefill chunk
-    # follows the step time (`chunking.py`; a group's ranks must chunk alike)
+    # plain inserts only: it snapshots histories' ends alone), whether the prefill chunk
+    # follows the step time (`chunking.py`; a group's ranks must chunk alike), and whether
+    # `--prompt-cache auto` may size the RAM tier from the memory (a group's followers size
+    # their stores before it is measured)
     segmented = True
     adaptive_chunks = True
+    auto_cache = True
 
     def __init__(self, model: Any, eos_ids: list[int], *, batch_size: int, prefill_step: int,
                  outbox: queue.Queue[Any], stream: Any = None, cache_bytes: int = 0,

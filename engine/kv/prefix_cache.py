@@ -1,8 +1,8 @@
 """The RAM tier: KV checkpoints keyed by exact token prefix, longest usable prefix match,
 byte-capped, evicted as `keep_policy.py` decides (superseded entries at once; one-offs before
-the entries of sessions, least recently used first in each). A hit lends the stored arrays (MLX arrays are immutable, so new cache objects
-over the same buffers leave the donor intact); nothing is deep-copied per hit, unlike mlx-lm's
-LRUPromptCache.
+the entries of sessions, least recently used first in each). A hit lends the stored arrays
+(MLX arrays are immutable, so new cache objects over the same buffers leave the donor intact);
+nothing is deep-copied per hit, unlike mlx-lm's LRUPromptCache.
 
 A model whose cache is append-only KV in every layer is served at any prefix an entry shares
 with the prompt. A model with fixed-size state layers (sliding windows, recurrent states;
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxd.engine.kv.keep_policy import SUPERSEDE_SLACK, continues, supersedes
+
 
 def kv_slice(x: Any, n: int) -> Any:
     """The first `n` tokens of one layer's keys or values: an array (1, kv_heads, T, dim) or,

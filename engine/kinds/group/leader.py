@@ -53,7 +53,7 @@ from mlxd.engine.kinds.group.plan import (
 from mlxd.protocol import exit_codes
 from mlxd.protocol.messages import Delta, Generate
 from mlxd.protocol.models import model_id
-from mlxd.protocol.settings import EngineLaunch
+from mlxd.protocol.settings import PROMPT_CACHE_GROUP_GB, EngineLaunch
 
 log = logging.getLogger("mlxd.engine")
 
@@ -173,7 +173,9 @@ class GroupLeader:
         self.eos: list[int] = []  # the model's end tokens: the runner's stop sequences
         # a follower's KV store: rank 0's RAM prefix cache, and room for what else rank 0
         # takes out of its generator (prefill groups' prompts, checkpoints)
-        self.store_bytes = int(1.5 * launch.settings.prompt_cache * 2**30) + (256 << 20)
+        cache = launch.settings.prompt_cache_bytes
+        cache = int(PROMPT_CACHE_GROUP_GB * 2**30) if cache is None else cache
+        self.store_bytes = int(1.5 * cache) + (256 << 20)
         self.hostfile = Path(launch.run_dir) / f"group-{launch.engine_id}-{launch.epoch}.json"
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stopping = threading.Event()
@@ -283,6 +285,7 @@ class GroupLeader:
             """Rank 0's runner: its generator's calls go to the followers first."""
             segmented = False
             adaptive_chunks = False
+            auto_cache = False
 
             def _new_generator(self) -> Any:
                 gen = super()._new_generator()
