@@ -179,15 +179,34 @@ def random_model(shape: str) -> Path:
     """A random-weight Llama of `shape` with TOOL_TEMPLATE, written once."""
     from support.random_model import write_random_model
     hidden, layers, heads, kv_heads, inter, vocab, context, dtype = SHAPES[shape]
-    out = Path(tempfile.gettempdir()) / f"mlxd-bench-agent-{shape}-{dtype}"
+    out = Path(tempfile.gettempdir()) / f"mlxd-bench-agent-{shape}-{dtype}-text"
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + ".part")
         shutil.rmtree(tmp, ignore_errors=True)
         write_random_model(tmp, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                            intermediate=inter, vocab=vocab, context=context, dtype=dtype,
                            chat_template=TOOL_TEMPLATE)
+        text_only_head(tmp)
         tmp.rename(out)
     return out
+
+
+def text_only_head(model: Path) -> None:
+    """Zero the output rows of tokens that are not whole text (a lone UTF-8 byte, a special
+    token): their logits are 0 where about half the others' are positive, so a random model
+    never picks them. Otherwise its answer can be all partial bytes, which both servers hold
+    back until the end, and no first token or decode rate can be timed."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    weights = mx.load(str(model / "model.safetensors"))
+    head = weights["lm_head.weight"]
+    bad = [i for i in range(head.shape[0])
+           if not (t := tok.decode([i], skip_special_tokens=True)) or "\ufffd" in t]
+    keep = mx.ones((head.shape[0], 1), dtype=head.dtype)
+    keep[mx.array(bad)] = 0
+    weights["lm_head.weight"] = head * keep
+    mx.save_safetensors(str(model / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
 def with_tool_template(model: Path) -> Path:
@@ -908,12 +927,13 @@ async def main_async(args: argparse.Namespace, model: Path, work: Path, save: An
                       flush=True)
             if r + 1 < args.reps:
                 save({"runs": runs, "partial": f"{r + 1} of {args.reps} repetitions"})
-        mlxd_stats = cache_figures(await stats(bases["mlxd"])) if "mlxd" in bases else None
+        full = await stats(bases["mlxd"]) if "mlxd" in bases else None
+        mlxd_stats = cache_figures(full) if full is not None else None
     finally:
         for srv, _ in servers.values():
             srv.stop()
             STARTED.remove(srv)
-    return {"runs": runs, "mlxd_cache": mlxd_stats,
+    return {"runs": runs, "mlxd_cache": mlxd_stats, "mlxd_stats": full,
             "trace": {"system_chars": len(traces[(0, 0 if 0 in group.values() else 1)].system),
                       "planned_tokens": plan}}
 
