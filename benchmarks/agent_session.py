@@ -79,7 +79,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -199,7 +199,7 @@ def text_only_head(model: Path) -> None:
     import mlx.core as mx
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    weights = mx.load(str(model / "model.safetensors"))
+    weights = cast(dict[str, mx.array], mx.load(str(model / "model.safetensors")))
     head = weights["lm_head.weight"]
     bad = [i for i in range(head.shape[0])
            if not (t := tok.decode([i], skip_special_tokens=True)) or "\ufffd" in t]

@@ -252,7 +252,8 @@ def test_a_daemon_with_little_memory_serves_what_fits_and_queues_the_rest(tiny_m
     /stats and /metrics show the cap and why."""
     weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
     memory = int((weights + 4 * 2**30 + 2.5 * 256 * TINY_KV_PER_TOKEN) / 0.9)
-    d = start_daemon(tiny_model, env={"MLXD_ENGINE_MEMORY": str(memory / 2**30)})
+    d = start_daemon(tiny_model, "--prompt-cache", "4",
+                     env={"MLXD_ENGINE_MEMORY": str(memory / 2**30)})
     try:
         d.wait_until(lambda s: s["engines"][0]["state"] == "ready", what="the engine ready")
         eng = d.stats()["engines"][0]

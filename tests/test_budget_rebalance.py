@@ -85,8 +85,9 @@ def test_a_smaller_share_trims_the_prefix_cache_at_once(model):
     outq: queue.Queue = queue.Queue()
     r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq, budget=whole,
                cache_bytes=whole.cache_bytes)
-    for i in range(3):  # three prompts cached
-        r.inbox.put(AddRequest(f"c{i}", [*prompt, i + 1], 2, greedy_sampler, []))
+    for i in range(3):  # three prompts cached (each its own from the first token: one that
+        # differed only at its end would be superseded by the next, keep_policy.py)
+        r.inbox.put(AddRequest(f"c{i}", [i + 1, *prompt], 2, greedy_sampler, []))
     rows: list[set[str]] = []
     done: list[str] = []
     while len(done) < 3:

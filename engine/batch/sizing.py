@@ -20,9 +20,10 @@ log = logging.getLogger("mlxd.engine")
 FORCED = "--engine-memory"
 
 
-def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int = 0,
+def measure_budget(model: Any, batch: int | str, stream: Any, cache_bytes: int | None = 0,
                    share: PoolShare | None = None, memory_gb: float | None = None) -> Budget:
-    """`cache_bytes`: the RAM prefix cache's capacity, KV in the same memory as the rows'.
+    """`cache_bytes`: the RAM prefix cache's capacity, KV in the same memory as the rows'
+    (None: auto, `budget.AUTO_CACHE_FRACTION`).
     `share`: the engine's part of the memory when it is one of a pool's. `memory_gb`:
     `--engine-memory`, if given."""
     weights = weight_bytes(model)
