@@ -35,13 +35,38 @@ served from cache (all turns, and after the first turn), wall time (side request
 Whether each turn reused the previous turn's whole prompt (`cached >= previous prompt`) and its
 answer as re-rendered (`cached >= previous prompt + previous answer - 1`) is counted.
 
+In-process reference (benchmarks/agent_inprocess.py): after the servers have stopped, a child
+process (mlx-lm alone, the same model directory, nothing of mlxd) replays each session of the
+`mlxd-openai` runs (every repetition's; `--inprocess-reps N`: the first N; `--no-inprocess`:
+none): per turn, from the prompt and cached tokens mlxd reported, one KV cache per session
+trimmed back or prefilled (untimed) to the turn's cached tokens, then `generate_step` over the
+uncached tokens (random ids; prefill step 2048, mlx-lm's, or `--inprocess-prefill-step`):
+`inproc_ttft_s` (the uncached prefill up to the first token) and `inproc_decode_tps` (the turn's
+completion length at its context), written into mlxd's turns. It measures each session alone,
+where the servers ran `--sessions` at once. Its cost: about one prefill of each session's final
+context (plus what mlxd's caches missed) and its answers' decoding, one session at a time.
+
 Repetitions (`--reps`, 3) interleave the configurations in a rotating order; each repetition is
 fresh traces (their own seeds: no repetition is served from another's cache; the OpenAI pair
 shares one). Medians with the min-max spread over repetitions; mlxd over mlx_lm.server ratios
 are paired within a repetition. Each server first runs a warm-up session of two turns. Prints
-markdown tables and writes benchmarks/results/agent_session-<model>-<machine>[-<tag>].json (also
-after each repetition but the last, marked `partial`: a run cut short keeps what it measured);
-`--from-json FILE` computes a file's summary and tables again.
+markdown tables (the medians; each repetition's figures against the reference; per turn) and a
+goals block, and writes benchmarks/results/agent_session-<model>-<machine>[-<tag>].json (also
+after each repetition but the last, marked `partial`, and before the reference: a run cut short
+keeps what it measured); `--from-json FILE` computes a file's summary, goals and tables again
+(`--measure-inprocess`: measures its reference first, on the machine that has its model).
+
+Goals (issue 33; each figure a repetition's, met when every repetition meets it; turns after
+each session's first):
+(a) the share of prompt tokens served from cache (beside its ceiling, all but each turn's new
+    tokens); proposed bound: every turn reuses its previous prompt whole;
+(b) mlxd's first token over the reference's, per turn: median and worst turn, worst <= 1.3;
+(c) a session's slowest first token over its median one, the worst session: <= 2.0 (mlxd's
+    routes; mlx_lm.server's beside it);
+(d) decode rate at long context (turns whose prompt is at least half the session's largest)
+    over the reference's for the same turns, median: >= 0.95 (mlx_lm.server's beside it, its
+    turns paired with mlxd's on the same trace where the prompts are within 5%);
+(e) session wall time mlxd / mlx_lm.server, paired within repetitions; proposed bound: <= 1.0.
 
 The servers run the mlxd of `--tree` (default: the checkout holding this file) through a package
 view on PYTHONPATH (its commit is recorded), not whatever the editable install points at.
@@ -50,6 +75,7 @@ view on PYTHONPATH (its commit is recorded), not whatever the editable install p
     python benchmarks/agent_session.py --model default --scale 0.04 --turns 4 \
         --warm-up-scale 0.02                  # CPU, SmolLM2 (prefills ~5-10 tok/s here): 31 min
     python benchmarks/agent_session.py --shape 1b --sessions 2 --turns 32 --machine h200 --tag 2s
+        # (scale 1: 32 turns reach 50-70k tokens; --target-tokens is not used with --turns)
 
 Models: `--model tiny` (random float32 Llama, hidden 64, 2 layers, context 65,536), `--model
 default` (mlxd's default SmolLM2-135M, converted from its GGUF into mlxd's cache directory, the
@@ -84,6 +110,7 @@ from typing import Any, cast
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
+from agent_inprocess import prefill_step_of, run_reference  # noqa: E402
 from cache_families import Logged, cache_figures, stats  # noqa: E402
 from throughput import free_port  # noqa: E402
 
@@ -701,15 +728,66 @@ def start_servers(model: str, args: argparse.Namespace, work: Path, needed: set[
 
 # ---------------------------------------------------------------- summaries
 
-def spread(xs: list[float]) -> dict | None:
-    xs = [x for x in xs if x is not None]
-    if not xs:
+def spread(xs: list[float | None]) -> dict | None:
+    got = [x for x in xs if x is not None]
+    if not got:
         return None
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    return {"median": statistics.median(got), "min": min(got), "max": max(got)}
 
 
-def rep_figures(run: dict) -> dict:
-    """One repetition of one configuration: its sessions' figures together."""
+Ref = dict[tuple[int, int], dict]  # (session, turn) -> an mlxd-openai turn with inproc_ figures
+
+
+def ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x is not None and y else None
+
+
+def session_worst_over_median(session: dict) -> float | None:
+    """A session's largest first-token time over its median one (turns after the first)."""
+    ts = [t["ttft_s"] for t in session["turns"] if t["turn"] > 0]
+    return max(ts) / statistics.median(ts) if len(ts) >= 2 else None
+
+
+def reference_figures(run: dict, ref: Ref | None) -> dict:
+    """Against the in-process reference of the same repetition (`ref`, the mlxd-openai run's
+    turns: for mlx_lm-openai, its turns on the same trace, paired where the prompts are within
+    5%): each turn's first token over the reference's (turns after the first) and, at long
+    context (a prompt of at least half the session's largest), its decode rate over the
+    reference's."""
+    same = run["config"] == "mlxd-openai"  # the reference did this run's work: its first token
+    ttft: list[tuple[float, int]] = []
+    decode: list[float] = []
+    for s in run["sessions"]:
+        longest = max((t["prompt_tokens"] or 0 for t in s["turns"]), default=0)
+        for t in s["turns"]:
+            r = (ref or {}).get((s["session"], t["turn"]))
+            if r is None or r.get("inproc_ttft_s") is None or not t["prompt_tokens"] or \
+                    abs(t["prompt_tokens"] - r["prompt_tokens"]) > 0.05 * r["prompt_tokens"]:
+                continue
+            if t["turn"] > 0 and same:
+                ttft.append((t["ttft_s"] / r["inproc_ttft_s"], t["turn"]))
+            d = ratio(t["decode_tps"], r.get("inproc_decode_tps"))
+            if d is not None and 2 * t["prompt_tokens"] >= longest:
+                decode.append(d)
+    own = [t for s in run["sessions"] for t in s["turns"] if t.get("inproc_ttft_s") is not None]
+    worst = max(ttft, default=None)
+    return {
+        "ttft_vs_inproc_median": statistics.median(x for x, _ in ttft) if ttft else None,
+        "ttft_vs_inproc_max": worst[0] if worst else None,
+        "ttft_vs_inproc_worst_turn": worst[1] if worst else None,
+        "decode_vs_inproc_long": statistics.median(decode) if decode else None,
+        "inproc_later_ttft_median_s": statistics.median(
+            t["inproc_ttft_s"] for t in own if t["turn"] > 0)
+        if any(t["turn"] > 0 for t in own) else None,
+        "inproc_decode_tps": statistics.median(t["inproc_decode_tps"] for t in own
+                                               if t.get("inproc_decode_tps") is not None)
+        if any(t.get("inproc_decode_tps") for t in own) else None,
+    }
+
+
+def rep_figures(run: dict, ref: Ref | None = None) -> dict:
+    """One repetition of one configuration: its sessions' figures together (`ref`: the
+    in-process reference's turns for this repetition's trace, if measured)."""
     turns = [t for s in run["sessions"] for t in s["turns"]]
     later = [t for t in turns if t["turn"] > 0]
     known = [t for t in later if t["cached_tokens"] is not None]
@@ -762,19 +840,36 @@ def rep_figures(run: dict) -> dict:
         "side_ttft_median_s": statistics.median(x["ttft_s"] for s in run["sessions"]
                                                 for x in s["side"])
         if any(s["side"] for s in run["sessions"]) else None,
+        "session_worst_over_median": max(
+            (x for x in map(session_worst_over_median, run["sessions"]) if x is not None),
+            default=None),
+        **reference_figures(run, ref),
     }
 
 
 KEYS = ["cache_share_after_first", "reusable_share_after_first", "previous_prompt_served",
         "uncached_prefill_tps", "cache_share_all", "lowest_turn_share", "first_turn_ttft_s",
         "later_ttft_median_s", "later_ttft_sum_s", "worst_ttft_s", "worst_over_median",
-        "decode_tps", "session_wall_s", "wall_s", "side_ttft_median_s"]
+        "decode_tps", "session_wall_s", "wall_s", "side_ttft_median_s",
+        "session_worst_over_median", "ttft_vs_inproc_median", "ttft_vs_inproc_max",
+        "decode_vs_inproc_long", "inproc_later_ttft_median_s", "inproc_decode_tps"]
+
+
+def references(runs: dict[str, list[dict]]) -> dict[int, Ref]:
+    """Each repetition's mlxd-openai turns that have in-process figures, by (session, turn)."""
+    return {r["rep"]: {(s["session"], t["turn"]): t for s in r["sessions"] for t in s["turns"]
+                       if t.get("inproc_ttft_s") is not None}
+            for r in runs.get("mlxd-openai", [])}
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     out: dict[str, Any] = {}
+    refs = references(runs)
     for config, reps in runs.items():
-        figs = [rep_figures(r) for r in reps]
+        figs = [rep_figures(r, refs.get(r.get("rep", -1)) if config.endswith("openai") else None)
+                for r in reps]
+        for r, f in zip(reps, figs, strict=True):
+            f["rep"] = r.get("rep")
         out[config] = {k: spread([f[k] for f in figs]) for k in KEYS}
         out[config]["per_rep"] = figs
     if "mlxd-openai" in runs and "mlx_lm-openai" in runs:
@@ -804,6 +899,13 @@ def per_turn(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
                          "cached_tokens": med("cached_tokens"), "ttft_s": med("ttft_s"),
                          "ttft_max_s": max(t["ttft_s"] for t in ts),
                          "decode_tps": med("decode_tps")})
+            if any(t.get("inproc_ttft_s") is not None for t in ts):
+                ratios = [t["ttft_s"] / t["inproc_ttft_s"] for t in ts
+                          if t.get("inproc_ttft_s")]
+                rows[-1].update(inproc_ttft_s=med("inproc_ttft_s"),
+                                inproc_decode_tps=med("inproc_decode_tps"),
+                                ttft_vs_inproc=statistics.median(ratios),
+                                ttft_vs_inproc_max=max(ratios))
         out[config] = rows
     return out
 
@@ -816,7 +918,65 @@ def fmt_spread(x: dict | None, scale: float = 1.0, f: str = ".2f", pct: bool = F
     return (f"{x['median'] * scale:{f}} ({x['min'] * scale:{f}}-{x['max'] * scale:{f}})")
 
 
-def tables(summary: dict, turns: dict[str, list[dict]]) -> str:
+# issue 33's bounds: (what, rep_figures' key, mlxd's configurations, "<=" or ">=", bound);
+# (a) and (e) have none there: the ones here are proposed (every later turn reuses its previous
+# prompt whole; mlxd's sessions no slower than mlx_lm.server's)
+GOALS = [
+    ("(a) previous prompts served whole (proposed)", "previous_prompt_served",
+     ["mlxd-openai", "mlxd-anthropic"], ">=", 1.0),
+    ("(b) first token mlxd / in-process, worst turn after the first", "ttft_vs_inproc_max",
+     ["mlxd-openai"], "<=", 1.3),
+    ("(c) worst / median turn first token, worst session", "session_worst_over_median",
+     ["mlxd-openai", "mlxd-anthropic"], "<=", 2.0),
+    ("(d) decode rate at long context, mlxd / in-process", "decode_vs_inproc_long",
+     ["mlxd-openai"], ">=", 0.95),
+    ("(e) session wall mlxd / mlx_lm.server, paired (proposed)", "session_wall_ratio",
+     ["mlxd-openai"], "<=", 1.0),
+]
+
+
+def verdict(xs: list[float | None], op: str, bound: float) -> str:
+    """Met in every repetition, or in how many not."""
+    got = [x for x in xs if x is not None]
+    if not got:
+        return "n/a"
+    missed = sum(not (x <= bound if op == "<=" else x >= bound - 1e-9) for x in got)
+    return "met" if not missed else f"missed in {missed} of {len(got)} repetitions"
+
+
+def paired_wall(summary: dict) -> list[float | None]:
+    """Each repetition's session wall, mlxd-openai over mlx_lm-openai."""
+    if "mlxd-openai" not in summary or "mlx_lm-openai" not in summary:
+        return []
+    return [ratio(a["session_wall_s"], b["session_wall_s"]) for a, b in
+            zip(summary["mlxd-openai"]["per_rep"], summary["mlx_lm-openai"]["per_rep"],
+                strict=True)]
+
+
+def goals(summary: dict) -> list[dict]:
+    """Each goal per mlxd configuration: its figure over repetitions and whether it was met
+    (mlx_lm.server's same figure beside it, for comparison, where it has one)."""
+    out = []
+    for what, key, configs, op, bound in GOALS:
+        for config in configs:
+            if config not in summary:
+                continue
+            if key == "session_wall_ratio":
+                xs = paired_wall(summary)
+            else:
+                xs = [f[key] for f in summary[config]["per_rep"]]
+            other = summary.get("mlx_lm-openai", {}).get(key) if key in KEYS else None
+            out.append({"goal": what, "config": config, "key": key, "op": op, "bound": bound,
+                        "figure": spread(xs), "per_rep": xs,
+                        "verdict": verdict(xs, op, bound), "mlx_lm_server": other})
+    return out
+
+
+def fmt_x(x: float | None, f: str = ".2f") -> str:
+    return "n/a" if x is None else f"{x:{f}}"
+
+
+def tables(summary: dict, turns: dict[str, list[dict]], inprocess: dict | None = None) -> str:
     lines = ["| configuration | cache share after turn 1 | ceiling (all but new tokens) | "
              "previous prompts served | first turn: first token s | "
              "later turns: median first token s | worst / median | uncached prefill tok/s | "
@@ -839,17 +999,81 @@ def tables(summary: dict, turns: dict[str, list[dict]]) -> str:
                      f"{fmt_spread(s['uncached_prefill_tps'], f='.0f')} | "
                      f"{fmt_spread(s['decode_tps'], f='.1f')} | "
                      f"{fmt_spread(s['session_wall_s'], f='.1f')} | {reused} |")
-    ratio = summary.get("ratio_mlxd_over_mlx_lm")
-    if ratio:
+    ratio_ = summary.get("ratio_mlxd_over_mlx_lm")
+    if ratio_:
         lines += ["", "mlxd / mlx_lm.server (OpenAI route, paired per repetition): session wall "
-                  f"{fmt_spread(ratio['session_wall_s'])}, first turn's first token "
-                  f"{fmt_spread(ratio['first_turn_ttft_s'])}, later turns' median first token "
-                  f"{fmt_spread(ratio['later_ttft_median_s'])}, decode rate "
-                  f"{fmt_spread(ratio['decode_tps'])}"]
+                  f"{fmt_spread(ratio_['session_wall_s'])}, first turn's first token "
+                  f"{fmt_spread(ratio_['first_turn_ttft_s'])}, later turns' median first token "
+                  f"{fmt_spread(ratio_['later_ttft_median_s'])}, decode rate "
+                  f"{fmt_spread(ratio_['decode_tps'])}"]
+    configs = [c for c in summary if not c.startswith("ratio")]
+    paired = paired_wall(summary)
+    wall = {f["rep"]: w for f, w in zip(summary["mlxd-openai"]["per_rep"], paired,
+                                        strict=True)} if paired else {}
+    lines += ["", "Each repetition (first token / in-process: turns after the first; long "
+              "context: a prompt of at least half the session's largest):", "",
+              "| configuration | rep | cache share after turn 1 | first token / in-process: "
+              "median turn; worst (turn) | worst / median turn first token, worst session | "
+              "decode / in-process, long context | session wall s (/ mlx_lm.server) |",
+              "|---|---|---|---|---|---|---|"]
+    for config in configs:
+        for f in summary[config]["per_rep"]:
+            share = f["cache_share_after_first"]
+            worst = ("n/a" if f["ttft_vs_inproc_max"] is None else
+                     f"{f['ttft_vs_inproc_max']:.2f} ({f['ttft_vs_inproc_worst_turn'] + 1})")
+            w = wall.get(f["rep"]) if config == "mlxd-openai" else None
+            lines.append(f"| {config} | {f['rep']} | {fmt_x(share, '.1%')} | "
+                         f"{fmt_x(f['ttft_vs_inproc_median'])}; {worst} | "
+                         f"{fmt_x(f['session_worst_over_median'], '.2f')} | "
+                         f"{fmt_x(f['decode_vs_inproc_long'])} | "
+                         f"{f['session_wall_s']:.1f}" + (f" ({w:.2f})" if w else "") + " |")
+    lines += ["", "| configuration | first token / in-process: median turn | worst turn | "
+              "worst / median turn first token, worst session | decode / in-process, long "
+              "context | in-process: median first token s (turns after the first) | "
+              "in-process decode tok/s |", "|---|---|---|---|---|---|---|"]
+    for config in configs:
+        s = summary[config]
+        lines.append(f"| {config} | {fmt_spread(s['ttft_vs_inproc_median'])} | "
+                     f"{fmt_spread(s['ttft_vs_inproc_max'])} | "
+                     f"{fmt_spread(s['session_worst_over_median'])} | "
+                     f"{fmt_spread(s['decode_vs_inproc_long'])} | "
+                     f"{fmt_spread(s['inproc_later_ttft_median_s'], f='.3f')} | "
+                     f"{fmt_spread(s['inproc_decode_tps'], f='.1f')} |")
+    if inprocess:
+        lines += ["", "In-process reference (mlx-lm alone, after the servers): " + (
+            f"repetitions {inprocess.get('reps')}, {inprocess.get('sessions_measured')} of "
+            f"{inprocess.get('sessions_planned')} sessions, prefill step "
+            f"{inprocess.get('prefill_step')}, {inprocess.get('untimed_prefill_tokens', 0)} "
+            f"tokens prefilled untimed, {inprocess.get('trimmed_tokens', 0)} trimmed, peak "
+            f"memory {inprocess.get('peak_memory_gb', 0):.2f} GB, "
+            f"{inprocess.get('seconds', 0):.0f} s"
+            + (f", the child exited {inprocess['returncode']}" if inprocess.get("returncode")
+               else "") if "skipped" not in inprocess
+            else inprocess["skipped"])]
+    lines += ["", "Goals (each repetition's figure: median (min-max) over repetitions; met: "
+              "in every repetition):"]
+    for g in goals(summary):
+        pct = g["key"] == "previous_prompt_served"
+        other = (f"; mlx_lm.server {fmt_spread(g['mlx_lm_server'], pct=pct)}"
+                 if g["mlx_lm_server"] and g["key"] in ("session_worst_over_median",
+                                                         "decode_vs_inproc_long") else "")
+        bound = f"{g['bound']:.0%}" if pct else f"{g['bound']:g}"
+        s = summary[g["config"]]
+        also = {"previous_prompt_served": f" (cache share after turn 1 "
+                f"{fmt_spread(s['cache_share_after_first'], pct=True)} of a ceiling of "
+                f"{fmt_spread(s['reusable_share_after_first'], pct=True)})",
+                "ttft_vs_inproc_max": f" (median turn {fmt_spread(s['ttft_vs_inproc_median'])})"
+                }.get(g["key"], "")
+        lines.append(f"- {g['goal']}: {g['config']} {fmt_spread(g['figure'], pct=pct)}{also} "
+                     f"{g['op']} {bound}: {g['verdict']}{other}")
     configs = list(turns)
+    ref = "mlxd-openai" if any("inproc_ttft_s" in t for t in turns.get("mlxd-openai", [])) \
+        else None
     lines += ["", "| turn | prompt tokens | " + " | ".join(
-        f"{c}: cached; first token s (max); decode tok/s" for c in configs) + " |",
-        "|---|---|" + "---|" * len(configs)]
+        f"{c}: cached; first token s (max); decode tok/s" for c in configs)
+        + (" | in-process: first token s; decode tok/s; mlxd-openai / in-process first token "
+           "(max)" if ref else "") + " |",
+        "|---|---|" + "---|" * (len(configs) + bool(ref))]
     n = max(len(r) for r in turns.values())
     for k in range(n):
         cells = []
@@ -863,6 +1087,11 @@ def tables(summary: dict, turns: dict[str, list[dict]]) -> str:
             cached = "n/a" if t["cached_tokens"] is None else f"{t['cached_tokens']:.0f}"
             dec = "n/a" if t["decode_tps"] is None else f"{t['decode_tps']:.1f}"
             cells.append(f"{cached}; {t['ttft_s']:.3f} ({t['ttft_max_s']:.3f}); {dec}")
+        if ref:
+            t = turns[ref][k] if k < len(turns[ref]) else {}
+            cells.append("" if t.get("inproc_ttft_s") is None else
+                         f"{t['inproc_ttft_s']:.3f}; {fmt_x(t['inproc_decode_tps'], '.1f')}; "
+                         f"{t['ttft_vs_inproc']:.2f} ({t['ttft_vs_inproc_max']:.2f})")
         lines.append(f"| {k + 1} | {prompt or 0:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -938,11 +1167,19 @@ async def main_async(args: argparse.Namespace, model: Path, work: Path, save: An
                       "planned_tokens": plan}}
 
 
-def resummarize(path: Path, out: Path | None) -> None:
+def resummarize(path: Path, out: Path | None, args: argparse.Namespace) -> None:
+    """--from-json: the summary, goals and tables of a results file computed again (with
+    --measure-inprocess, after measuring its in-process reference here)."""
     data = json.loads(path.read_text())
+    if args.measure_inprocess:
+        step = args.inprocess_prefill_step or prefill_step_of(
+            data.get("settings", {}).get("mlx_lm_args", ""))
+        data["inprocess"] = run_reference(data["runs"], Path(data["model_dir"]),
+                                          args.inprocess_reps, step)
     data["summary"] = summarize(data["runs"])
     data["per_turn"] = per_turn(data["runs"])
-    data["tables"] = tables(data["summary"], data["per_turn"])
+    data["goals"] = goals(data["summary"])
+    data["tables"] = tables(data["summary"], data["per_turn"], data.get("inprocess"))
     (out or path).write_text(json.dumps(data, indent=1, default=str))
     print(data["tables"])
 
@@ -994,15 +1231,26 @@ def main() -> None:
     ap.add_argument("--tag", default=None,
                     help="appended to the result's name (default: 'volatile' with "
                          "--volatile-line, else nothing)")
+    ap.add_argument("--no-inprocess", dest="inprocess", action="store_false",
+                    help="no in-process mlx-lm reference after the servers")
+    ap.add_argument("--inprocess-reps", type=int, default=None,
+                    help="the in-process reference for the first N repetitions only "
+                         "(default: all)")
+    ap.add_argument("--inprocess-prefill-step", type=int, default=None,
+                    help="the reference's prefill_step_size (default: mlx_lm.server's "
+                         "--prefill-step-size in --mlx-lm-args, else mlx-lm's 2048)")
     ap.add_argument("--from-json", type=Path, default=None,
-                    help="no run: the summary and tables of this results file computed again "
-                         "(written back, or to --out)")
+                    help="no run: the summary, goals and tables of this results file computed "
+                         "again (written back, or to --out)")
+    ap.add_argument("--measure-inprocess", action="store_true",
+                    help="with --from-json: measure the file's in-process reference first (its "
+                         "model directory must be on this machine)")
     ap.add_argument("--out", type=Path, default=None,
                     help="default benchmarks/results/agent_session-<model>-<machine>[-<tag>]"
                          ".json")
     args = ap.parse_args()
     if args.from_json:
-        return resummarize(args.from_json, args.out)
+        return resummarize(args.from_json, args.out, args)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in args.configs:
         if c not in CONFIGS:
@@ -1030,7 +1278,7 @@ def main() -> None:
     def save(got: dict) -> str:
         summary = summarize(got["runs"])
         turns = per_turn(got["runs"])
-        text = tables(summary, turns)
+        text = tables(summary, turns, got.get("inprocess"))
         data = {"model": label, "model_dir": str(model), "machine": machine,
                 "platform": platform.platform(), "cpus": os.cpu_count(), "mlxd_commit": commit,
                 "mlxd_tree": str(args.tree.resolve()),
@@ -1040,7 +1288,7 @@ def main() -> None:
                 "argv": sys.argv[1:],
                 "settings": {k: v for k, v in vars(args).items() if k not in ("tree", "out")},
                 "seconds": time.time() - t0, "summary": summary, "per_turn": turns,
-                "tables": text, **got}
+                "goals": goals(summary), "tables": text, **got}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, default=str))
         return text
@@ -1049,6 +1297,16 @@ def main() -> None:
     finally:
         for srv in STARTED:
             srv.stop()
+    if args.inprocess and got["runs"].get("mlxd-openai"):
+        save(got)  # the servers' figures kept, should the reference be cut short
+        try:  # the servers stopped: the machine is the reference's alone
+            got["inprocess"] = run_reference(
+                got["runs"], model, args.inprocess_reps,
+                args.inprocess_prefill_step or prefill_step_of(args.mlx_lm_args), hide=[str(view)])
+        except KeyboardInterrupt:
+            got["inprocess"] = {"skipped": "interrupted (the turns measured kept)"}
+            save(got)
+            raise
     text = save(got)
     print()
     print(f"{label} model, {machine}, mlxd {commit}; {args.sessions} session(s) at once; "
