@@ -45,6 +45,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     max_token_bytes: int  # the longest token's text: bounds how much text a prompt may have
     grammar_tokenizer: Any  # constraints.TokenizerCache
+    pieces: Any = None  # admit.piece_tokens.PieceTokenizer: chat prompts tokenized by part
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlxd.engine.admit.piece_tokens import PieceTokenizer
 from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.kv.prefix_cache import RestoredPrefix
 from mlxd.engine.state import LoadedModel
@@ -66,7 +67,8 @@ def _prepare(msg: Generate, model: LoadedModel,
     from mlxd.engine.admit.sampling import make_request_sampler
     rid, tok = msg.request_id, model.tokenizer
     check_prompt_size(msg, model.context_length, model.max_token_bytes)
-    prompt = checked_prompt(tok, msg, tokens if tokens is not None else prompt_tokens(tok, msg))
+    prompt = checked_prompt(tok, msg, tokens if tokens is not None
+                            else prompt_tokens(tok, msg, model.pieces))
     check_logit_bias(msg, len(tok))
     if msg.count_only:
         return Answered([Delta(rid, prompt_tokens=len(prompt)),
@@ -148,19 +150,29 @@ def check_prompt_size(msg: Generate, context_length: int, token_bytes: int) -> N
                           f"tokens can hold", "context_length_exceeded")
 
 
-def prompt_tokens(tok: Any, msg: Generate) -> list[int]:
+def prompt_tokens(tok: Any, msg: Generate, pieces: PieceTokenizer | None = None) -> list[int]:
+    """`pieces`: a chat prompt is rendered, then tokenized by its parts, those already seen
+    kept (`piece_tokens.py`); else the template tokenizes it whole."""
     if msg.suffix is not None:
         prompt = fill_in_the_middle(tok, msg.prompt or "", msg.suffix)
     elif msg.prompt_token_ids is not None:
         prompt = list(msg.prompt_token_ids)
     elif msg.messages is not None:
+        extra: dict[str, Any] = {"tools": msg.tools} if msg.tools else {}
+        by_parts = pieces is not None and pieces.on
         try:
-            extra: dict[str, Any] = {"tools": msg.tools} if msg.tools else {}
-            prompt = list(tok.apply_chat_template(msg.messages, tokenize=True,
-                                                  **template_flags(msg), **extra))
+            rendered = tok.apply_chat_template(msg.messages, tokenize=not by_parts,
+                                               **template_flags(msg), **extra)
         except Exception as e:  # template errors are the client's messages
             raise ClientError(f"the chat template rejected the messages: {e}",
                               "invalid_messages") from e
+        ids = (pieces.checked(rendered) if pieces is not None and by_parts
+               and isinstance(rendered, str) else None)
+        if ids is not None:
+            return ids
+        prompt = list(tok.apply_chat_template(msg.messages, tokenize=True, **template_flags(msg),
+                                              **extra) if isinstance(rendered, str)
+                      else rendered)
     else:
         prompt = list(tok.encode(msg.prompt or ""))
     return prompt

@@ -155,6 +155,7 @@ def load_draft(spec: str, cache_dir: Path, dtype: str, model: Any,
 
 def loaded_model(tokenizer: Any, config: dict) -> LoadedModel:
     """What the engine's threads read once the model is loaded."""
+    from mlxd.engine.admit.piece_tokens import PieceTokenizer
     from mlxd.engine.admit.prepare import max_token_bytes
     from mlxd.engine.grammar.processor import TokenizerCache
     from mlxd.engine.mlx_lm_internals import hf_tokenizer
@@ -163,4 +164,5 @@ def loaded_model(tokenizer: Any, config: dict) -> LoadedModel:
                        eos_ids=eos, max_token_bytes=max_token_bytes(tokenizer),
                        grammar_tokenizer=TokenizerCache(
                            hf_tokenizer(tokenizer),
-                           int(config.get("vocab_size") or len(tokenizer)), sorted(eos)))
+                           int(config.get("vocab_size") or len(tokenizer)), sorted(eos)),
+                       pieces=PieceTokenizer.for_tokenizer(hf_tokenizer(tokenizer)))
