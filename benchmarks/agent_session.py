@@ -922,7 +922,9 @@ def fmt_spread(x: dict | None, scale: float = 1.0, f: str = ".2f", pct: bool = F
 # (a) and (e) have none there: the ones here are proposed (every later turn reuses its previous
 # prompt whole; mlxd's sessions no slower than mlx_lm.server's)
 GOALS = [
-    ("(a) previous prompts served whole (proposed)", "previous_prompt_served",
+    ("(a) prompt tokens served from cache after each session's first turn",
+     "cache_share_after_first", ["mlxd-openai", "mlxd-anthropic"], ">=", 0.95),
+    ("(a') previous prompts served whole", "previous_prompt_served",
      ["mlxd-openai", "mlxd-anthropic"], ">=", 1.0),
     ("(b) first token mlxd / in-process, worst turn after the first", "ttft_vs_inproc_max",
      ["mlxd-openai"], "<=", 1.3),
@@ -930,9 +932,18 @@ GOALS = [
      ["mlxd-openai", "mlxd-anthropic"], "<=", 2.0),
     ("(d) decode rate at long context, mlxd / in-process", "decode_vs_inproc_long",
      ["mlxd-openai"], ">=", 0.95),
-    ("(e) session wall mlxd / mlx_lm.server, paired (proposed)", "session_wall_ratio",
+    # the issue's bound: <= 0.8 at 4 sessions at once, never above 1.0 at 1-2 (`wall_bound`)
+    ("(e) session wall mlxd / mlx_lm.server, paired", "session_wall_ratio",
      ["mlxd-openai"], "<=", 1.0),
 ]
+
+
+def wall_bound(sessions: int) -> float:
+    return 0.8 if sessions >= 4 else 1.0
+
+
+def sessions_of(runs: dict[str, list[dict]]) -> int:
+    return max((len(r["sessions"]) for rs in runs.values() for r in rs), default=1)
 
 
 def verdict(xs: list[float | None], op: str, bound: float) -> str:
@@ -953,11 +964,13 @@ def paired_wall(summary: dict) -> list[float | None]:
                 strict=True)]
 
 
-def goals(summary: dict) -> list[dict]:
+def goals(summary: dict, sessions: int = 1) -> list[dict]:
     """Each goal per mlxd configuration: its figure over repetitions and whether it was met
     (mlx_lm.server's same figure beside it, for comparison, where it has one)."""
     out = []
     for what, key, configs, op, bound in GOALS:
+        if key == "session_wall_ratio":
+            bound = wall_bound(sessions)
         for config in configs:
             if config not in summary:
                 continue
@@ -976,7 +989,8 @@ def fmt_x(x: float | None, f: str = ".2f") -> str:
     return "n/a" if x is None else f"{x:{f}}"
 
 
-def tables(summary: dict, turns: dict[str, list[dict]], inprocess: dict | None = None) -> str:
+def tables(summary: dict, turns: dict[str, list[dict]], inprocess: dict | None = None,
+           sessions: int = 1) -> str:
     lines = ["| configuration | cache share after turn 1 | ceiling (all but new tokens) | "
              "previous prompts served | first turn: first token s | "
              "later turns: median first token s | worst / median | uncached prefill tok/s | "
@@ -1052,8 +1066,8 @@ def tables(summary: dict, turns: dict[str, list[dict]], inprocess: dict | None =
             else inprocess["skipped"])]
     lines += ["", "Goals (each repetition's figure: median (min-max) over repetitions; met: "
               "in every repetition):"]
-    for g in goals(summary):
-        pct = g["key"] == "previous_prompt_served"
+    for g in goals(summary, sessions):
+        pct = g["key"] in ("previous_prompt_served", "cache_share_after_first")
         other = (f"; mlx_lm.server {fmt_spread(g['mlx_lm_server'], pct=pct)}"
                  if g["mlx_lm_server"] and g["key"] in ("session_worst_over_median",
                                                          "decode_vs_inproc_long") else "")
@@ -1178,8 +1192,9 @@ def resummarize(path: Path, out: Path | None, args: argparse.Namespace) -> None:
                                           args.inprocess_reps, step)
     data["summary"] = summarize(data["runs"])
     data["per_turn"] = per_turn(data["runs"])
-    data["goals"] = goals(data["summary"])
-    data["tables"] = tables(data["summary"], data["per_turn"], data.get("inprocess"))
+    n = sessions_of(data["runs"])
+    data["goals"] = goals(data["summary"], n)
+    data["tables"] = tables(data["summary"], data["per_turn"], data.get("inprocess"), n)
     (out or path).write_text(json.dumps(data, indent=1, default=str))
     print(data["tables"])
 
@@ -1278,7 +1293,7 @@ def main() -> None:
     def save(got: dict) -> str:
         summary = summarize(got["runs"])
         turns = per_turn(got["runs"])
-        text = tables(summary, turns, got.get("inprocess"))
+        text = tables(summary, turns, got.get("inprocess"), sessions_of(got["runs"]))
         data = {"model": label, "model_dir": str(model), "machine": machine,
                 "platform": platform.platform(), "cpus": os.cpu_count(), "mlxd_commit": commit,
                 "mlxd_tree": str(args.tree.resolve()),
@@ -1288,7 +1303,7 @@ def main() -> None:
                 "argv": sys.argv[1:],
                 "settings": {k: v for k, v in vars(args).items() if k not in ("tree", "out")},
                 "seconds": time.time() - t0, "summary": summary, "per_turn": turns,
-                "goals": goals(summary), "tables": text, **got}
+                "goals": goals(summary, sessions_of(got["runs"])), "tables": text, **got}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, default=str))
         return text
