@@ -178,8 +178,10 @@ def tree_view(tree: Path) -> Path:
 
 def use_tree(tree: Path) -> tuple[Path, str]:
     """Put a view of `tree` first on PYTHONPATH (this process's and the servers'); return the
-    view and the tree's commit ("-dirty" with changed tracked files; $MLXD_COMMIT where `tree`
-    is no git checkout). Checks that the servers' `mlxd` resolves into `tree`."""
+    view and the tree's commit ("-dirty" with changed tracked files; $BENCH_COMMIT where `tree`
+    is no git checkout: `mlxd` refuses unknown MLXD_* variables). Checks that the servers'
+    `mlxd` resolves into `tree`. (The lent GPU machine's copy carries a stale .git: its
+    results name an old commit; RESULTS.md gives the one that ran.)"""
     view = tree_view(tree)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(view), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -197,7 +199,7 @@ def use_tree(tree: Path) -> tuple[Path, str]:
                               text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD")
     if not head:  # a copy without .git (a lent machine's): the commit as the caller says it
-        return view, os.environ.get("MLXD_COMMIT", "unknown (no git)")
+        return view, os.environ.get("BENCH_COMMIT", "unknown (no git)")
     return view, head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no")
                          else "")
 
@@ -1136,6 +1138,7 @@ async def main_async(args: argparse.Namespace, model: Path, work: Path, save: An
     STARTED.extend(srv for srv, _ in servers.values())
     bases = {k: base for k, (_, base) in servers.items()}
     runs: dict[str, list[dict]] = {c: [] for c in args.configs}
+    failures: list[dict] = []  # configurations whose run raised (a server that died)
     try:
         for name, (srv, _) in servers.items():
             t0 = time.perf_counter()
@@ -1155,7 +1158,12 @@ async def main_async(args: argparse.Namespace, model: Path, work: Path, save: An
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for config in order:
                 trace = traces[(r, group[config])]
-                res = await run_config(config, bases, str(model), trace, args)
+                try:
+                    res = await run_config(config, bases, str(model), trace, args)
+                except Exception as e:  # noqa: BLE001 - a server that failed is a result too
+                    failures.append({"config": config, "rep": r, "error": repr(e)[:500]})
+                    print(f"rep {r} {config:15s} FAILED: {e!r}"[:300], flush=True)
+                    continue
                 res["rep"], res["position"] = r, order.index(config)
                 runs[config].append(res)
                 f = rep_figures(res)
@@ -1169,14 +1177,15 @@ async def main_async(args: argparse.Namespace, model: Path, work: Path, save: An
                       f"{f['turns_reusing_previous_answer']}/{f['turns_after_first']}",
                       flush=True)
             if r + 1 < args.reps:
-                save({"runs": runs, "partial": f"{r + 1} of {args.reps} repetitions"})
+                save({"runs": runs, "failures": failures,
+                      "partial": f"{r + 1} of {args.reps} repetitions"})
         full = await stats(bases["mlxd"]) if "mlxd" in bases else None
         mlxd_stats = cache_figures(full) if full is not None else None
     finally:
         for srv, _ in servers.values():
             srv.stop()
             STARTED.remove(srv)
-    return {"runs": runs, "mlxd_cache": mlxd_stats, "mlxd_stats": full,
+    return {"runs": runs, "failures": failures, "mlxd_cache": mlxd_stats, "mlxd_stats": full,
             "trace": {"system_chars": len(traces[(0, 0 if 0 in group.values() else 1)].system),
                       "planned_tokens": plan}}
 
