@@ -74,7 +74,10 @@ view on PYTHONPATH (its commit is recorded), not whatever the editable install p
     python benchmarks/agent_session.py --model tiny --scale 0.5 --sessions 2       # CPU: 18 min
     python benchmarks/agent_session.py --model default --scale 0.04 --turns 4 \
         --warm-up-scale 0.02                  # CPU, SmolLM2 (prefills ~5-10 tok/s here): 31 min
-    python benchmarks/agent_session.py --shape 1b --sessions 2 --turns 32 --machine h200 --tag 2s
+    python benchmarks/agent_session.py --shape 1b --sessions 2 --turns 32 --machine h200 --tag 2s \
+        --mlxd-args "--engine-memory 60"   # both servers share one GPU: mlxd's default takes a
+                                            # quarter of it for its RAM tier; mlx_lm.server
+                                            # ran out of memory past ~35k tokens even alone
         # (scale 1: 32 turns reach 50-70k tokens; --target-tokens is not used with --turns)
 
 Models: `--model tiny` (random float32 Llama, hidden 64, 2 layers, context 65,536), `--model

@@ -106,7 +106,9 @@ class PieceTokenizer:
             return None
         ids = self.encode(text)
         if self.verified < VERIFY:
-            whole = self.backend.encode(text, add_special_tokens=False).ids
+            # encode_batch, not encode: it lets go of the GIL (a long prompt's seconds of
+            # tokenizing must not stop the engine's heartbeat thread)
+            whole = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
             if whole != ids:
                 self.on = False
                 log.warning("this model's tokenizer gives other tokens for a prompt's parts "
