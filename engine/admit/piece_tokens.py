@@ -21,13 +21,16 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 VERIFY = 4  # prompts tokenized both ways and compared before the pieces are trusted
-KEEP_CHARS = 64 << 20  # characters of text whose pieces are kept (least recently used go)
+# characters of text whose pieces are kept, least recently used going first: 32 MiB of text
+# and ~4 bytes a token for its ids (an agent context of 250 kB is about 1 % of it)
+KEEP_CHARS = 32 << 20
 MIN_KEPT = 256  # a shorter piece is tokenized each time (cheaper than keeping it)
 
 
@@ -40,7 +43,7 @@ class PieceTokenizer:
         contents = sorted(self.ids, key=len, reverse=True)
         self.split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents \
             else None
-        self._kept: OrderedDict[str, list[int]] = OrderedDict()
+        self._kept: OrderedDict[str, array[int]] = OrderedDict()  # ids as 32-bit values
         self._kept_chars = 0
         self._lock = threading.Lock()
         self.verified = 0
@@ -68,23 +71,23 @@ class PieceTokenizer:
         out: list[int] = []
         missing: list[str] = []
         with self._lock:
-            got: list[list[int] | None] = []
+            got: list[array[int] | list[int] | None] = []
             for i, part in enumerate(parts):
                 if i % 2:  # an added token, captured by the split
                     got.append([self.ids[part]])
                 elif not part:
                     got.append([])
                 else:
-                    ids = self._kept.get(part)
-                    if ids is not None:
+                    kept = self._kept.get(part)
+                    if kept is not None:
                         self._kept.move_to_end(part)
                     else:
                         missing.append(part)
-                    got.append(ids)
+                    got.append(kept)
         new = dict(zip(missing, (e.ids for e in self.backend.encode_batch(
             missing, add_special_tokens=False)), strict=True)) if missing else {}
-        for part, ids in zip(parts, got, strict=True):
-            out += ids if ids is not None else new[part]
+        for part, piece in zip(parts, got, strict=True):
+            out += piece if piece is not None else new[part]
         if new:
             self._keep(new)
         return out
@@ -93,7 +96,7 @@ class PieceTokenizer:
         with self._lock:
             for part, ids in new.items():
                 if len(part) >= MIN_KEPT and part not in self._kept:
-                    self._kept[part] = ids
+                    self._kept[part] = array("I", ids)
                     self._kept_chars += len(part)
             while self._kept_chars > KEEP_CHARS and self._kept:
                 part, _ = self._kept.popitem(last=False)

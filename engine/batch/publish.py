@@ -26,6 +26,7 @@ class Publisher:
         self.codec = codec
         self.persist = persist
         self._pending: list[Entry] = []  # this step's new RAM entries, persisted at its end
+        self._too_big = False  # the last `store` was refused for its size (not evicted)
 
     def history(self, tokens: list[int], cache: list[Any], prompt_len: int = 0,
                 snaps: dict[int, list[State]] | None = None, kept: bool = False) -> None:
@@ -47,7 +48,9 @@ class Publisher:
             return
         if entry is not None and not entry.persisted:
             self._pending.append(entry)
-        elif entry is None and states:  # too big for RAM: the SSD tier may still take it
+        elif entry is None and states and (self._too_big or self.cache.on_evict is None):
+            # too big for RAM: the SSD tier may still take it (a one-off evicted at once was
+            # offered to the tier by the eviction already)
             self._pending.append(Entry(tuple(tokens[:n]), held.layers, 0, states=states))
         # One token short of the prompt: a lookup uses at most len(prompt) - 1 tokens (one is
         # always fed), so this is the boundary the same prompt, repeated, can use whole. (A
@@ -64,8 +67,10 @@ class Publisher:
         mx.async_eval([a for k, v in layers for x in (k, v)
                        for a in (x if isinstance(x, tuple) else (x,))]
                       + [a for s in states.values() for a in state_arrays(s)])
-        return self.cache.insert(tokens, layers, kv_nbytes(layers), states,
-                                 {p: nbytes(state_arrays(s)) for p, s in states.items()}, kept)
+        kv, state_bytes = kv_nbytes(layers), {p: nbytes(state_arrays(s))
+                                              for p, s in states.items()}
+        self._too_big = kv + sum(state_bytes.values()) > self.cache.max_bytes
+        return self.cache.insert(tokens, layers, kv, states, state_bytes, kept)
 
     def prompt_point(self, tokens: list[int], cache: list[Any]) -> Held | None:
         """A row stopped at a point of its prompt: the state layers' snapshot there (models
