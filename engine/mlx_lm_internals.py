@@ -199,6 +199,11 @@ def running_batch(gen: Any) -> RunningBatch | None:
     return RunningBatch(gen, batch)
 
 
+def decoding_rows(gen: Any) -> int:
+    """How many rows the generator decodes (prompts being prefilled not counted)."""
+    return len(gen._generation_batch)
+
+
 def decoding_alone(gen: Any) -> bool:
     """One row decoding, and no prompt waiting or being prefilled."""
     return (len(gen._generation_batch) == 1 and len(gen._prompt_batch) == 0

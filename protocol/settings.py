@@ -137,7 +137,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
                      "left for KV cache holds (up to 128); N, at most N (memory permitting)"),
         extra={"metavar": "auto|N"})] = "auto"
     prefill_step: Annotated[int, Meta(ge=16, description=(
-        "prompt tokens per prefill chunk (decoding continues between chunks)"))] = 512
+        "prompt tokens per prefill chunk while other requests decode (they decode between "
+        "chunks); with none decoding, up to 2048"))] = 512
     dtype: Annotated[Literal["auto", "native", "float32", "float16", "bfloat16"], Meta(
         description=("activation dtype (auto: float32 on MLX's CPU backend, "
                      "else native)"))] = "auto"

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.engine.batch.chunking import FLOOR, PrefillChunks, step_target
+from mlxd.engine.batch.chunking import FLOOR, IDLE_STEP, PrefillChunks, step_target
 from support.random_model import write_random_model
 
 
@@ -23,10 +23,65 @@ def test_the_chunk_follows_the_step_time_within_its_bounds():
     assert chunks.chunk == 64  # before any step is timed
     assert chunks.observe(64, 0.01) == 128  # fast: grows, at most 2x a step
     assert chunks.observe(128, 0.01) == 256 and chunks.observe(256, 0.01) == 512
-    assert chunks.observe(512, 0.001) == 512  # never past --prefill-step
+    assert chunks.for_step(decoding=True) == 512 and chunks.for_step(decoding=False) == 512
+    # with no row decoding, nothing waits between tokens: up to mlx-lm's own chunk
+    assert chunks.observe(512, 0.001) == 1024 and chunks.observe(1024, 0.001) == IDLE_STEP
+    assert chunks.observe(2048, 0.001) == IDLE_STEP  # never past it
+    assert chunks.for_step(decoding=True) == 512  # never past --prefill-step while rows decode
+    assert chunks.for_step(decoding=False) == IDLE_STEP
     assert chunks.observe(512, 4.0) == 51  # 128 tok/s: 64 fit in 0.5 s, 51 with the margin
+    assert chunks.for_step(decoding=True) == chunks.for_step(decoding=False) == 51
     assert chunks.observe(64, 10.0) == FLOOR  # never below the floor
     assert step_target(0) == 2.0 and step_target(60) == 2.0 and step_target(2) == 0.5
+    assert PrefillChunks(4096, 0.5).most == 4096  # a larger --prefill-step is its own bound
+
+
+def test_a_step_prefills_mlx_lms_chunk_alone_and_prefill_step_while_a_row_decodes(tmp_path):
+    """Nothing waits between tokens when no row decodes: a step then prefills up to mlx-lm's
+    own chunk (an agent's next turn costs as few steps as in-process); while a row decodes,
+    `--prefill-step` bounds what it waits."""
+    from mlxd.engine.batch.messages import AddRequest, StepTokens
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from support.runner_drive import run_one
+    model = write_random_model(tmp_path / "m", context=8192)
+    m, _, _ = load_model(str(model), tmp_path / "c")
+    outq: queue.Queue = queue.Queue()
+    # a target no step reaches on this CPU: the chunk's size rule alone (its time rule: above)
+    runner = Runner(m, [], batch_size=2, prefill_step=128, outbox=outq, cache_bytes=0,
+                    step_target_s=600.0)
+
+    def prompt(k: int, n: int) -> list[int]:
+        return [5 + (i * k) % 400 for i in range(n)]
+
+    def add(rid: str, tokens: list[int], n: int) -> AddRequest:
+        return AddRequest(rid, tokens, n, greedy_sampler, [])
+
+    run_one(runner, outq, add("warm", prompt(37, 2100), 2))  # the chunk grows from START
+    before = runner.counters.steps
+    run_one(runner, outq, add("alone", prompt(41, 1024), 1))
+    alone = runner.counters.steps - before
+
+    runner.inbox.put(add("decoding", prompt(43, 16), 10_000))
+    runner.take_commands()
+    while not any(isinstance(x, StepTokens) for x in iter_queue(outq)):
+        runner.step()
+    runner.inbox.put(add("beside", prompt(47, 1024), 1))
+    runner.take_commands()
+    before = runner.counters.steps
+    while not any(isinstance(x, StepTokens) and any(r[0] == "beside" for r in x.rows)
+                  for x in iter_queue(outq)):
+        runner.step()
+    beside = runner.counters.steps - before
+    assert alone <= 3, alone  # 1,023 tokens in one chunk, then the first token
+    assert beside >= 8, beside  # 128 a step: the decoding row waits one chunk per token
+
+
+def iter_queue(q: queue.Queue) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get())
+    return out
 
 
 def test_a_prefill_several_times_the_hang_timeout_completes_without_a_restart(tmp_path):

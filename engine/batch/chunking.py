@@ -12,12 +12,19 @@ gap between two tokens of a running stream while prompts prefill). It grows back
 step (from `START` at first, so the first step cannot outlast the bound either), so one fast
 reading does not overshoot, and never falls below `FLOOR`. A fast device never meets the bound
 and reaches `--prefill-step` within a few steps.
+
+`--prefill-step` bounds a chunk only while rows decode: it is what they wait between two tokens.
+With no row decoding (an agent's next turn, a lone chat) nothing waits, and a step prefills up to
+`IDLE_STEP` (or `--prefill-step`, if larger), mlx-lm's own chunk: a long prompt then costs as few
+steps as in-process mlx-lm, each step's fixed cost (the forward pass's dispatch, the batch's
+bookkeeping) paid a quarter as often.
 """
 
 from __future__ import annotations
 
 FLOOR = 16  # tokens: below this a step's fixed costs dominate
 START = 64  # the first steps' chunk, before any is timed (doubling from there on fast ones)
+IDLE_STEP = 2048  # mlx-lm's prefill_step_size (generate_step, mlx_lm.server, BatchGenerator)
 MAX_TARGET_S = 2.0
 
 
@@ -27,10 +34,15 @@ def step_target(hang_timeout: float) -> float:
 
 
 class PrefillChunks:
-    def __init__(self, configured: int, target_s: float) -> None:
-        self.configured = configured  # --prefill-step: the most a step ever prefills
+    def __init__(self, configured: int, target_s: float, idle_step: int = IDLE_STEP) -> None:
+        self.configured = configured  # --prefill-step: the most a step prefills while rows decode
+        self.most = max(configured, idle_step)  # the most a step ever prefills
         self.target_s = target_s
-        self.chunk = min(configured, START)
+        self.chunk = min(configured, START)  # what the time bound allows (<= most)
+
+    def for_step(self, decoding: bool) -> int:
+        """The chunk for a step that starts with rows decoding (or with none)."""
+        return min(self.chunk, self.configured) if decoding else self.chunk
 
     def observe(self, prefilled: int, seconds: float) -> int:
         """A step prefilled `prefilled` tokens (all rows) in `seconds` (its whole time): the
@@ -39,5 +51,5 @@ class PrefillChunks:
             return self.chunk
         # 0.8: attention grows with the context, so the next chunk costs a little more
         fits = int(prefilled / seconds * self.target_s * 0.8)
-        self.chunk = max(FLOOR, min(self.configured, fits, 2 * self.chunk))
+        self.chunk = max(FLOOR, min(self.most, fits, 2 * self.chunk))
         return self.chunk

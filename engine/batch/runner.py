@@ -49,7 +49,7 @@ from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
-from mlxd.engine.mlx_lm_internals import prefilled_tokens
+from mlxd.engine.mlx_lm_internals import decoding_rows, prefilled_tokens
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol import faults
@@ -494,7 +494,10 @@ class Runner:
     def step(self) -> None:
         """One generation step (drivers may call it directly: tests, benchmarks)."""
         t0 = time.perf_counter()
-        before = prefilled_tokens(self._gen) if self._chunks is not None else 0
+        before = 0
+        if self._chunks is not None:
+            before = prefilled_tokens(self._gen)
+            self._gen.prefill_step_size = self._chunks.for_step(decoding_rows(self._gen) > 0)
         try:
             self._generate()
             self._publish.hand_over()  # after the step's tokens went out
@@ -504,7 +507,7 @@ class Runner:
             if self._chunks is not None:
                 prefilled = prefilled_tokens(self._gen) - before
                 if prefilled > 0:  # (a rebuilt generator counts from 0: nothing to learn)
-                    self._gen.prefill_step_size = self._chunks.observe(prefilled, dt)
+                    self._chunks.observe(prefilled, dt)
 
     def _generate(self) -> None:
         faults.hit("engine.step")
