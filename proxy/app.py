@@ -147,5 +147,7 @@ async def start_listeners(app: web.Application, inherited: list[int] | None = No
 def write_listen_file(run_dir: Path, listening: ListeningAt) -> None:
     """Where clients (and `mlxd` client commands) find the running daemon."""
     tmp = run_dir / "listen.json.tmp"
-    tmp.write_text(json.dumps({**dataclasses.asdict(listening), "pid": os.getpid()}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({**dataclasses.asdict(listening), "pid": os.getpid()}))
     os.replace(tmp, run_dir / "listen.json")
