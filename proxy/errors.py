@@ -22,6 +22,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
                  retry_after: int | None = None) -> None:
+        message = _REPR.sub("<object>", message)  # a library's text may hold a repr
         super().__init__(message)
         self.status = status
         self.message = message
@@ -48,6 +49,8 @@ class APIError(Exception):
         return web.Response(status=self.status, text=json.dumps(self.body(dialect)),
                             content_type="application/json", headers=headers)
 
+
+_REPR = re.compile(r"<[^<>]{1,200} at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x7f..>"
 
 # Anthropic's documented error types by status.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",

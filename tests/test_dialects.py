@@ -4,7 +4,9 @@ envelope for bad input."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 
 import anthropic
 import ollama
@@ -12,6 +14,7 @@ import openai
 import pytest
 from anthropic.types import MessageParam
 
+from mlxd.proxy.dialects.ollama.weights import Digests, human_number
 from support.harness import Daemon
 from support.sdk import prompt_tokens, reasoning_of, text_of, thinking_of
 
@@ -215,6 +218,92 @@ def test_ollama_tags_show_ps_version(daemon, tiny_model):
     with daemon.http() as h:
         assert h.get("/api/version").json()["version"]
         assert h.get("/").status_code == 200
+
+
+def _close(measured_ns: int, wall_s: float, what: str) -> None:
+    assert abs(measured_ns / 1e9 - wall_s) <= 0.1 * wall_s, (what, measured_ns / 1e9, wall_s)
+
+
+def test_ollama_durations_agree_with_wall_times(daemon):
+    """Ollama's durations are measured: `total_duration` is the request's wall time and
+    `eval_duration` the time from the first token's line to the last one's (within 10 %);
+    the parts add up to the whole; the counts are the tokens seen."""
+    body = {"model": MODEL, "prompt": QUESTION, "options": {"num_predict": 120}}
+    with daemon.http() as h:
+        h.post("/api/generate", json={**body, "stream": False})  # warm: no first-call costs
+        began = time.perf_counter()
+        with h.stream("POST", "/api/generate", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append((time.perf_counter(), json.loads(line)))
+        wall = time.perf_counter() - began
+        began = time.perf_counter()
+        chat = h.post("/api/chat", json={**body, "messages": HI, "stream": False}).json()
+        chat_wall = time.perf_counter() - began
+    final = lines[-1][1]
+    tokens = [t for t, obj in lines if obj.get("response")]
+    assert final["done"] and final["eval_count"] == 120 == chat["eval_count"]
+    assert final["prompt_eval_count"] > 5 and final["load_duration"] == 0  # was loaded
+    _close(final["total_duration"], wall, "total_duration")
+    _close(final["eval_duration"], tokens[-1] - tokens[0], "eval_duration")
+    _close(chat["total_duration"], chat_wall, "chat total_duration")
+    for f in (final, chat):
+        parts = f["load_duration"] + f["prompt_eval_duration"] + f["eval_duration"]
+        assert 0 < f["prompt_eval_duration"] and 0.9 * f["total_duration"] <= parts \
+            <= f["total_duration"], f
+
+
+def test_ollama_load_duration_is_the_load_waited_for(daemon):
+    if "--isolate" not in daemon.argv:
+        pytest.skip("models are unloaded and loaded on demand only with --isolate")
+    with daemon.http() as h:
+        unloaded = h.post("/api/generate", json={"model": MODEL, "keep_alive": 0}).json()
+        assert unloaded["done_reason"] == "unload"
+        daemon.wait_until(lambda s: not s["pool"]["resident"], what="unloaded")
+        began = time.perf_counter()
+        r = h.post("/api/chat", json={"model": MODEL, "messages": HI, "stream": False,
+                                      "options": {"num_predict": 4}}).json()
+        wall = time.perf_counter() - began
+    _close(r["total_duration"], wall, "total_duration")
+    assert r["load_duration"] > 0.5 * r["total_duration"], r  # the load is most of it
+    assert r["load_duration"] + r["prompt_eval_duration"] + r["eval_duration"] \
+        <= r["total_duration"]
+
+
+def test_ollama_digest_and_details_come_from_the_weights(daemon, tiny_model):
+    import mlx.core as mx
+    weights = sorted(tiny_model.glob("*.safetensors"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in weights)).hexdigest()
+    params = sum(a.size for p in weights for a in mx.load(str(p)).values())
+    with daemon.http() as h:
+        listed = h.get("/api/tags").json()["models"][0]
+        shown = h.post("/api/show", json={"model": MODEL}).json()
+    assert listed["digest"] == digest == shown["digest"]
+    for d in (listed["details"], shown["details"]):
+        assert d["parameter_size"] == human_number(params) and d["parameter_size"][-1] in "KM"
+        assert d["quantization_level"] == "F32" and d["family"] == "llama"
+        assert d["format"] == "mlx"
+
+
+async def test_same_name_other_bytes_other_digest(tmp_path):
+    """A digest is of the bytes: two weight files of one name differ, and a file rewritten in
+    place (same path, new size or mtime) is hashed again."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, payload in ((a, b"first"), (b, b"second")):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(payload * 1000)
+    digests = Digests()
+    da, db = await digests.of(str(a)), await digests.of(str(b))
+    assert da == hashlib.sha256(b"first" * 1000).hexdigest() and da != db
+    assert await digests.of(str(a)) == da  # cached
+    (a / "model.safetensors").write_bytes(b"third" * 2000)
+    assert await digests.of(str(a)) == hashlib.sha256(b"third" * 2000).hexdigest()
+    assert await digests.of(str(tmp_path / "none")) == ""
+
+
+def test_human_number_is_ollamas():
+    assert [human_number(n) for n in (8_000_000_000, 1_235_814_400, 134_515_008, 2_000_000,
+                                      4_096, 12)] == ["8B", "1.2B", "134.52M", "2M", "4K", "12"]
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [
