@@ -13,6 +13,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
+from mlxd.proxy.field_errors import FieldError
+
 log = logging.getLogger("mlxd.proxy")
 
 MAX_LOGGED_TRACEBACK = 4000  # characters of one unhandled error's log record
@@ -33,14 +35,16 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.field_error: FieldError | None = None  # a body's field, worded per dialect
 
     def body(self, dialect: str = "openai") -> dict:
+        fe = self.field_error
         if dialect == "anthropic":
             return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(
                 self.status, "api_error" if self.status >= 500 else "invalid_request_error"),
-                "message": self.anthropic_message or self.message}}
+                "message": self.anthropic_message or (fe.anthropic() if fe else self.message)}}
         if dialect == "ollama":
-            return {"error": self.message}
+            return {"error": fe.ollama() if fe else self.message}
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
@@ -81,6 +85,13 @@ def dialect_of(path: str) -> str:
 
 def bad_request(message: str, code: str | None = None, param: str | None = None) -> APIError:
     return APIError(400, message, code=code, param=param)
+
+
+def invalid_field(fe: FieldError) -> APIError:
+    """A 400 for a body that does not fit its schema, worded in the request's dialect."""
+    e = APIError(400, fe.openai(), code=fe.openai_code(), param=fe.param)
+    e.field_error = fe
+    return e
 
 
 def unavailable(message: str, code: str, retry_after: int = 2) -> APIError:

@@ -150,6 +150,24 @@ def test_messages_bad_input_gets_anthropic_errors(daemon, body, status, fragment
     assert claude(daemon).messages.create(model=MODEL, max_tokens=2, messages=HI).content
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"model": MODEL, "max_tokens": 0, "messages": HI},
+     "max_tokens: Input should be greater than or equal to 1"),
+    ({"model": MODEL, "max_tokens": "many", "messages": HI},
+     "max_tokens: Input should be a valid integer"),
+    ({"model": MODEL, "messages": HI}, "max_tokens: Field required"),
+    ({"model": MODEL, "max_tokens": 4, "messages": [{"content": "x"}]},
+     "messages.0.role: Field required"),
+])
+def test_anthropic_validation_errors_in_anthropics_words(daemon, body, message):
+    """Anthropic's API words a field error as pydantic does (`loc: message`); so does mlxd,
+    never the validator's own text."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(daemon).post("/v1/messages", body=body, cast_to=anthropic.types.Message)
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": message}}
+
+
 @pytest.mark.parametrize("words", [400, 60_000])
 def test_an_over_long_prompt_gets_anthropics_prompt_is_too_long(daemon, words):
     """Claude Code compacts its context on Anthropic's own words for it; mlxd says them, with
@@ -321,6 +339,8 @@ def test_human_number_is_ollamas():
     ("/api/generate", {"model": MODEL, "prompt": "x", "images": ["AA=="]}, 400, "images"),
     ("/api/generate", {"model": MODEL, "prompt": 5}, 400, "prompt"),
     ("/api/show", {}, 400, "model"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "options": {"top_k": -1}}, 400,
+     "invalid options.top_k: must be greater than or equal to 0"),
 ])
 def test_ollama_bad_input_gets_ollama_errors(daemon, path, body, status, fragment):
     with daemon.http() as c:
