@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
 from mlxd.protocol.messages import EngineStats
-from mlxd.proxy import admin_routes, metrics, security
+from mlxd.proxy import admin_routes, metrics, model_routes, security
 from mlxd.proxy.core.generation import ResumeStats
 from mlxd.proxy.core.sampling import Defaults
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
@@ -61,6 +61,7 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     ollama_routes.add_routes(app)
     embedding_routes.add_routes(app)
     responses_routes.add_routes(app)
+    model_routes.add_routes(app)
     admin_routes.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)

@@ -75,12 +75,25 @@ def too_long(message: str) -> str | None:
     return f"prompt is too long: {m[1]} tokens > {m[2]} maximum" if m else None
 
 
+ANTHROPIC_HEADER = "anthropic-version"  # sent by every Anthropic client
+
+
 def dialect_of(path: str) -> str:
     if path.startswith("/v1/messages"):
         return "anthropic"
     if path.startswith("/api/"):
         return "ollama"
     return "openai"
+
+
+def request_dialect(request: web.Request) -> str:
+    """The API whose envelope a request's errors get: by path, and on `/v1/models` (which
+    both OpenAI and Anthropic serve) by the `anthropic-version` header."""
+    dialect = dialect_of(request.path)
+    if dialect == "openai" and request.path.startswith("/v1/models") \
+            and ANTHROPIC_HEADER in request.headers:
+        return "anthropic"
+    return dialect
 
 
 def bad_request(message: str, code: str | None = None, param: str | None = None) -> APIError:
@@ -113,7 +126,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
         return await handler(request)
     except APIError as e:
-        return e.response(dialect_of(request.path))
+        return e.response(request_dialect(request))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -123,10 +136,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             e.status, e.reason)
         return APIError(e.status, message,
                         type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
-                        code=None).response(dialect_of(request.path))
+                        code=None).response(request_dialect(request))
     except (HttpProcessingError, web.RequestPayloadError) as e:  # a cut-off or ill-framed body
         return APIError(400, f"the request body could not be read: {_clip(str(e), 200)}",
-                        code="bad_body").response(dialect_of(request.path))
+                        code="bad_body").response(request_dialect(request))
     except Exception as e:  # noqa: BLE001 - a bug: one bounded log record, a JSON 500
         transport = request.transport
         if isinstance(e, ConnectionError) and (transport is None or transport.is_closing()):
@@ -140,7 +153,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             transport.close()
         return APIError(500, f"internal error ({type(e).__name__}); the server log has "
                         "details", type="server_error", code="internal_error").response(
-            dialect_of(request.path))
+            request_dialect(request))
 
 
 def _clip(text: str, limit: int) -> str:

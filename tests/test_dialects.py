@@ -168,6 +168,29 @@ def test_anthropic_validation_errors_in_anthropics_words(daemon, body, message):
                                                        "message": message}}
 
 
+def test_anthropic_model_list_shape(daemon, tiny_model):
+    """`GET /v1/models` from an Anthropic client (it sends `anthropic-version`) is Anthropic's
+    list; without the header it stays OpenAI's."""
+    c = claude(daemon)
+    page = c.models.list()
+    assert [m.id for m in page.data] == [MODEL] and page.has_more is False
+    assert page.first_id == page.last_id == MODEL
+    m = page.data[0]
+    assert m.type == "model" and m.display_name == MODEL and m.created_at.year >= 2024
+    assert c.models.retrieve(MODEL).id == MODEL
+    assert c.models.retrieve(str(tiny_model)).id == MODEL  # any name it answers to
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert isinstance(e.value.body, dict) and e.value.body["type"] == "error"
+    with daemon.http() as h:
+        raw = h.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+        assert set(raw) == {"data", "has_more", "first_id", "last_id"}
+        assert set(raw["data"][0]) == {"type", "id", "display_name", "created_at"}
+        assert h.get("/v1/models", params={"after_id": MODEL},
+                     headers={"anthropic-version": "2023-06-01"}).json()["data"] == []
+        assert h.get("/v1/models").json()["object"] == "list"
+
+
 @pytest.mark.parametrize("words", [400, 60_000])
 def test_an_over_long_prompt_gets_anthropics_prompt_is_too_long(daemon, words):
     """Claude Code compacts its context on Anthropic's own words for it; mlxd says them, with
