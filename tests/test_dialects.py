@@ -261,6 +261,32 @@ def test_ollama_tags_show_ps_version(daemon, tiny_model):
         assert h.get("/").status_code == 200
 
 
+def test_ollama_pull_of_a_present_model_succeeds_at_once(daemon):
+    c = olla(daemon)
+    assert c.pull(MODEL).status == "success"
+    streamed = [p.status for p in c.pull(MODEL + ":latest", stream=True)]
+    assert streamed[0] == "pulling manifest" and streamed[-1] == "success"
+    with daemon.http() as h:
+        assert h.post("/api/pull", json={"name": MODEL, "stream": False}).json() == \
+            {"status": "success"}
+
+
+def test_ollama_pull_of_an_unfetchable_model_says_why(daemon):
+    """Not cached and the Hub unreachable (as here): a 404 in Ollama's words before any
+    progress line, streamed or not."""
+    c = olla(daemon)
+    for stream in (False, True):
+        with pytest.raises(ollama.ResponseError) as e:
+            got = c.pull("nobody/no-such-repo-xyz", stream=stream)
+            list(got) if stream else got
+        assert e.value.status_code == 404, e.value
+        assert e.value.error.startswith("pull model manifest: nobody/no-such-repo-xyz: ")
+        if "--isolate" in daemon.argv:  # a pool fetches on demand: the Hub was asked
+            assert "could not be reached" in e.value.error or "OFFLINE" in e.value.error
+        else:
+            assert "does not exist" in e.value.error
+
+
 def _close(measured_ns: int, wall_s: float, what: str) -> None:
     assert abs(measured_ns / 1e9 - wall_s) <= 0.1 * wall_s, (what, measured_ns / 1e9, wall_s)
 

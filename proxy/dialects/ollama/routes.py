@@ -17,7 +17,7 @@ from mlxd.proxy.bounds import decode_body
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.core.validation import keep_alive_seconds
-from mlxd.proxy.dialects.ollama import weights
+from mlxd.proxy.dialects.ollama import pull, weights
 from mlxd.proxy.dialects.ollama.schema import (
     ChatRequest,
     GenerateRequest,
@@ -27,6 +27,7 @@ from mlxd.proxy.dialects.ollama.schema import (
     format_grammar,
     generate_images,
     sampling,
+    served_name,
     with_images,
 )
 from mlxd.proxy.engines.client import EngineRecord
@@ -42,16 +43,6 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _model_name(name: str, router: Router) -> str:
-    """Ollama clients say `name:latest`; mlxd's names carry no tag."""
-    if name.endswith(":latest"):
-        try:
-            router.lookup(name)
-        except APIError:
-            return name[:-len(":latest")]
-    return name
-
-
 async def chat(request: web.Request) -> web.StreamResponse:
     began = time.perf_counter_ns()
     req = decode_body(await request.read(), ChatRequest)
@@ -59,7 +50,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     keep_alive = keep_alive_seconds(req.keep_alive)
     tools = constraints.parse_tools(req.tools)
     msgs = chat_messages(req)
-    name = _model_name(req.model, state.router)
+    name = served_name(req.model, state.router)
     if not msgs:  # Ollama: a chat without messages loads (or with keep_alive 0, unloads)
         return await _load_only(request, name, keep_alive, "message",
                                 {"role": "assistant", "content": ""}, began)
@@ -82,7 +73,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad_request("`template` is not supported (the model's own chat template is used)")
     if req.context:
         raise bad_request("`context` is not supported (send the conversation to /api/chat)")
-    name = _model_name(req.model, state.router)
+    name = served_name(req.model, state.router)
     prompt = req.prompt or ""
     if not prompt and not req.suffix:
         return await _load_only(request, name, keep_alive, "response", "", began)
@@ -299,7 +290,7 @@ async def show(request: web.Request) -> web.Response:
     name = req.model or req.name
     if not name:
         raise bad_request("`model` is required")
-    name = _model_name(name, state.router)
+    name = served_name(name, state.router)
     spec = state.router.lookup(name)
     rec = state.client.find(name)
     model_dir = _model_dir(spec, rec)
@@ -336,4 +327,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/ps", ps)
     app.router.add_get("/api/version", version)
+    app.router.add_post("/api/pull", pull.pull)
     app.router.add_get("/", root)
