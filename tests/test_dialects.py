@@ -15,6 +15,7 @@ import pytest
 from anthropic.types import MessageParam
 
 from mlxd.proxy.dialects.ollama.weights import Digests, human_number
+from mlxd.proxy.dialects.ollama.weights import details as ollama_details
 from support.harness import Daemon
 from support.sdk import prompt_tokens, reasoning_of, text_of, thinking_of
 
@@ -341,7 +342,11 @@ def test_ollama_digest_and_details_come_from_the_weights(daemon, tiny_model):
     import mlx.core as mx
     weights = sorted(tiny_model.glob("*.safetensors"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in weights)).hexdigest()
-    params = sum(a.size for p in weights for a in mx.load(str(p)).values())
+    params = 0
+    for p in weights:
+        arrays = mx.load(str(p))
+        assert isinstance(arrays, dict)
+        params += sum(a.size for a in arrays.values())
     with daemon.http() as h:
         listed = h.get("/api/tags").json()["models"][0]
         shown = h.post("/api/show", json={"model": MODEL}).json()
@@ -366,6 +371,25 @@ async def test_same_name_other_bytes_other_digest(tmp_path):
     (a / "model.safetensors").write_bytes(b"third" * 2000)
     assert await digests.of(str(a)) == hashlib.sha256(b"third" * 2000).hexdigest()
     assert await digests.of(str(tmp_path / "none")) == ""
+
+
+def test_parameter_size_unpacks_quantized_layers_at_their_own_bits(tmp_path):
+    """A 4-bit model with an 8-bit embedding (as mlx-lm quantizes them): packed words count
+    32 / bits parameters each, scales and biases none."""
+    import mlx.core as mx
+    words = {"lin.weight": mx.zeros((128, 64 * 4 // 32), dtype=mx.uint32),
+             "lin.scales": mx.zeros((128, 2), dtype=mx.float16),
+             "lin.biases": mx.zeros((128, 2), dtype=mx.float16),
+             "emb.weight": mx.zeros((1000, 64 * 8 // 32), dtype=mx.uint32),
+             "emb.scales": mx.zeros((1000, 2), dtype=mx.float16),
+             "emb.biases": mx.zeros((1000, 2), dtype=mx.float16),
+             "norm.weight": mx.zeros((64,), dtype=mx.float16)}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), words)
+    cfg = {"model_type": "llama", "quantization": {"bits": 4, "group_size": 32,
+                                                   "emb": {"bits": 8, "group_size": 32}}}
+    d = ollama_details(str(tmp_path), cfg)
+    assert d["parameter_size"] == human_number(128 * 64 + 1000 * 64 + 64) == "72K"
+    assert d["quantization_level"] == "Q4" and d["family"] == "llama"
 
 
 def test_human_number_is_ollamas():

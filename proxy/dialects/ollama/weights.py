@@ -104,10 +104,16 @@ def _header(path: Path) -> dict:
     return head if isinstance(head, dict) else {}
 
 
-def tensors(model_dir: str, bits: int | None) -> Tensors:
+def _bits(value: object) -> int | None:
+    return value if isinstance(value, int) and 0 < value <= 32 else None
+
+
+def tensors(model_dir: str, quant: dict) -> Tensors:
     """Parameters and dtype from the safetensors headers (blocking; reads headers only). An
-    MLX-quantized weight (uint32 words beside `.scales`) holds 32 / bits parameters a word;
-    its scales and biases are not parameters of the model."""
+    MLX-quantized weight (uint32 words beside `.scales`) holds 32 / bits parameters a word,
+    `bits` being its layer's own (config.json's `quantization` may name layers: an 8-bit
+    embedding beside 4-bit layers); its scales and biases are not parameters of the model."""
+    default = _bits(quant.get("bits"))
     count = 0
     by_dtype: dict[str, int] = {}
     for path in weight_files(Path(model_dir).expanduser()):
@@ -123,12 +129,13 @@ def tensors(model_dir: str, bits: int | None) -> Tensors:
                 continue
             n = math.prod(int(d) for d in shape if isinstance(d, int))
             stem = name.rsplit(".", 1)[0]
-            quantized = bits and f"{stem}.scales" in head
-            if quantized and name.endswith((".scales", ".biases")):
-                continue
-            if quantized and dtype == "U32":
-                count += n * 32 // bits
-                continue
+            layer = quant.get(stem)
+            bits = _bits(layer.get("bits")) if isinstance(layer, dict) else default
+            if bits is not None and f"{stem}.scales" in head:
+                if dtype == "U32":  # packed words
+                    count += n * 32 // bits
+                if dtype == "U32" or name.endswith((".scales", ".biases")):
+                    continue
             count += n
             by_dtype[dtype] = by_dtype.get(dtype, 0) + n
     return Tensors(count, max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "")
@@ -147,9 +154,9 @@ def details(model_dir: str, cfg: dict) -> dict:
     """Ollama's `details` (blocking: reads the safetensors headers)."""
     family = cfg.get("model_type", "") if isinstance(cfg.get("model_type"), str) else ""
     quant = cfg.get("quantization") or cfg.get("quantization_config") or {}
-    bits = quant.get("bits") if isinstance(quant, dict) else None
-    bits = bits if isinstance(bits, int) and 0 < bits <= 32 else None
-    t = tensors(model_dir, bits)
+    quant = quant if isinstance(quant, dict) else {}
+    bits = _bits(quant.get("bits"))
+    t = tensors(model_dir, quant)
     return {"parent_model": "", "format": "mlx", "family": family,
             "families": [family] if family else None,
             "parameter_size": human_number(t.parameters) if t.parameters else "",
