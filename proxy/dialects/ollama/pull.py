@@ -43,7 +43,7 @@ def _files(repo: str) -> list[tuple[str, int]]:
             if any(fnmatch.fnmatch(s.rfilename, p) for p in ALLOW_PATTERNS)]
 
 
-def _download(repo: str, filename: str) -> None:
+def _hub_download(repo: str, filename: str) -> None:
     from huggingface_hub import hf_hub_download
     hf_hub_download(repo, filename)
 
@@ -92,7 +92,7 @@ async def _respond(request: web.Request, lines: list[dict]) -> web.StreamRespons
 
 async def _fetch(repo: str, filename: str) -> None:
     try:
-        await asyncio.to_thread(_download, repo, filename)
+        await asyncio.to_thread(_hub_download, repo, filename)
     except Exception as e:  # noqa: BLE001 - network, disk: the client is told, not the log
         raise APIError(500, f"pull model: {clip(filename)} could not be fetched "
                             f"({type(e).__name__})", type="server_error",
