@@ -288,6 +288,36 @@ def test_ollama_pull_of_an_unfetchable_model_says_why(daemon):
             assert "does not exist" in e.value.error
 
 
+def test_ollama_pull_fetches_with_progress_then_the_model_serves(tiny_model, tmp_path):
+    """A repo id not in the cache is fetched from the Hub (a local stand-in here), file by
+    file with Ollama's progress lines; then it is present (pulled again: success at once)
+    and serves."""
+    from conftest import start_daemon, stop_and_check
+    from support.fake_hub import FakeHub
+    repo = "someone/tiny-pulled"
+    with FakeHub({repo: tiny_model}) as hub:
+        d = start_daemon(tiny_model, isolate=True, env={
+            "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_DISABLE_TELEMETRY": "1"})
+        try:
+            c = olla(d)
+            lines = list(c.pull(repo, stream=True))
+            sizes = {p.name: p.stat().st_size for p in tiny_model.iterdir() if p.is_file()}
+            assert lines[0].status == "pulling manifest" and lines[-1].status == "success"
+            done = {p.status.removeprefix("pulling "): p.total for p in lines
+                    if p.status and p.status.startswith("pulling ") and p.total is not None
+                    and p.completed == p.total}
+            assert done == sizes  # every file the load needs, whole
+            assert f"GET /{repo}/resolve/main/model.safetensors" in hub.requests
+            asked = len(hub.requests)
+            assert c.pull(repo, stream=False).status == "success"
+            assert len(hub.requests) == asked  # present now: nothing fetched, nothing asked
+            r = c.chat(model=repo, messages=HI, options={"num_predict": 3}, stream=False)
+            assert r.eval_count == 3 and r.load_duration and r.load_duration > 0
+        finally:
+            stop_and_check(d)
+
+
 def _close(measured_ns: int, wall_s: float, what: str) -> None:
     assert abs(measured_ns / 1e9 - wall_s) <= 0.1 * wall_s, (what, measured_ns / 1e9, wall_s)
 
