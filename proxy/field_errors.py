@@ -20,6 +20,7 @@ _BOUND = re.compile(r"^Expected `(int|float)` (>=|>|<=|<) (-?[\d.eE+-]+)$")
 _LENGTH = re.compile(r"^Expected `(str|array|object)` of length (>=|<=) (\d+)$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `([^`]+)`$")
+_ENUM = re.compile(r"^Invalid enum value (.{1,200})$")
 
 Loc = tuple[str | int, ...]
 
@@ -34,7 +35,7 @@ _WORDS = {">=": "greater than or equal to", ">": "greater than",
 
 @dataclass(frozen=True)
 class FieldError:
-    kind: str  # "type", "bound", "length", "missing", "unknown", "other"
+    kind: str  # "type", "bound", "length", "missing", "unknown", "enum", "other"
     loc: Loc  # where: field names and list indices ("..." for a dict key)
     expected: str = ""  # msgspec's type name(s) ("int", "str | array | null")
     got: str = ""  # the type sent ("type"), the field ("missing", "unknown")
@@ -48,11 +49,16 @@ class FieldError:
         """The field as OpenAI's `param` names it: `messages[0].role`."""
         out = ""
         for step in self.loc:
-            out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
+            if isinstance(step, int) or step == "...":  # an index, a dict's key
+                out += f"[{step}]"
+            else:
+                out += f".{step}" if out else step
         return out or None
 
     def anthropic(self) -> str:
-        where = ".".join(str(s) for s in self.loc)
+        where = ""  # pydantic's loc: messages.0.role
+        for step in self.loc:
+            where += "[...]" if step == "..." else f".{step}" if where else str(step)
         what = self._pydantic()
         return f"{where}: {what}" if where else what
 
@@ -66,6 +72,8 @@ class FieldError:
             return "Input should be " + " or ".join(kinds)
         if self.kind == "bound":
             return f"Input should be {_WORDS[self.op]} {self.limit}"
+        if self.kind == "enum":
+            return f"Input should be one of the supported values, not {self.got}"
         if self.kind == "length":
             noun = {"str": ("String", "characters"), "array": ("List", "items"),
                     "object": ("Dictionary", "items")}[self.expected]
@@ -87,6 +95,8 @@ class FieldError:
             want = " or ".join(_A.get(t, t) for t in _types(self.expected))
             got = "a decimal number" if self.got == "float" else _A.get(self.got, self.got)
             return f"Invalid type for '{p}': expected {want}, but got {got} instead."
+        if self.kind == "enum":
+            return f"Invalid value for '{p}': {self.got} is not a supported value."
         sent = self._sent()
         if self.kind == "bound":
             number = "integer" if self.expected == "int" else "decimal"
@@ -110,6 +120,8 @@ class FieldError:
             return "unknown_parameter"
         if self.kind == "type":
             return "invalid_type"
+        if self.kind == "enum":
+            return "invalid_value"
         if self.kind == "bound":
             number = "integer" if self.expected == "int" else "decimal"
             return f"{number}_{'above_max' if _ABOVE[self.op] else 'below_min'}_value"
@@ -129,6 +141,8 @@ class FieldError:
             return f"invalid {p}: expected {want}, got {_A.get(self.got, self.got)}"
         if self.kind == "bound":
             return f"invalid {p}: must be {_WORDS[self.op]} {self.limit}"
+        if self.kind == "enum":
+            return f"invalid {p}: {self.got} is not a supported value"
         if self.kind == "length":
             unit = "characters" if self.expected == "str" else "items"
             most = "at most" if self.op == "<=" else "at least"
@@ -157,6 +171,8 @@ def parse(message: str, body: Any = None) -> FieldError:
         return FieldError("missing", (*loc, m[1]), got=m[1])
     if m := _UNKNOWN.match(message):
         return FieldError("unknown", (*loc, m[1]), got=m[1])
+    if m := _ENUM.match(message):
+        return FieldError("enum", tuple(loc), got=m[1])
     value = _at(body, loc)
     if m := _TYPE.match(message):
         return FieldError("type", tuple(loc), expected=m[1], got=m[2], value=value)

@@ -92,6 +92,30 @@ def test_validation_errors_in_openais_words(daemon, body, param, code, message):
                                  "param": param, "code": code}
 
 
+@pytest.mark.parametrize("raw, body, openai, anthropic, ollama", [
+    ("Expected `float` <= 2.0 - at `$.temperature`", {"temperature": 3.5},
+     "Invalid 'temperature': decimal above maximum value. Expected a value <= 2.0, but got 3.5 "
+     "instead.", "temperature: Input should be less than or equal to 2.0",
+     "invalid temperature: must be less than or equal to 2.0"),
+    ("Expected `int`, got `str` - at `$.logit_bias[...]`", None,
+     "Invalid type for 'logit_bias[...]': expected an integer, but got a string instead.",
+     "logit_bias[...]: Input should be a valid integer",
+     "invalid logit_bias[...]: expected an integer, got a string"),
+    ("Invalid enum value 'hex' - at `$.encoding_format`", None,
+     "Invalid value for 'encoding_format': 'hex' is not a supported value.",
+     "encoding_format: Input should be one of the supported values, not 'hex'",
+     "invalid encoding_format: 'hex' is not a supported value"),
+    ("Expected `array` of length <= 16 - at `$.stop`", {"stop": ["a"] * 17},
+     "Invalid 'stop': array too long. Expected an array with maximum length 16, but got an "
+     "array with length 17 instead.", "stop: List should have at most 16 items",
+     "invalid stop: must have at most 16 items"),
+])
+def test_field_errors_are_worded_per_dialect(raw, body, openai, anthropic, ollama):
+    from mlxd.proxy import field_errors
+    fe = field_errors.parse(raw, body)
+    assert (fe.openai(), fe.anthropic(), fe.ollama()) == (openai, anthropic, ollama)
+
+
 def test_a_corrupt_image_to_a_text_model_is_refused_for_the_model(daemon):
     """The model's capabilities are checked before any image is decoded: a text model given
     a corrupt image says it takes no images, and no error text holds a Python repr."""
