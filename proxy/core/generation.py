@@ -139,8 +139,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
                 stage_trace.stamp_request(one.request_id, "proxy_in", "proxy", at=traced_at)
             gens.append(Generation(state.client, engine, one, resume=state.resume,
                                    load_wait=router.load_wait, stats=state.resume_stats,
-                                   metrics=None if req.count_only else state.metrics))
-            gens[-1].load_ns = load_ns
+                                   metrics=None if req.count_only else state.metrics,
+                                   load_ns=load_ns))
         if len(gens) == 1:  # sent before this loop turns to the next request: no task
             await gens[0].start()  # (in a burst, each engine gets its requests as they come)
         else:
@@ -198,8 +198,8 @@ class Generation:
 
     def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
                  resume: bool = False, load_wait: float = 120.0,
-                 stats: ResumeStats | None = None, metrics: RequestMetrics | None = None
-                 ) -> None:
+                 stats: ResumeStats | None = None, metrics: RequestMetrics | None = None,
+                 load_ns: int = 0) -> None:
         self.client = client
         self.metrics = metrics
         self._t_last = time.monotonic()
@@ -225,7 +225,7 @@ class Generation:
         self.prompt_text = ""  # the prompt as text, when the request asked (`echo_prompt`)
         # perf_counter_ns stamps, for Ollama's durations: the model load this request waited
         # for (0: none), when it went to the engine, its first and its last token
-        self.load_ns = 0
+        self.load_ns = load_ns
         self.sent_ns = 0
         self.first_token_ns = 0
         self.last_token_ns = 0

@@ -39,8 +39,11 @@ def _files(repo: str) -> list[tuple[str, int]]:
     """The repo's files a load needs, with their sizes (blocking: a worker thread)."""
     from huggingface_hub import HfApi
     info = HfApi().model_info(repo, files_metadata=True)
-    return [(s.rfilename, s.size or 0) for s in info.siblings or ()
-            if any(fnmatch.fnmatch(s.rfilename, p) for p in ALLOW_PATTERNS)]
+    files = [(s.rfilename, s.size or 0) for s in info.siblings or ()
+             if any(fnmatch.fnmatch(s.rfilename, p) for p in ALLOW_PATTERNS)]
+    # config.json last: a repo counts as present once it is cached, so a pull cut short
+    # before the end leaves one that is not present, and the next pull goes on with it
+    return sorted(files, key=lambda f: f[0] == "config.json")
 
 
 def _hub_download(repo: str, filename: str) -> None:
@@ -108,9 +111,12 @@ async def _stream_fetch(request: web.Request, repo: str, files: list[tuple[str, 
         for filename, size in files:
             status = {"status": f"pulling {filename}", "digest": filename, "total": size}
             task = asyncio.ensure_future(_fetch(repo, filename))
-            while not task.done():
-                await resp.write(_line({**status, "completed": 0}))
-                await asyncio.wait([task], timeout=TICK_S)
+            try:
+                while not task.done():
+                    await resp.write(_line({**status, "completed": 0}))
+                    await asyncio.wait([task], timeout=TICK_S)
+            finally:  # a client gone mid-file: the file is still fetched, its outcome dropped
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
             task.result()
             await resp.write(_line({**status, "completed": size}))
         await resp.write(b"".join(_line({"status": s}) for s in (

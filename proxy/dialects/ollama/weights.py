@@ -27,6 +27,10 @@ Identity = tuple[tuple[str, int, int], ...]
 
 
 def weight_files(model_dir: Path) -> list[Path]:
+    """A model directory's weight files; none for a name that is no absolute path (a repo id
+    not fetched yet is no directory, whatever the proxy's working directory holds)."""
+    if not model_dir.is_absolute():
+        return []
     return sorted(model_dir.glob("*.safetensors"))
 
 
