@@ -147,6 +147,8 @@ def test_an_unfetchable_model_is_not_found_and_says_why(daemon):
         m = c.post("/v1/messages", json={"model": "nobody/no-such-repo-xyz", "max_tokens": 4,
                                          "messages": CHAT})
     assert m.status_code == 404 and m.json()["error"]["type"] == "not_found_error"
+    bad = _post(daemon, "/v1/chat/completions", {"model": "a/b--c", "messages": CHAT})
+    assert "not a Hugging Face repo id" in _assert_envelope(bad, 404, "a/b--c")["message"]
 
 
 def test_bad_streaming_request_fails_before_any_byte(daemon):

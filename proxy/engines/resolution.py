@@ -41,7 +41,7 @@ def _repo_in_local_cache(repo: str) -> bool:
 def _repo_on_hub(repo: str) -> str | None:
     """None if the Hub has the repo, else why it cannot be used (runs on a worker thread)."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return "not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
     try:
@@ -50,6 +50,8 @@ def _repo_on_hub(repo: str) -> str | None:
         return "the repo is gated: accept its terms and log in with `hf auth login` first"
     except RepositoryNotFoundError:
         return "no such repo on the Hugging Face Hub"
+    except HFValidationError:  # asked before any network: not the Hub's fault
+        return "not a Hugging Face repo id (namespace/name, letters, digits, '-', '_', '.')"
     except Exception as e:  # noqa: BLE001 - network, DNS, TLS, rate limits
         return ("not in the local Hugging Face cache, and the Hugging Face Hub could not be "
                 f"reached (offline? {type(e).__name__})")
