@@ -401,6 +401,9 @@ async def test_same_name_other_bytes_other_digest(tmp_path):
     (a / "model.safetensors").write_bytes(b"third" * 2000)
     assert await digests.of(str(a)) == hashlib.sha256(b"third" * 2000).hexdigest()
     assert await digests.of(str(tmp_path / "none")) == ""
+    (b / "model.safetensors").write_bytes(b"fourth" * 4_000_000)  # 24 MB: a while to hash
+    assert await digests.of(str(b), wait=0) == ""  # listed at once, without its digest
+    assert await digests.of(str(b)) == hashlib.sha256(b"fourth" * 4_000_000).hexdigest()
 
 
 def test_parameter_size_unpacks_quantized_layers_at_their_own_bits(tmp_path):

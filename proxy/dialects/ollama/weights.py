@@ -4,7 +4,10 @@ quantization level, family, format) from its config.json and the safetensors hea
 
 Hashing gigabytes takes seconds to minutes, so a digest is computed once per file identity
 (path, size, mtime_ns of every weight file: a file replaced under the same name is hashed
-again), on a worker thread, with concurrent asks for the same identity sharing one run."""
+again), on a worker thread, with concurrent asks for the same identity sharing one run. A
+listing waits for it at most DIGEST_WAIT_S: clients poll `/api/tags` with short timeouts
+(Open WebUI's is seconds), so a model whose hash is still running is listed with an empty
+digest, and with its digest once the run (which goes on) is done."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from aiohttp import web
 READ_CHUNK = 4 << 20  # bytes per hash update (hashlib lets go of the GIL for large updates)
 MAX_HEADER = 100 << 20  # a safetensors JSON header larger than this is not read
 MAX_REMEMBERED = 64  # file identities whose digest is kept
+DIGEST_WAIT_S = 3.0
 
 Identity = tuple[tuple[str, int, int], ...]
 
@@ -63,9 +67,9 @@ class Digests:
         self._done: OrderedDict[Identity, str] = OrderedDict()
         self._running: dict[Identity, asyncio.Future[str]] = {}
 
-    async def of(self, model_dir: str) -> str:
+    async def of(self, model_dir: str, wait: float = DIGEST_WAIT_S) -> str:
         """The digest of the weights in `model_dir` ("" when it holds none, e.g. a repo id
-        not fetched yet)."""
+        not fetched yet, or while it is being computed and `wait` seconds have passed)."""
         ident = await asyncio.to_thread(identity, model_dir)
         if not ident:
             return ""
@@ -76,15 +80,20 @@ class Digests:
         if fut is None:
             fut = asyncio.ensure_future(asyncio.to_thread(sha256_of, ident))
             self._running[ident] = fut
-            fut.add_done_callback(lambda _: self._running.pop(ident, None))
+            fut.add_done_callback(lambda f: self._finished(ident, f))
         try:
-            digest = await asyncio.shield(fut)
-        except OSError:  # a file went away while it was read
+            digest = await asyncio.wait_for(asyncio.shield(fut), wait)
+        except (OSError, TimeoutError):  # a file went away while it was read; still running
             return ""
-        self._done[ident] = digest
-        while len(self._done) > MAX_REMEMBERED:
-            self._done.popitem(last=False)
         return digest
+
+    def _finished(self, ident: Identity, fut: asyncio.Future[str]) -> None:
+        """Keep a finished run's digest, whether or not anyone still waits for it."""
+        self._running.pop(ident, None)
+        if not fut.cancelled() and fut.exception() is None:
+            self._done[ident] = fut.result()
+            while len(self._done) > MAX_REMEMBERED:
+                self._done.popitem(last=False)
 
 
 DIGESTS = web.AppKey("ollama_digests", Digests)
