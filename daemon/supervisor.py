@@ -39,7 +39,7 @@ from mlxd.daemon.sd_notify import Notifier
 from mlxd.daemon.stderr_pump import drain
 from mlxd.daemon.watchdog import HangWatchdog, probe_timing
 from mlxd.protocol import codec, exit_codes, shm
-from mlxd.protocol.addresses import Endpoints
+from mlxd.protocol.addresses import Endpoints, make_private
 from mlxd.protocol.lifeline import Lifeline
 from mlxd.protocol.listen_address import ListenError, Listeners, listen_on
 from mlxd.protocol.logs import ChildLines, Console, process_name, render, setup_logging, shorten
@@ -166,6 +166,7 @@ class Supervisor:
         self._ctl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._ctl.setsockopt(zmq.LINGER, 0)
         self._ctl.bind(self.eps.control)
+        make_private(self.eps.control)
         self._spawn_task(self._read_control())
         self._spawn_task(self._watch_hangs())
         if probes_proxy(self.cfg):

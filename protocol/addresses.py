@@ -48,6 +48,14 @@ def engine_identity(engine_id: str, epoch: int) -> bytes:
     return identity("engine", engine_id, epoch)
 
 
+def make_private(endpoint: str) -> None:
+    """Mode 0600 for the socket file behind a bound ipc:// endpoint: ZeroMQ creates it with
+    the process umask (0755 under the usual 022). The run dir (0700) already keeps others
+    out; this keeps every file in it private on its own, as the HTTP socket is."""
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)
+
+
 def ensure_private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)

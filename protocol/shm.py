@@ -44,7 +44,8 @@ def _open(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
 
 
 def create(run_dir: Path, name: str, size: int) -> shared_memory.SharedMemory:
-    with open(run_dir / MANIFEST, "a") as f:  # recorded first: a crash cannot hide it
+    fd = os.open(run_dir / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:  # recorded first: a crash cannot hide it
         f.write(name + "\n")
     unlink(name)  # a leftover of the same name from a dead daemon
     return _open(name, True, size)

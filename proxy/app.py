@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
 from mlxd.protocol.messages import EngineStats
-from mlxd.proxy import admin_routes, metrics, security
+from mlxd.proxy import admin_routes, metrics, model_routes, security
 from mlxd.proxy.core.generation import ResumeStats
 from mlxd.proxy.core.sampling import Defaults
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
@@ -61,6 +61,7 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     ollama_routes.add_routes(app)
     embedding_routes.add_routes(app)
     responses_routes.add_routes(app)
+    model_routes.add_routes(app)
     admin_routes.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
@@ -147,5 +148,7 @@ async def start_listeners(app: web.Application, inherited: list[int] | None = No
 def write_listen_file(run_dir: Path, listening: ListeningAt) -> None:
     """Where clients (and `mlxd` client commands) find the running daemon."""
     tmp = run_dir / "listen.json.tmp"
-    tmp.write_text(json.dumps({**dataclasses.asdict(listening), "pid": os.getpid()}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({**dataclasses.asdict(listening), "pid": os.getpid()}))
     os.replace(tmp, run_dir / "listen.json")

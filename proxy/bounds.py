@@ -11,13 +11,13 @@ can recurse away or overflow.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from mlxd.proxy.errors import bad_request
+from mlxd.proxy import field_errors
+from mlxd.proxy.errors import bad_request, invalid_field
 
 MAX_JSON_DEPTH = 64  # nesting levels of a request body, free-form fields included
 MAX_NAME_CHARS = 1024  # model names: an absolute path fits (macOS PATH_MAX)
@@ -42,8 +42,6 @@ Duration = Annotated[str, msgspec.Meta(max_length=32)]  # "5m", "1h", "-1"
 
 T = TypeVar("T")
 
-_FIELD_PATH = re.compile(r" - at `\$\.?([^`]*)`$")  # where msgspec says a ValidationError is
-
 
 def decode_body(body: bytes, kind: type[T]) -> T:
     """A request body as `kind`, or a 400 that says what is wrong with it."""
@@ -52,14 +50,22 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     try:
         value = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        at = _FIELD_PATH.search(str(e))
-        raise bad_request(f"invalid request: {e}", param=at.group(1) if at else None) from e
+        raise invalid_field(field_errors.parse(str(e), _plain(body))) from e
     except msgspec.DecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
     except RecursionError:
         raise too_deep("the request body") from None
     check_json(value)
     return value
+
+
+def _plain(body: bytes) -> Any:
+    """The body as plain JSON, to say what a client sent in an invalid field (None if that
+    cannot be read either)."""
+    try:
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        return None
 
 
 def too_deep(what: str) -> Exception:

@@ -13,6 +13,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
+from mlxd.proxy.field_errors import FieldError
+
 log = logging.getLogger("mlxd.proxy")
 
 MAX_LOGGED_TRACEBACK = 4000  # characters of one unhandled error's log record
@@ -22,6 +24,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
                  retry_after: int | None = None) -> None:
+        message = _REPR.sub("<object>", message)  # a library's text may hold a repr
         super().__init__(message)
         self.status = status
         self.message = message
@@ -32,14 +35,16 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.field_error: FieldError | None = None  # a body's field, worded per dialect
 
     def body(self, dialect: str = "openai") -> dict:
+        fe = self.field_error
         if dialect == "anthropic":
             return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(
                 self.status, "api_error" if self.status >= 500 else "invalid_request_error"),
-                "message": self.anthropic_message or self.message}}
+                "message": self.anthropic_message or (fe.anthropic() if fe else self.message)}}
         if dialect == "ollama":
-            return {"error": self.message}
+            return {"error": fe.ollama() if fe else self.message}
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
@@ -48,6 +53,8 @@ class APIError(Exception):
         return web.Response(status=self.status, text=json.dumps(self.body(dialect)),
                             content_type="application/json", headers=headers)
 
+
+_REPR = re.compile(r"<[^<>]{1,200} at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x7f..>"
 
 # Anthropic's documented error types by status.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -68,6 +75,9 @@ def too_long(message: str) -> str | None:
     return f"prompt is too long: {m[1]} tokens > {m[2]} maximum" if m else None
 
 
+ANTHROPIC_HEADER = "anthropic-version"  # sent by every Anthropic client
+
+
 def dialect_of(path: str) -> str:
     if path.startswith("/v1/messages"):
         return "anthropic"
@@ -76,8 +86,25 @@ def dialect_of(path: str) -> str:
     return "openai"
 
 
+def request_dialect(request: web.Request) -> str:
+    """The API whose envelope a request's errors get: by path, and on `/v1/models` (which
+    both OpenAI and Anthropic serve) by the `anthropic-version` header."""
+    dialect = dialect_of(request.path)
+    if dialect == "openai" and request.path.startswith("/v1/models") \
+            and ANTHROPIC_HEADER in request.headers:
+        return "anthropic"
+    return dialect
+
+
 def bad_request(message: str, code: str | None = None, param: str | None = None) -> APIError:
     return APIError(400, message, code=code, param=param)
+
+
+def invalid_field(fe: FieldError) -> APIError:
+    """A 400 for a body that does not fit its schema, worded in the request's dialect."""
+    e = APIError(400, fe.openai(), code=fe.openai_code(), param=fe.param)
+    e.field_error = fe
+    return e
 
 
 def unavailable(message: str, code: str, retry_after: int = 2) -> APIError:
@@ -99,7 +126,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
         return await handler(request)
     except APIError as e:
-        return e.response(dialect_of(request.path))
+        return e.response(request_dialect(request))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -109,10 +136,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             e.status, e.reason)
         return APIError(e.status, message,
                         type=_STATUS_TYPES.get(e.status, "invalid_request_error"),
-                        code=None).response(dialect_of(request.path))
+                        code=None).response(request_dialect(request))
     except (HttpProcessingError, web.RequestPayloadError) as e:  # a cut-off or ill-framed body
         return APIError(400, f"the request body could not be read: {_clip(str(e), 200)}",
-                        code="bad_body").response(dialect_of(request.path))
+                        code="bad_body").response(request_dialect(request))
     except Exception as e:  # noqa: BLE001 - a bug: one bounded log record, a JSON 500
         transport = request.transport
         if isinstance(e, ConnectionError) and (transport is None or transport.is_closing()):
@@ -126,7 +153,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             transport.close()
         return APIError(500, f"internal error ({type(e).__name__}); the server log has "
                         "details", type="server_error", code="internal_error").response(
-            dialect_of(request.path))
+            request_dialect(request))
 
 
 def _clip(text: str, limit: int) -> str:

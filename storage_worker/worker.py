@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from mlxd.protocol import codec, exit_codes, faults, shm
-from mlxd.protocol.addresses import Endpoints, identity
+from mlxd.protocol.addresses import Endpoints, identity, make_private
 from mlxd.protocol.block_format import (
     block_path,
     pack_header,
@@ -60,6 +60,7 @@ class StorageWorker:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
         router.bind(self.storage_ep)
+        make_private(self.storage_ep)
         ctl = None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)

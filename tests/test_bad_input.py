@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import httpx2 as httpx
 import pytest
 
@@ -29,7 +31,7 @@ def _assert_envelope(r: httpx.Response, status: int, needle: str) -> dict:
 CASES: list[tuple[str, str, object, int, str]] = [
     ("malformed json", "/v1/chat/completions", b"{not json", 400, "not valid JSON"),
     ("empty body", "/v1/chat/completions", b"", 400, "empty"),
-    ("json array body", "/v1/chat/completions", [1, 2], 400, "invalid request"),
+    ("json array body", "/v1/chat/completions", [1, 2], 400, "expected an object"),
     ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "at least one"),
     ("wrong type", "/v1/chat/completions",
@@ -67,6 +69,86 @@ def test_bad_input_gets_4xx_envelope(daemon, name, path, body, status, needle):
     err = _assert_envelope(r, status, needle)
     if status == 404 and "model" in needle:
         assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("body, param, code, message", [
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens", "integer_below_min_value",
+     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 "
+     "instead."),
+    ({"messages": CHAT, "max_tokens": "ten"}, "max_tokens", "invalid_type",
+     "Invalid type for 'max_tokens': expected an integer, but got a string instead."),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "missing_required_parameter",
+     "Missing required parameter: 'messages[0].role'."),
+    ({"messages": CHAT, "stop": ["x" * 2000]}, "stop[0]", "string_above_max_length",
+     "Invalid 'stop[0]': string too long. Expected a string with maximum length 1024, but "
+     "got a string with length 2000 instead."),
+])
+def test_validation_errors_in_openais_words(daemon, body, param, code, message):
+    """A body that does not fit the schema is refused as OpenAI refuses it: its wording, the
+    field in `param`, its code; never the validator's own text."""
+    r = _post(daemon, "/v1/chat/completions", body)
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                 "param": param, "code": code}
+
+
+@pytest.mark.parametrize("raw, body, openai, anthropic, ollama", [
+    ("Expected `float` <= 2.0 - at `$.temperature`", {"temperature": 3.5},
+     "Invalid 'temperature': decimal above maximum value. Expected a value <= 2.0, but got 3.5 "
+     "instead.", "temperature: Input should be less than or equal to 2.0",
+     "invalid temperature: must be less than or equal to 2.0"),
+    ("Expected `int`, got `str` - at `$.logit_bias[...]`", None,
+     "Invalid type for 'logit_bias[...]': expected an integer, but got a string instead.",
+     "logit_bias[...]: Input should be a valid integer",
+     "invalid logit_bias[...]: expected an integer, got a string"),
+    ("Invalid enum value 'hex' - at `$.encoding_format`", None,
+     "Invalid value for 'encoding_format': 'hex' is not a supported value.",
+     "encoding_format: Input should be one of the supported values, not 'hex'",
+     "invalid encoding_format: 'hex' is not a supported value"),
+    ("Expected `array` of length <= 16 - at `$.stop`", {"stop": ["a"] * 17},
+     "Invalid 'stop': array too long. Expected an array with maximum length 16, but got an "
+     "array with length 17 instead.", "stop: List should have at most 16 items",
+     "invalid stop: must have at most 16 items"),
+])
+def test_field_errors_are_worded_per_dialect(raw, body, openai, anthropic, ollama):
+    from mlxd.proxy import field_errors
+    fe = field_errors.parse(raw, body)
+    assert (fe.openai(), fe.anthropic(), fe.ollama()) == (openai, anthropic, ollama)
+
+
+def test_a_corrupt_image_to_a_text_model_is_refused_for_the_model(daemon):
+    """The model's capabilities are checked before any image is decoded: a text model given
+    a corrupt image says it takes no images, and no error text holds a Python repr."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + base64.b64encode(b"no image").decode()}}
+    r = _post(daemon, "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is it?"}, part]}]})
+    err = _assert_envelope(r, 400, "does not take images")
+    assert "0x" not in err["message"] and "Error" not in err["message"]
+
+
+def test_unknown_model_errors_name_served_ids_never_paths(daemon, tiny_model):
+    r = _post(daemon, "/v1/chat/completions", {"model": "no-such-model", "messages": CHAT})
+    err = _assert_envelope(r, 404, "does not exist")
+    assert "tiny-llama" in err["message"] and str(tiny_model) not in r.text
+
+
+def test_an_unfetchable_model_is_not_found_and_says_why(daemon):
+    """A repo id neither in the local cache nor reachable (the Hub is unreachable here) is a
+    404 model_not_found that says so: not a 503 that clients would retry."""
+    if "--isolate" not in daemon.argv:
+        pytest.skip("only a daemon with a model pool loads models on demand")
+    r = _post(daemon, "/v1/chat/completions", {"model": "nobody/no-such-repo-xyz",
+                                                "messages": CHAT})
+    err = _assert_envelope(r, 404, "nobody/no-such-repo-xyz")
+    assert err["code"] == "model_not_found" and "Retry-After" not in r.headers
+    assert "could not be reached" in err["message"] or "HF_HUB_OFFLINE" in err["message"]
+    with daemon.http() as c:
+        m = c.post("/v1/messages", json={"model": "nobody/no-such-repo-xyz", "max_tokens": 4,
+                                         "messages": CHAT})
+    assert m.status_code == 404 and m.json()["error"]["type"] == "not_found_error"
+    bad = _post(daemon, "/v1/chat/completions", {"model": "a/b--c", "messages": CHAT})
+    assert "not a Hugging Face repo id" in _assert_envelope(bad, 404, "a/b--c")["message"]
 
 
 def test_bad_streaming_request_fails_before_any_byte(daemon):

@@ -155,6 +155,31 @@ def test_stored_responses_retrieve_delete_and_store_false(daemon):
         assert e.value.code == "previous_response_not_found"
 
 
+def test_input_items_are_listed_as_the_sdk_pages_them(daemon):
+    """`client.responses.input_items.list`: the response's own input items, typed, with ids,
+    newest first by default, paged by `after`; a string input is one user message."""
+    api = client(daemon)
+    first = api.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    (only,) = api.responses.input_items.list(first.id).data
+    assert only.type == "message" and only.role == "user" and only.id
+    assert [(c.type, c.text) for c in only.content] == [("input_text", "Hi")]
+    second = api.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "One"},
+        {"role": "assistant", "content": "Two"}, {"role": "user", "content": "Three"}])
+    asc = api.responses.input_items.list(second.id, order="asc")
+    assert [i.content[0].text for i in asc.data] == ["Be brief.", "One", "Two", "Three"]
+    assert asc.data[2].content[0].type == "output_text"
+    page = api.responses.input_items.list(second.id, limit=3)  # desc, then the next page
+    assert [i.content[0].text for i in page.data] == ["Three", "Two", "One"] and page.has_more
+    assert [i.content[0].text for i in page.get_next_page().data] == ["Be brief."]
+    assert [i.content[0].text for i in api.responses.input_items.list(second.id)] == \
+        ["Three", "Two", "One", "Be brief."]  # the SDK's auto-paging sees every item once
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError):
+        api.responses.input_items.list(second.id, limit=0)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),

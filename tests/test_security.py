@@ -100,6 +100,20 @@ def test_file_modes(open_daemon):
     assert mode(Path(open_daemon.socket)) == 0o600
 
 
+@pytest.mark.parametrize("which", ["open_daemon", "keyed_daemon"])  # one process; --isolate
+def test_everything_in_the_run_dir_is_private(which, request):
+    """Every socket and file in the run dir (ZeroMQ's ipc sockets, the shared-memory
+    manifest, listen.json, the lock) is 0600 and every directory 0700, whatever the umask."""
+    d = request.getfixturevalue(which)
+    seen = {}
+    for p in [d.run_dir, *d.run_dir.rglob("*")]:
+        seen[p.name] = stat.S_IMODE(p.lstat().st_mode)
+        assert seen[p.name] == (0o700 if p.is_dir() else 0o600), (p, oct(seen[p.name]))
+    assert {"listen.json", "lock", "store.sock", "shm.list"} <= set(seen), seen
+    if which == "keyed_daemon":
+        assert {"ctl.sock", "req.sock", "out.sock"} <= set(seen), seen
+
+
 def _metrics(c: httpx.Client) -> dict[tuple[str, tuple], float]:
     text = c.get("/metrics").text
     out = {}

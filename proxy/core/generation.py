@@ -19,7 +19,7 @@ import msgspec
 
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta, Generate, TokenLogprob
-from mlxd.proxy.core.images import ImageRef, decode_images
+from mlxd.proxy.core.images import ImageRef, check_image_count, decode_images
 from mlxd.proxy.core.sampling import SEED_MASK, CheckedSampling
 from mlxd.proxy.core.validation import check_prompt_fits
 from mlxd.proxy.engines.client import EngineClient, EngineGone, EngineRecord, RequestStream
@@ -114,19 +114,24 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
     traced_at = stage_trace.now() if stage_trace.ON else 0
     if req.messages and state.volatile.pattern is not None:
         req = dataclasses.replace(req, messages=state.volatile.scrub(req.messages))
-    images = await decode_images(list(req.images), state.allow_image_urls) \
-        if req.images else []  # a bad image is a 400 before any engine is chosen
+    if req.images:
+        check_image_count(req.images)
+    began = time.perf_counter_ns()
+    was_ready = _ready(state, req.model)
     engine = await router.acquire(req.model)
+    load_ns = 0 if was_ready else time.perf_counter_ns() - began
     gens: list[Generation] = []
     try:
         msg = req.engine_message(engine.status.context_length if engine.status else 0)
         adapter = router.adapter_of(req.model)
         if adapter:  # a LoRA adapter's name: the base's engine runs it on this request's rows
             msg = msgspec.structs.replace(msg, adapter=adapter)
-        if images:
+        if req.images:  # what the model can take first: a text model never sees them decoded
             if "vision" not in (engine.status.capabilities if engine.status else []):
                 raise bad_request(f"{engine.model_id} does not take images (it is not a "
                                   "vision model)", code="invalid_request")
+            # a bad image is a 400 before the engine sees anything of the request
+            images = await decode_images(list(req.images), state.allow_image_urls)
             msg = msgspec.structs.replace(msg, images=images)
         check_prompt_fits(msg, engine.status)
         for one in group_messages(msg, n):
@@ -134,7 +139,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
                 stage_trace.stamp_request(one.request_id, "proxy_in", "proxy", at=traced_at)
             gens.append(Generation(state.client, engine, one, resume=state.resume,
                                    load_wait=router.load_wait, stats=state.resume_stats,
-                                   metrics=None if req.count_only else state.metrics))
+                                   metrics=None if req.count_only else state.metrics,
+                                   load_ns=load_ns))
         if len(gens) == 1:  # sent before this loop turns to the next request: no task
             await gens[0].start()  # (in a burst, each engine gets its requests as they come)
         else:
@@ -147,6 +153,17 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
         for gen in gens:
             await gen.close()
         await router.release(engine, req.keep_alive)
+
+
+def _ready(state: ProxyState, name: str | None) -> bool:
+    """Whether the engine a request names is resident and ready (else acquiring it waits
+    for a load, which Ollama reports as `load_duration`)."""
+    try:
+        _, eid = state.router.resolve(name)
+    except APIError:
+        return False  # acquire says why
+    rec, pool = state.client.engines.get(eid), state.router.pool
+    return rec is not None and rec.state == "ready" and (pool is None or eid in pool.resident)
 
 
 @dataclass
@@ -181,8 +198,8 @@ class Generation:
 
     def __init__(self, client: EngineClient, engine: EngineRecord, msg: Generate,
                  resume: bool = False, load_wait: float = 120.0,
-                 stats: ResumeStats | None = None, metrics: RequestMetrics | None = None
-                 ) -> None:
+                 stats: ResumeStats | None = None, metrics: RequestMetrics | None = None,
+                 load_ns: int = 0) -> None:
         self.client = client
         self.metrics = metrics
         self._t_last = time.monotonic()
@@ -206,8 +223,15 @@ class Generation:
         self._pending: Delta | None = None
         self._resumed_prompt: int | None = None  # tokens to prefill after the last resume
         self.prompt_text = ""  # the prompt as text, when the request asked (`echo_prompt`)
+        # perf_counter_ns stamps, for Ollama's durations: the model load this request waited
+        # for (0: none), when it went to the engine, its first and its last token
+        self.load_ns = load_ns
+        self.sent_ns = 0
+        self.first_token_ns = 0
+        self.last_token_ns = 0
 
     async def start(self) -> None:
+        self.sent_ns = time.perf_counter_ns()
         first = await self._submit(self.msg)
         if self._dropped(first):
             return await self.start_resumed()
@@ -332,6 +356,9 @@ class Generation:
                 self.cached_tokens = d.cached_tokens or self.cached_tokens
             if self.metrics is not None:
                 self._observe(d)
+            if d.token_ids:
+                self.last_token_ns = time.perf_counter_ns()
+                self.first_token_ns = self.first_token_ns or self.last_token_ns
             self.delivered_ids.extend(d.token_ids)
             self.delivered_chars += len(d.text)
             yield d

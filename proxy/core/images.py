@@ -49,10 +49,14 @@ def from_url(url: str, where: str) -> ImageRef:
                       param=where)
 
 
-async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInput]:
+def check_image_count(refs: tuple[ImageRef, ...] | list[ImageRef]) -> None:
     if len(refs) > MAX_IMAGES:
         raise bad_request(f"{len(refs)} images in one request; at most {MAX_IMAGES} are "
                           "accepted", code="too_many_images")
+
+
+async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInput]:
+    check_image_count(refs)
     raws: list[bytes | None] = []  # fetched images' bytes; None: base64, decoded below
     for ref in refs:
         if ref.url:
@@ -134,8 +138,11 @@ def decode(raw: bytes, where: str) -> ImageInput:
     except Image.DecompressionBombError as e:  # Pillow's own check, at open, of the header
         raise bad_request(f"{where}: the image claims more pixels than any accepted: {e}",
                           code="image_too_large", param=where) from e
+    except Image.UnidentifiedImageError as e:  # its text names the BytesIO's repr
+        raise bad_request(f"{where}: the data is not an image in any known format",
+                          code="invalid_image", param=where) from e
     except (OSError, SyntaxError, ValueError) as e:
-        raise bad_request(f"{where}: the image cannot be decoded ({type(e).__name__}: "
-                          f"{str(e)[:200]})", code="invalid_image", param=where) from e
+        raise bad_request(f"{where}: the image cannot be decoded ({str(e)[:200]})",
+                          code="invalid_image", param=where) from e
     pixels = rgb.tobytes()
     return ImageInput(w, h, pixels, image_key(w, h, pixels))

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from mlxd.protocol import codec, stage_trace
-from mlxd.protocol.addresses import Endpoints, engine_identity
+from mlxd.protocol.addresses import Endpoints, engine_identity, make_private
 from mlxd.protocol.messages import (
     Abort,
     CacheFlushed,
@@ -137,9 +137,11 @@ class EngineClient:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(self._eps.requests)
+        make_private(self._eps.requests)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._eps.outputs)
+        make_private(self._eps.outputs)
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
         self._watcher = asyncio.create_task(self._watch_streams(), name="stream-watcher")
 

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 from mlxd.protocol.models import DEFAULT_MODEL
-from mlxd.proxy.errors import APIError, unavailable
+from mlxd.proxy.bounds import clip
+from mlxd.proxy.errors import APIError
 
 HUB_TIMEOUT = 10.0  # seconds to ask the Hub whether a repo exists
 
@@ -40,7 +41,7 @@ def _repo_in_local_cache(repo: str) -> bool:
 def _repo_on_hub(repo: str) -> str | None:
     """None if the Hub has the repo, else why it cannot be used (runs on a worker thread)."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return "not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
     try:
@@ -49,8 +50,11 @@ def _repo_on_hub(repo: str) -> str | None:
         return "the repo is gated: accept its terms and log in with `hf auth login` first"
     except RepositoryNotFoundError:
         return "no such repo on the Hugging Face Hub"
+    except HFValidationError:  # asked before any network: not the Hub's fault
+        return "not a Hugging Face repo id (namespace/name, letters, digits, '-', '_', '.')"
     except Exception as e:  # noqa: BLE001 - network, DNS, TLS, rate limits
-        return f"not in the local Hugging Face cache, and the Hub could not be reached ({e})"[:300]
+        return ("not in the local Hugging Face cache, and the Hugging Face Hub could not be "
+                f"reached (offline? {type(e).__name__})")
     return None
 
 
@@ -60,24 +64,36 @@ class LoadableCache:
     def __init__(self) -> None:
         self._ok: set[str] = set()
 
-    async def check(self, spec: str) -> None:
-        """Raise a 404 (no such model) or 503 (the Hub is unreachable) unless `spec` loads."""
+    async def check(self, spec: str, name: str | None = None) -> None:
+        """Raise a 404 `model_not_found` naming why unless `spec` loads: no such directory or
+        repo, or a repo neither cached nor fetchable (offline). Not a retryable 503: clients
+        (and SDKs) retry those, and Ollama and the Hub answer "not found". The message names
+        the model as the client did (`name`), never the path an alias stands for."""
         if spec in self._ok or spec == DEFAULT_MODEL:
             return
-        if os.path.isabs(spec) or spec.startswith((".", "~")):
-            problem = local_model_problem(Path(spec).expanduser())
-            if problem is not None:
-                raise APIError(404, f"the model {spec!r} cannot be loaded: {problem}",
-                               code="model_not_found", param="model")
-        elif not await asyncio.to_thread(_repo_in_local_cache, spec):
-            problem = await asyncio.to_thread(_repo_on_hub, spec)
-            if problem is not None:
-                if "could not be reached" in problem:
-                    raise unavailable(f"the model {spec!r} cannot be loaded: {problem}",
-                                      "model_unreachable", retry_after=30)
-                raise APIError(404, f"the model {spec!r} cannot be loaded: {problem}",
-                               code="model_not_found", param="model")
+        problem = await self.problem(spec)
+        if problem is not None:
+            raise APIError(404, f"the model {clip(name or spec)!r} cannot be loaded: {problem}",
+                           code="model_not_found", param="model")
         self._ok.add(spec)
+
+    async def problem(self, spec: str) -> str | None:
+        """Why `spec` cannot be loaded as it is now, or None."""
+        if spec in self._ok or spec == DEFAULT_MODEL:
+            return None
+        if os.path.isabs(spec) or spec.startswith((".", "~")):
+            return local_model_problem(Path(spec).expanduser())
+        if await asyncio.to_thread(_repo_in_local_cache, spec):
+            return None
+        return await asyncio.to_thread(_repo_on_hub, spec)
+
+    async def present(self, spec: str) -> bool:
+        """Whether `spec` loads without fetching anything."""
+        if spec in self._ok or spec == DEFAULT_MODEL:
+            return True
+        if os.path.isabs(spec) or spec.startswith((".", "~")):
+            return local_model_problem(Path(spec).expanduser()) is None
+        return await asyncio.to_thread(_repo_in_local_cache, spec)
 
     def forget(self, spec: str) -> None:
         self._ok.discard(spec)

@@ -16,6 +16,7 @@ from mlxd.protocol.models import (
     canonical_spec,
     engine_id_for,
     local_model_dir,
+    model_id,
     parse_adapter,
 )
 from mlxd.proxy.bounds import MAX_REPO_PART, clip
@@ -117,7 +118,9 @@ class Router:
             if looks_like_repo_id(name) and all(
                     len(part) <= MAX_REPO_PART for part in name.split("/")):
                 return name
-        known = sorted({n for r in self.client.engines.values() for n in r.names}
+        # Served ids only: an engine's other names include the paths it was started with,
+        # which are no business of a client that mistyped a name.
+        known = sorted({r.model_id for r in self.client.engines.values()}
                        | set(self.aliases) | set(self.adapters))
         raise APIError(404, f"the model {clip(name)!r} does not exist; available: "
                        f"{clip(', '.join(known), 2000)}", code="model_not_found", param="model")
@@ -134,7 +137,7 @@ class Router:
         self._none_active.clear()
         if self.pool is not None and eid not in self.pool.resident:
             try:
-                await self.loadable.check(spec)  # before anyone is evicted for it
+                await self.loadable.check(spec, name)  # before anyone is evicted for it
                 await self._load(eid, spec)
             except BaseException:
                 self._leave()
@@ -222,7 +225,7 @@ class Router:
                 plan = self.pool.plan_load(eid, time.monotonic(), MemoryNeed(
                     weights, row, psutil.virtual_memory().available))
             except NotEnoughMemory as e:
-                raise unavailable(f"cannot load {spec}: {e}", "insufficient_memory",
+                raise unavailable(f"cannot load {model_id(spec)}: {e}", "insufficient_memory",
                                   retry_after=30) from e
             except PoolBusy:
                 await self._wait_for_idle(deadline)

@@ -188,7 +188,9 @@ class GroupLeader:
         """Start ranks 1..N-1 (they wait for rank 0 in the ring's set-up)."""
         from mlxd.engine.kinds.group.plan import follower_command
         from mlxd.engine.load import cuda_attention
-        self.hostfile.write_text(self.plan.hostfile)
+        fd = os.open(self.hostfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # run dir:
+        with os.fdopen(fd, "w") as f:  # every file there is private
+            f.write(self.plan.hostfile)
         launch = self.launch
         name = f"engine:{model_id(launch.model)}#{launch.epoch}"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -14,6 +15,7 @@ from mlxd.proxy.bounds import decode_body
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.core.keepalive import with_pings
+from mlxd.proxy.core.model_list import find_model, served_models
 from mlxd.proxy.core.sampling import count_only
 from mlxd.proxy.dialects.anthropic import schema
 from mlxd.proxy.errors import APIError, bad_request
@@ -215,6 +217,44 @@ async def count_tokens(request: web.Request) -> web.Response:
     async with started_generation(request.app[STATE], job) as gen:
         await gen.collect()
         return web.json_response({"input_tokens": gen.prompt_tokens})
+
+
+def _model(m: dict) -> dict:
+    """A served model in Anthropic's model shape."""
+    created = datetime.fromtimestamp(m["created"], UTC).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": m["id"], "display_name": m["id"], "created_at": created}
+
+
+def _limit(raw: str | None) -> int:
+    try:
+        n = int(raw) if raw is not None else 20
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1000:
+        raise bad_request("limit: Input should be an integer from 1 to 1000")
+    return n
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """`GET /v1/models` with `anthropic-version`: Anthropic's page of models (`limit`,
+    `after_id`, `before_id`)."""
+    models = [_model(m) for m in served_models(request.app[STATE])]
+    limit, ids = _limit(request.query.get("limit")), [m["id"] for m in models]
+    after, before = request.query.get("after_id"), request.query.get("before_id")
+    if before is not None:
+        end = ids.index(before) if before in ids else len(ids)
+        page, has_more = models[max(end - limit, 0):end], end - limit > 0
+    else:
+        begin = ids.index(after) + 1 if after in ids else 0
+        page, has_more = models[begin:begin + limit], begin + limit < len(models)
+    return web.json_response({"data": page, "has_more": has_more,
+                              "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    return web.json_response(_model(find_model(request.app[STATE],
+                                               request.match_info["model"])))
 
 
 def add_routes(app: web.Application) -> None:

@@ -4,7 +4,7 @@ default), `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors are Ollama
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
 import time
 from datetime import UTC, datetime
@@ -17,6 +17,7 @@ from mlxd.proxy.bounds import decode_body
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.generation import Generation, GenerationRequest, started_generation
 from mlxd.proxy.core.validation import keep_alive_seconds
+from mlxd.proxy.dialects.ollama import pull, weights
 from mlxd.proxy.dialects.ollama.schema import (
     ChatRequest,
     GenerateRequest,
@@ -26,6 +27,7 @@ from mlxd.proxy.dialects.ollama.schema import (
     format_grammar,
     generate_images,
     sampling,
+    served_name,
     with_images,
 )
 from mlxd.proxy.engines.client import EngineRecord
@@ -41,36 +43,29 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _model_name(name: str, router: Router) -> str:
-    """Ollama clients say `name:latest`; mlxd's names carry no tag."""
-    if name.endswith(":latest"):
-        try:
-            router.lookup(name)
-        except APIError:
-            return name[:-len(":latest")]
-    return name
-
-
 async def chat(request: web.Request) -> web.StreamResponse:
+    began = time.perf_counter_ns()
     req = decode_body(await request.read(), ChatRequest)
     state = request.app[STATE]
     keep_alive = keep_alive_seconds(req.keep_alive)
     tools = constraints.parse_tools(req.tools)
     msgs = chat_messages(req)
-    name = _model_name(req.model, state.router)
+    name = served_name(req.model, state.router)
     if not msgs:  # Ollama: a chat without messages loads (or with keep_alive 0, unloads)
         return await _load_only(request, name, keep_alive, "message",
-                                {"role": "assistant", "content": ""})
+                                {"role": "assistant", "content": ""}, began)
     checked = sampling(req, state.defaults)
     job = GenerationRequest(model=name, sampling=checked, id_prefix="ollama",
                             keep_alive=keep_alive, messages=msgs, images=chat_images(req),
                             grammar=format_grammar(req.format),
                             tools=[t.as_template_tool() for t in tools] or None)
     async with started_generation(state, job) as gen:
-        return await _respond(request, gen, req.stream is not False, req.model, "message")
+        return await _respond(request, gen, req.stream is not False, req.model, "message",
+                              began)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    began = time.perf_counter_ns()
     req = decode_body(await request.read(), GenerateRequest)
     state = request.app[STATE]
     keep_alive = keep_alive_seconds(req.keep_alive)
@@ -78,10 +73,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad_request("`template` is not supported (the model's own chat template is used)")
     if req.context:
         raise bad_request("`context` is not supported (send the conversation to /api/chat)")
-    name = _model_name(req.model, state.router)
+    name = served_name(req.model, state.router)
     prompt = req.prompt or ""
     if not prompt and not req.suffix:
-        return await _load_only(request, name, keep_alive, "response", "")
+        return await _load_only(request, name, keep_alive, "response", "", began)
     checked = sampling(req, state.defaults)
     grammar = format_grammar(req.format)
     if req.suffix:  # fill-in-the-middle, framed by the model's FIM tokens
@@ -100,11 +95,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                                   with_images(prompt, req.images)}],
                                 images=generate_images(req))
     async with started_generation(state, job) as gen:
-        return await _respond(request, gen, req.stream is not False, req.model, "response")
+        return await _respond(request, gen, req.stream is not False, req.model, "response",
+                              began)
 
 
 async def _load_only(request: web.Request, name: str, keep_alive: float | None, key: str,
-                     empty: Any) -> web.Response:
+                     empty: Any, began: int) -> web.Response:
     router = request.app[STATE].router
     if keep_alive == 0:
         rec = await router.unload(name)
@@ -112,14 +108,16 @@ async def _load_only(request: web.Request, name: str, keep_alive: float | None, 
     else:
         rec = await router.load(name)
         reason = "load"
+    took = time.perf_counter_ns() - began
     return web.json_response({"model": rec.model_id, "created_at": _now(), key: empty,
-                              "done": True, "done_reason": reason})
+                              "done": True, "done_reason": reason, "total_duration": took,
+                              **({"load_duration": took} if reason == "load" else {})})
 
 
 async def _respond(request: web.Request, gen: Generation, stream: bool, model: str,
-                   key: str) -> web.StreamResponse:
-    """`key` "message" (chat) or "response" (generate) holds each piece of the answer."""
-    started = time.perf_counter_ns()
+                   key: str, started: int) -> web.StreamResponse:
+    """`key` "message" (chat) or "response" (generate) holds each piece of the answer;
+    `started`: when the request came in (perf_counter_ns)."""
     if not stream:
         got = await gen.collect()
         return web.json_response({"model": model, "created_at": _now(),
@@ -172,11 +170,18 @@ def _line(obj: dict) -> bytes:
 
 
 def _final(gen: Generation, finish: str | None, started_ns: int) -> dict:
-    total = time.perf_counter_ns() - started_ns
+    """Ollama's counts and durations (ns), measured: `load_duration` the model load this
+    request waited for, `prompt_eval_duration` from handing it to the engine to its first
+    token, `eval_duration` from the first token to the last; `total_duration` from the
+    request's arrival to now."""
+    now = time.perf_counter_ns()
+    first = gen.first_token_ns or now
+    last = gen.last_token_ns or first
     return {"done": True, "done_reason": "length" if finish == "length" else "stop",
-            "total_duration": total, "load_duration": 0,
-            "prompt_eval_count": gen.prompt_tokens, "prompt_eval_duration": 0,
-            "eval_count": gen.completion_tokens, "eval_duration": total}
+            "total_duration": now - started_ns, "load_duration": gen.load_ns,
+            "prompt_eval_count": gen.prompt_tokens,
+            "prompt_eval_duration": max(first - gen.sent_ns, 0),
+            "eval_count": gen.completion_tokens, "eval_duration": last - first}
 
 
 # ---------------------------------------------------------------- models
@@ -193,13 +198,8 @@ def _config(model_dir: str) -> dict:
 
 
 def _details(model_dir: str) -> dict:
-    cfg = _config(model_dir)
-    family = cfg.get("model_type", "") if isinstance(cfg.get("model_type"), str) else ""
-    quant = cfg.get("quantization") or {}
-    return {"parent_model": "", "format": "mlx", "family": family,
-            "families": [family] if family else None, "parameter_size": "",
-            "quantization_level":
-                f"Q{quant['bits']}" if isinstance(quant, dict) and quant.get("bits") else ""}
+    """Blocking (config.json and the safetensors headers): call it on a worker thread."""
+    return weights.details(model_dir, _config(model_dir))
 
 
 def _model_dir(spec: str, rec: EngineRecord | None) -> str:
@@ -217,12 +217,14 @@ def _capabilities(rec: EngineRecord | None) -> list[str]:
     return ["completion"]
 
 
-def _entry(name: str, spec: str, rec: EngineRecord | None, started: int) -> dict:
+async def _entry(request: web.Request, name: str, spec: str, rec: EngineRecord | None
+                 ) -> dict:
     model_dir = _model_dir(spec, rec)
     return {"name": name, "model": name,
-            "modified_at": datetime.fromtimestamp(started, UTC).isoformat(),
-            "size": model_weight_bytes(model_dir),
-            "digest": hashlib.sha256(spec.encode()).hexdigest(), "details": _details(model_dir)}
+            "modified_at": datetime.fromtimestamp(request.app[STATE].started, UTC).isoformat(),
+            "size": await asyncio.to_thread(model_weight_bytes, model_dir),
+            "digest": await request.app[weights.DIGESTS].of(model_dir),
+            "details": await asyncio.to_thread(_details, model_dir)}
 
 
 def _expires_at(router: Router, engine_id: str) -> str:
@@ -250,7 +252,7 @@ async def tags(request: web.Request) -> web.Response:
         rec.model_id: (rec.spec, rec) for rec in client.engines.values()}
     for alias, spec in router.aliases.items():
         seen.setdefault(alias, (spec, None))
-    return web.json_response({"models": [_entry(n, spec, rec, state.started)
+    return web.json_response({"models": [await _entry(request, n, spec, rec)
                                          for n, (spec, rec) in seen.items()]})
 
 
@@ -261,7 +263,7 @@ async def ps(request: web.Request) -> web.Response:
     models = []
     for rec in client.engines.values():
         if rec.engine_id in resident and rec.state == "ready":
-            entry = _entry(rec.model_id, rec.spec, rec, state.started)
+            entry = await _entry(request, rec.model_id, rec.spec, rec)
             models.append({**entry, "expires_at": _expires_at(router, rec.engine_id),
                            "size_vram": entry["size"],
                            "context_length": rec.status.context_length if rec.status else 0})
@@ -288,18 +290,20 @@ async def show(request: web.Request) -> web.Response:
     name = req.model or req.name
     if not name:
         raise bad_request("`model` is required")
-    name = _model_name(name, state.router)
+    name = served_name(name, state.router)
     spec = state.router.lookup(name)
     rec = state.client.find(name)
     model_dir = _model_dir(spec, rec)
-    cfg = _config(model_dir)
+    cfg = await asyncio.to_thread(_config, model_dir)
     info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
             if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     if rec is not None and rec.status is not None:
         info["general.context_length"] = rec.status.context_length
     return web.json_response({"modelfile": "", "parameters": "",
                               "template": _chat_template(Path(model_dir).expanduser()),
-                              "details": _details(model_dir), "model_info": info,
+                              "details": await asyncio.to_thread(_details, model_dir),
+                              "digest": await request.app[weights.DIGESTS].of(model_dir),
+                              "model_info": info,
                               "capabilities": _capabilities(rec),
                               "modified_at": datetime.fromtimestamp(
                                   state.started, UTC).isoformat()})
@@ -316,10 +320,12 @@ async def version(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    app[weights.DIGESTS] = weights.Digests()
     app.router.add_post("/api/chat", chat)
     app.router.add_post("/api/generate", generate)
     app.router.add_get("/api/tags", tags)
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/ps", ps)
     app.router.add_get("/api/version", version)
+    app.router.add_post("/api/pull", pull.pull)
     app.router.add_get("/", root)

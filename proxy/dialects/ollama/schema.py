@@ -22,7 +22,8 @@ from mlxd.proxy.bounds import (
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.images import ImageRef
 from mlxd.proxy.core.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
-from mlxd.proxy.errors import bad_request
+from mlxd.proxy.engines.router import Router
+from mlxd.proxy.errors import APIError, bad_request
 
 NumPredict = Annotated[int, msgspec.Meta(ge=-2, le=MAX_COUNT)]  # -1: until done, -2: fill context
 
@@ -77,6 +78,21 @@ class GenerateRequest(CommonFields, kw_only=True):
 class ModelRequest(msgspec.Struct, kw_only=True):
     model: ModelName | None = None
     name: ModelName | None = None  # older clients
+
+
+class PullRequest(ModelRequest, kw_only=True):
+    stream: bool | None = None  # null or left out: true
+    insecure: bool | None = None  # Ollama's registry option: nothing to do here
+
+
+def served_name(name: str, router: Router) -> str:
+    """Ollama clients say `name:latest`; mlxd's names carry no tag."""
+    if name.endswith(":latest"):
+        try:
+            router.lookup(name)
+        except APIError:
+            return name[:-len(":latest")]
+    return name
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:

@@ -13,8 +13,7 @@ from aiohttp import web
 
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta
-from mlxd.protocol.models import declared_context_length, model_id
-from mlxd.proxy.bounds import clip, decode_body
+from mlxd.proxy.bounds import decode_body
 from mlxd.proxy.core import constraints
 from mlxd.proxy.core.generation import (
     Collected,
@@ -24,6 +23,7 @@ from mlxd.proxy.core.generation import (
     usage,
 )
 from mlxd.proxy.core.keepalive import with_pings
+from mlxd.proxy.core.model_list import find_model, served_models
 from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.dialects.openai.schema import (
     ChatRequest,
@@ -327,60 +327,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, gens, shape, _include_usage(req))
 
 
-def context_fields(context: int) -> dict[str, int]:
-    """The model's context length under the names clients read it by (vLLM's `max_model_len`,
-    LM Studio's and OpenRouter's `context_length`): the engine's once it has loaded the model,
-    its config.json's before (a local directory; none for a repo id not loaded yet)."""
-    return {"context_length": context, "max_model_len": context} if context else {}
-
-
-def _models(request: web.Request) -> list[dict[str, Any]]:
-    """Resident and configured models, with their state and the names they answer to."""
-    proxy = request.app[STATE]
-    client, router = proxy.client, proxy.router
-    resident = router.pool.resident if router.pool is not None else client.engines
-    data: list[dict[str, Any]] = []
-    for rec in client.engines.values():
-        state = rec.state if rec.engine_id in resident or rec.state == "failed" else "unloaded"
-        data.append({"id": rec.model_id, "object": "model", "created": proxy.started,
-                     "owned_by": "mlxd", "state": state, "aliases": rec.names,
-                     **context_fields((rec.status.context_length if rec.status else 0)
-                                      or declared_context_length(rec.spec))})
-    listed = {n for d in data for n in d["aliases"]}
-    for name, spec in router.adapters.items():  # LoRA adapters: served by their base's engine
-        base = next((d for d in data if spec in d["aliases"] or d["id"] == model_id(spec)),
-                    None)
-        data.append({"id": name, "object": "model", "created": proxy.started,
-                     "owned_by": "mlxd", "state": base["state"] if base else "unloaded",
-                     "aliases": [name], "parent": model_id(spec),
-                     "root": router.adapter_dirs[name].partition(":")[2],
-                     **context_fields(base.get("context_length", 0) if base else 0)})
-    listed |= set(router.adapters)
-    for alias, spec in router.aliases.items():
-        if alias not in listed:
-            data.append({"id": alias, "object": "model", "created": proxy.started,
-                         "owned_by": "mlxd", "state": "unloaded", "aliases": [alias, spec]})
-    return data
-
-
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": _models(request)})
+    return web.json_response({"object": "list", "data": served_models(request.app[STATE])})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     """`GET /v1/models/{id}`: the model by any name it answers to (paths and repo ids, with
     their slashes, included)."""
-    name = request.match_info["model"]
-    found = next((m for m in _models(request) if name == m["id"] or name in m["aliases"]),
-                 None)
-    if found is None:
-        raise APIError(404, f"the model {clip(name)!r} does not exist", code="model_not_found",
-                       param="model")
-    return web.json_response(found)
+    return web.json_response(find_model(request.app[STATE], request.match_info["model"]))
 
 
 def add_routes(app: web.Application) -> None:
+    """`/v1/models` is added by `proxy/model_routes.py` (it answers in Anthropic's shape too)."""
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model:.+}", retrieve_model)

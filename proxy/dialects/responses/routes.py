@@ -22,6 +22,7 @@ from mlxd.proxy.core.validation import keep_alive_seconds
 from mlxd.proxy.dialects.responses.schema import (
     ResponsesRequest,
     check_fields,
+    input_items,
     input_messages,
     sampling,
     text_format,
@@ -48,6 +49,7 @@ class _Job:
     forced: list[constraints.Tool] | None
     text_format: dict
     logprobs: bool
+    input_items: list[dict]  # as `GET /v1/responses/{id}/input_items` lists them
 
 
 def _job(request: web.Request, req: ResponsesRequest) -> _Job:
@@ -76,7 +78,7 @@ def _job(request: web.Request, req: ResponsesRequest) -> _Job:
         keep_alive=keep_alive_seconds(req.keep_alive), messages=[*system, *conversation],
         grammar=grammar, tools=fn.template)
     return _Job(req, _new_id("resp"), conversation, generation, fn.forced, fmt,
-                checked.params.logprobs >= 0)
+                checked.params.logprobs >= 0, input_items(req.input, _new_id))
 
 
 class _Output:
@@ -256,7 +258,7 @@ def _usage(gen: Generation) -> dict:
 def _store(request: web.Request, job: _Job, out: _Output, response: dict) -> None:
     if job.req.store is not False:
         request.app[RESPONSE_STORE].put(job.response_id, [*job.conversation, out.turn()],
-                                        response)
+                                        response, job.input_items)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -339,8 +341,38 @@ async def delete_response(request: web.Request) -> web.Response:
     return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    """`GET /v1/responses/{id}/input_items` (the openai SDK's `responses.input_items.list`):
+    the response's own input items, `order` desc (newest first, the default) or asc, `limit`
+    1..100 (default 20), after the item `after`."""
+    store, rid = _stored(request)
+    got = store.get(rid)
+    assert got is not None
+    q = request.query
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("`order` must be asc or desc", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("`limit` must be an integer from 1 to 100", param="limit")
+    items = got.input_items if order == "asc" else got.input_items[::-1]
+    ids = [i["id"] for i in items]
+    after = q.get("after")
+    begin = ids.index(after) + 1 if after in ids else 0
+    page = items[begin:begin + limit]
+    return web.json_response({"object": "list", "data": page,
+                              "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None,
+                              "has_more": begin + limit < len(items)},
+                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
 def add_routes(app: web.Application) -> None:
     app[RESPONSE_STORE] = ResponseStore()
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)

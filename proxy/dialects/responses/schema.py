@@ -6,6 +6,7 @@ takes an explicit null, meaning what leaving it out means."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,34 @@ def input_messages(raw: str | list[dict] | None, earlier: list[dict]) -> list[di
         if turn["role"] == "tool" and turn["tool_call_id"] not in known:
             raise bad_request(f"a function_call_output's call_id {turn['tool_call_id']!r} "
                               "answers no earlier function_call", param=f"input[{i}].call_id")
+    return out
+
+
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}
+
+
+def input_items(raw: str | list[dict] | None, new_id: Callable[[str], str]) -> list[dict]:
+    """`input` (already checked by `input_messages`) as the Responses API lists it back
+    (`GET /v1/responses/{id}/input_items`): every item typed and with an id (`new_id(prefix)`
+    where the client gave none), a message's content as content parts."""
+    if not raw:
+        return []
+    if isinstance(raw, str):
+        raw = [{"type": "message", "role": "user", "content": raw}]
+    out = []
+    for item in raw:
+        kind = item.get("type", "message" if "role" in item else None)
+        got = {**item, "type": kind,
+               "id": item.get("id") or new_id(ITEM_ID_PREFIX.get(str(kind), "item"))}
+        if kind == "message":
+            content = item.get("content")
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            got["content"] = [{"type": part, "text": content}] if isinstance(content, str) \
+                else content or []
+        if kind != "reasoning":
+            got.setdefault("status", "completed")
+        out.append(got)
     return out
 
 

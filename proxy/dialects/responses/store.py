@@ -18,6 +18,7 @@ class Stored:
     conversation: list[dict]  # chat messages: its input (and what it continued) and its output
     response: dict  # the response object as it was sent
     size: int
+    input_items: list[dict]  # its own input, as `input_items` lists it
 
 
 class ResponseStore:
@@ -35,12 +36,14 @@ class ResponseStore:
             self._items.move_to_end(response_id)
         return got
 
-    def put(self, response_id: str, conversation: list[dict], response: dict) -> None:
-        size = len(msgspec.json.encode(conversation)) + len(msgspec.json.encode(response))
+    def put(self, response_id: str, conversation: list[dict], response: dict,
+            input_items: list[dict] | None = None) -> None:
+        items = input_items or []
+        size = sum(len(msgspec.json.encode(x)) for x in (conversation, response, items))
         self.delete(response_id)
         if size > self.max_bytes:
             return  # larger than the whole store: kept by no one
-        self._items[response_id] = Stored(conversation, response, size)
+        self._items[response_id] = Stored(conversation, response, size, items)
         self.bytes += size
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
