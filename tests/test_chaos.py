@@ -1,8 +1,10 @@
 """A bounded chaos run in CI: benchmarks/soak.py for under a minute with concurrent streams,
 fuzzed requests and random SIGKILL / SIGSTOP of the engine, the storage worker and the proxy.
-No stream may get wrong text or hang, no fuzzed request may get a 5xx, the supervisor must
-survive and leave nothing behind, and the daemon must answer again after the last kill.
-(`python benchmarks/soak.py` runs the long version.)"""
+Every failure counts: no stream may get a non-200, an in-band error, wrong text or hang (the
+only loss allowed is a connection a killed proxy drops), no fuzzed request may get a 5xx, the
+model must not end `failed`, the supervisor must survive and leave nothing behind, and the
+model must serve the reference text again after the last kill.
+(`python benchmarks/soak.py` runs the long version, with the same gate.)"""
 
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ def test_chaos_run_loses_no_work(tmp_path):
     summary = json.loads(out.with_suffix(".json").read_text())["summary"] \
         if out.with_suffix(".json").exists() else None
     assert summary is not None, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.returncode == 0, json.dumps(summary, indent=1)
-    assert summary["kills"] >= 5 and summary["streams_ok"] >= 20
-    assert summary["wrong_text"] == 0 and summary["hangs"] == 0
-    assert summary["fuzz_requests"] >= 50 and summary["fuzz_5xx"] == 0
+    assert summary["kills"] >= 5 and summary["streams_ok"] >= 20, json.dumps(summary, indent=1)
+    assert summary["stream_errors"] == 0, summary["errors"]
+    assert summary["wrong_text"] == 0 and summary["hangs"] == 0, summary["errors"]
+    assert summary["fuzz_requests"] >= 50, summary
+    assert summary["fuzz_problems"] == 0 and summary["fuzz_hangs"] == 0, summary["errors"]
     assert summary["supervisor_survived"] and summary["exit_code"] == 0
-    # the daemon answers after the chaos: its model serves, or the breaker parked it and says so
-    assert summary["recovery"]["serving"] or summary["recovery"]["parked"], summary["recovery"]
+    # after the chaos the model serves the reference text again; parked (`failed`) is a failure
+    assert summary["recovery"]["serving"], summary["recovery"]
     assert not summary["left_segments"] and not summary["left_processes"]
+    assert summary["passed"] and r.returncode == 0, json.dumps(summary, indent=1)
