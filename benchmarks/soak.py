@@ -180,7 +180,10 @@ class Soak:
         self.references: dict[int, str] = {}
         self.proxy_killed_at = -1e9
         self.engine_killed_at = -1e9
-        self.rng = random.Random(args.seed)
+        # the kill schedule has a generator of its own, so that a seed names one schedule
+        # whatever the streams draw meanwhile
+        self.kill_rng = random.Random(args.seed)
+        self.rng = random.Random(args.seed + 1_000_003)  # the streams' prompts
         self.recovery: dict = {}
 
     async def run(self) -> None:
@@ -327,8 +330,9 @@ class Soak:
             if not kinds:
                 await self._record(s, "-", "-")
                 continue
-            victim = self.rng.choice(kinds)
-            sig = signal.SIGSTOP if self.rng.random() < self.args.stop_share else signal.SIGKILL
+            victim = self.kill_rng.choice(kinds)
+            sig = (signal.SIGSTOP if self.kill_rng.random() < self.args.stop_share
+                   else signal.SIGKILL)
             await self._record(s, victim, sig.name)
             proc = self.d.children().get(victim)
             if proc is None:
