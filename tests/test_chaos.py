@@ -8,6 +8,7 @@ model must serve the reference text again after the last kill.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,3 +37,29 @@ def test_chaos_run_loses_no_work(tmp_path):
     assert summary["recovery"]["serving"], summary["recovery"]
     assert not summary["left_segments"] and not summary["left_processes"]
     assert summary["passed"] and r.returncode == 0, json.dumps(summary, indent=1)
+
+
+def _soak():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_gate_counts_every_failure():
+    """soak.py's pass condition, failure by failure (the run above only sees the ones it met)."""
+    soak = _soak()
+    serving = {"serving": True, "parked": False}
+    assert soak.passed(soak.Counts(streams_ok=10, dropped_by_proxy_death=3), serving, True, 0,
+                       [], [])
+    for failure in ("stream_errors", "wrong_text", "hangs", "fuzz_problems", "fuzz_hangs"):
+        assert not soak.passed(soak.Counts(**{failure: 1}), serving, True, 0, [], []), failure
+    parked = {"serving": False, "parked": True, "error": "crashed 5 times in 60 s"}
+    assert not soak.passed(soak.Counts(), parked, True, 0, [], [])
+    assert not soak.passed(soak.Counts(), {"serving": False, "parked": False}, True, 0, [], [])
+    assert not soak.passed(soak.Counts(), serving, False, 0, [], [])
+    assert not soak.passed(soak.Counts(), serving, True, 1, [], [])
+    assert not soak.passed(soak.Counts(), serving, True, 0, ["/mlxd-x"], [])
+    assert not soak.passed(soak.Counts(), serving, True, 0, [], [123])
