@@ -97,6 +97,7 @@ class Setting:
     metavar: str | None = None
     secret: bool = False  # never printed, never sent to a child
     words: tuple[str, ...] = ()  # words accepted instead of a value of `kind` (batch: "auto")
+    expect: str | None = None  # what a value must look like, in words (a pattern's, say)
     hidden: bool = False  # not in --help (a tuning switch)
 
     @property
@@ -130,6 +131,7 @@ def _from_field(section: str, f: mi.Field, annotated: Any) -> Setting:
         bounds=Bounds(*(getattr(t, b, None) for b in ("ge", "gt", "le", "lt", "multiple_of"))),
         choices=_literal_values(annotated) if isinstance(t, mi.LiteralType) else None,
         metavar=extra.get("metavar"), secret=bool(extra.get("secret", False)), words=words,
+        expect=extra.get("expect"),
         hidden=section in HIDDEN_SECTIONS)
 
 
@@ -244,4 +246,21 @@ def validate(s: Setting, value: Any, where: str) -> Any:
                               f"{', '.join(s.choices)}") from None
         if s.bounds:
             raise ConfigError(f"{s.key} ({where}): {value!r} must be {s.bounds.rule}") from None
+        if s.expect is not None:
+            raise ConfigError(f"{s.key} ({where}): {_refused(s, value)}: expected "
+                              f"{s.expect}") from None
         raise ConfigError(f"{s.key} ({where}): {e}") from None
+
+
+def _refused(s: Setting, value: Any) -> str:
+    """The part of a value its type refuses, as its user wrote it: a map's bad NAME=VALUE
+    items."""
+    if not isinstance(value, dict):
+        return repr(value)
+    bad = []
+    for k, v in value.items():
+        try:
+            msgspec.convert({k: v}, s.type)
+        except msgspec.ValidationError:
+            bad.append(f"{k}={v}")
+    return repr(", ".join(bad))

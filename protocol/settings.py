@@ -4,11 +4,12 @@ A field's annotated type carries everything about the setting: its type and defa
 bounds (`msgspec.Meta` ge/gt/le/lt, `Literal` for choices), its help (`description`) and, in
 `extra`, what the type alone cannot say: `kind` ("path": a path, or "off"; "onoff": a
 `--key on|off` flag rather than `--key/--no-key`), `metavar`, `secret` (never printed, never
-sent to a child). `daemon/settings.py` derives the table users see (TOML key, `--flag`,
-`MLXD_*` variable) from these fields; `daemon/launch.py` builds each child's launch struct,
-which the child receives whole on its stdin (msgpack, `protocol/codec.py`). Paths travel as
-str. The API key is in no launch struct: the proxy gets it in its environment (the daemon reads
-it from `api_key_file` when given one).
+sent to a child), `expect` (what a value must look like, said instead of a pattern's regex).
+`daemon/settings.py` derives the table users see (TOML key, `--flag`, `MLXD_*` variable) from
+these fields; `daemon/launch.py` builds each child's launch struct, which the child receives
+whole on its stdin (msgpack, `protocol/codec.py`). Paths travel as str. The API key is in no
+launch struct: the proxy gets it in its environment (the daemon reads it from `api_key_file`
+when given one).
 
 Adding a setting: one field in its section, plus its use.
 """
@@ -106,8 +107,10 @@ class ProxySettings(msgspec.Struct, frozen=True, kw_only=True):
         "on OpenAI routes, a `ping` event on /v1/messages), as while a long prompt prefills "
         "(0: none)"))] = 10.0
     shutdown_timeout: Annotated[float, Meta(ge=0, description=(
-        "on SIGTERM, seconds in-flight requests may take to finish before they are aborted; "
-        "children then get as long again to flush and exit"))] = 15.0
+        "on SIGTERM (and POST /admin/drain without a timeout): seconds in-flight requests may "
+        "take to finish before they are aborted; engines then flush their KV caches to SSD "
+        "(up to 10 s). With --isolate a child still running this long plus 10 s after it was "
+        "told to stop (an unloaded engine too) is killed"))] = 15.0
     model_pool: Annotated[int, Meta(ge=1, description=(
         "with --isolate: engines kept resident; a request naming another model loads it, "
         "evicting the least recently used idle engine"))] = 1
@@ -158,8 +161,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
                            "(0: off)"),
         extra={"metavar": "N"})] = 0
     warm_up: Annotated[bool, Meta(description=(
-        "before an engine reports ready, run one short generation through it (kernels "
-        "compiled, buffers allocated), so that the first request is as fast as the next"))] = True
+        "before an engine reports ready, run two short generations through it (a greedy chat "
+        "and a sampled prompt: kernels compiled, buffers allocated), so that the first request "
+        "is as fast as the next"))] = True
     adapter: Annotated[dict[str, str], Meta(
         description=("serve NAME as the base model with an mlx-lm LoRA adapter directory "
                      "(adapters.safetensors, adapter_config.json) applied; adapters of one base "
@@ -169,7 +173,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
                      Meta(description=(
         "with --isolate: serve model NAME (an alias or a model) by a group of N processes "
         "through mlx.distributed, its weights split tensor-parallel or by layers (repeatable)"),
-        extra={"metavar": "NAME=tensor:N|pipeline:N"})] = {}
+        extra={"metavar": "NAME=tensor:N|pipeline:N",
+               "expect": "NAME=tensor:N or NAME=pipeline:N, N a whole number from 1"})] = {}
     shard_hosts: Annotated[str | None, Meta(description=(
         "hosts file for --shard groups in mlx.launch's JSON format, rank 0 (this machine) "
         "first (default: every rank on this machine)"),
@@ -220,7 +225,9 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
         description=("how an idle engine gathers a burst: QUIET_MS,WINDOW_MS[,PREPARE_MS] "
                      "(gaps between arrivals, the window of arrivals, and how long more "
                      "requests of the window still being prepared are waited for)"),
-        extra={"metavar": "QUIET_MS,WINDOW_MS[,PREPARE_MS]"})] = "3,30,100"
+        extra={"metavar": "QUIET_MS,WINDOW_MS[,PREPARE_MS]",
+               "expect": "QUIET_MS,WINDOW_MS[,PREPARE_MS], each a number of milliseconds"})
+    ] = "3,30,100"
     min_cached_tokens: Annotated[int, Meta(ge=0, description=(
         "the shortest cached prefix a row is lent (0: any)"))] = 0
     gil_switch_us: Annotated[float, Meta(gt=0, description=(

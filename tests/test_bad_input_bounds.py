@@ -17,7 +17,9 @@ from aiohttp.typedefs import Handler
 
 from mlxd.proxy.bounds import MAX_JSON_DEPTH
 from mlxd.proxy.errors import MAX_LOGGED_TRACEBACK, error_middleware
+from support.fuzz_requests import NOT_FUZZED
 from support.harness import Daemon
+from support.routes import served_routes
 
 HI = [{"role": "user", "content": "hi"}]
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -33,12 +35,41 @@ BODY_ENDPOINTS: dict[str, tuple[dict[str, object], str]] = {
     "/api/generate": ({"model": "MODEL", "prompt": "hi", "stream": False,
                        "options": {"num_predict": 2}}, "ollama"),
     "/api/show": ({"model": "MODEL"}, "ollama"),
+    "/api/pull": ({"model": "MODEL", "stream": False}, "ollama"),
+    "/v1/embeddings": ({"model": "MODEL", "input": "hi"}, "openai"),
+    "/api/embed": ({"model": "MODEL", "input": "hi"}, "ollama"),
+    "/api/embeddings": ({"model": "MODEL", "prompt": "hi"}, "ollama"),
+    "/v1/responses": ({"model": "MODEL", "input": "hi", "max_output_tokens": 2}, "openai"),
     "/admin/models/load": ({"model": "MODEL"}, "openai"),
     "/admin/models/unload": ({"model": "nosuch"}, "openai"),
     "/admin/models/reset": ({"model": "nosuch"}, "openai"),
     "/admin/drain": ({"timeout": -1}, "openai"),
 }
 MODEL_ENDPOINTS = [p for p in BODY_ENDPOINTS if p not in ("/admin/drain",)]
+# Every route that reads no body, as a concrete path ("MODEL": the daemon's model id): a body
+# of deep JSON must be answered as no body is.
+BODYLESS: dict[tuple[str, str], str] = {
+    ("GET", "/v1/models"): "/v1/models",
+    ("GET", "/v1/models/{}"): "/v1/models/MODEL",
+    ("GET", "/v1/responses/{}"): "/v1/responses/resp_nosuch",
+    ("DELETE", "/v1/responses/{}"): "/v1/responses/resp_nosuch",
+    ("GET", "/v1/responses/{}/input_items"): "/v1/responses/resp_nosuch/input_items",
+    ("GET", "/api/tags"): "/api/tags",
+    ("GET", "/api/ps"): "/api/ps",
+    ("GET", "/api/version"): "/api/version",
+    ("GET", "/"): "/",
+    ("GET", "/health"): "/health",
+    ("GET", "/stats"): "/stats",
+    ("GET", "/metrics"): "/metrics",
+    ("POST", "/admin/cache/flush"): "/admin/cache/flush",
+    ("POST", "/admin/undrain"): "/admin/undrain",
+}
+
+
+def served(method: str, path: str) -> None:
+    """Skip a case for a route this tree does not serve yet."""
+    if (method, path) not in served_routes():
+        pytest.skip(f"{method} {path} is not served")
 
 
 _MODEL_IDS: dict[Path, str] = {}  # a daemon's run dir -> the id of the model it serves
@@ -85,6 +116,7 @@ def with_model(path: str, name: str) -> tuple[dict[str, object], str]:
 
 @pytest.mark.parametrize("path", MODEL_ENDPOINTS)
 def test_100k_char_model_name_is_400_naming_the_field(daemon, path):
+    served("POST", path)
     body, dialect = with_model(path, "x" * 100_000)
     got = error_of(post(daemon, path, body), 400, dialect, "model")
     if dialect == "openai":
@@ -102,12 +134,37 @@ def test_model_name_too_long_for_the_file_system_is_404(daemon, path, name):
     error_of(post(daemon, path, body), 404, dialect, "does not exist")
 
 
+DEEP_BODIES = (DEEP, b'{"x": ' + DEEP + b"}", b'{"model": "MODEL", "x": ' + b'{"a":' * 100_000
+               + b"1" + b"}" * 100_000 + b"}")
+
+
+def test_every_served_route_has_a_deep_json_case():
+    """Coverage by construction: every route of the proxy's router is a case below (HEAD is
+    GET's handler; /admin/shutdown stops the daemon whatever the body)."""
+    cases = {("POST", p) for p in BODY_ENDPOINTS} | set(BODYLESS) | set(NOT_FUZZED)
+    missing = {r for r in served_routes() if r[0] != "HEAD"} - cases
+    assert not missing, f"routes without a deep-JSON case: {sorted(missing)}"
+
+
 @pytest.mark.parametrize("path", list(BODY_ENDPOINTS))
 def test_100k_deep_json_is_400_on_every_endpoint(daemon, path):
+    served("POST", path)
     _, dialect = BODY_ENDPOINTS[path]
-    for raw in (DEEP, b'{"x": ' + DEEP + b"}", b'{"model": "MODEL", "x": ' + b'{"a":' * 100_000
-                + b"1" + b"}" * 100_000 + b"}"):
+    for raw in DEEP_BODIES:
         error_of(post(daemon, path, raw), 400, dialect)
+
+
+@pytest.mark.parametrize("route", list(BODYLESS), ids=" ".join)
+def test_100k_deep_json_to_a_route_without_a_body_is_ignored(daemon, route):
+    method, _ = route
+    served(*route)
+    path = BODYLESS[route].replace("MODEL", model_id(daemon))
+    with (daemon.unix_http() if path.startswith("/admin/") else daemon.http()) as c:
+        plain = c.request(method, path)
+        assert plain.status_code < 500, plain.text[:300]
+        for raw in DEEP_BODIES:
+            r = c.request(method, path, content=raw, headers={"Content-Type": "application/json"})
+            assert r.status_code == plain.status_code, r.text[:300]
 
 
 def nested(depth: int) -> dict:

@@ -111,6 +111,20 @@ def test_bounds_come_from_the_structs_in_the_tables_words(tmp_path):
             "shard (flag --shard): a sharded engine runs only with --isolate")):
         resolve(_args("--shard", "big=tensor:2"), {})
     assert resolve(_args("--shard", "big=tensor:2", "--isolate"), {}).config.engine.shard
+    # a value its pattern refuses is named in words, never as the pattern's regex
+    for argv, env, message in [
+            (["--shard", "big=tensor:2", "--shard", "small=tensor"], {},
+             "shard (flag --shard): 'small=tensor': expected NAME=tensor:N or NAME=pipeline:N, "
+             "N a whole number from 1"),
+            ([], {"MLXD_SHARD": "big=pipeline:0"},
+             "shard (env MLXD_SHARD): 'big=pipeline:0': expected NAME=tensor:N or "
+             "NAME=pipeline:N, N a whole number from 1"),
+            ([], {"MLXD_BURST_WINDOW": "3;30"},
+             "burst_window (env MLXD_BURST_WINDOW): '3;30': expected "
+             "QUIET_MS,WINDOW_MS[,PREPARE_MS], each a number of milliseconds")]:
+        with pytest.raises(ConfigError) as e:
+            resolve(_args("--isolate", *argv), env)
+        assert str(e.value) == message
     with pytest.raises(ConfigError, match=re.escape(
             "log_level (env MLXD_LOG_LEVEL): 'loud' is not one of debug, info, warning, error")):
         resolve(_args(), {"MLXD_LOG_LEVEL": "loud"})

@@ -4,6 +4,8 @@ Shared by tests/test_fuzz.py (a bounded, repeatable run in CI) and benchmarks/so
 run): `requests(endpoint, model)` is a hypothesis strategy of `FuzzRequest`s for one endpoint,
 `iter_requests(count, model, seed)` yields requests over every endpoint without a test runner,
 and `problems(req, status, headers, body)` lists what is wrong with a response (nothing: fine).
+`covered_routes(model)` is every (method, path template) the generators send to; a test checks
+it against the proxy's router (tests/support/routes.py), so a route without a generator fails.
 
 Bodies are schema-shaped (the endpoint's keys, with sane or wild values: huge, negative, null
 or non-finite numbers, integers past 2**64, 100 kB strings, deep nesting, wrong types, odd
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from hypothesis import HealthCheck, Phase, given, settings
@@ -43,6 +45,17 @@ class FuzzRequest(NamedTuple):
     def unix(self) -> bool:
         """/admin/* is served on the Unix socket only."""
         return self.path.startswith("/admin/")
+
+
+class Endpoint(NamedTuple):
+    """One generator and the routes, (method, path template with `{}` placeholders), it hits."""
+    routes: frozenset[tuple[str, str]]
+    requests: st.SearchStrategy
+
+
+# Routes no generator may send to, and why.
+NOT_FUZZED = {("POST", "/admin/shutdown"): "any request to it stops the daemon: it reads no "
+                                           "body, so there is nothing to refuse"}
 
 
 class Raw(str):
@@ -257,6 +270,61 @@ def ollama_body(model: str, chat: bool) -> st.SearchStrategy:
     return shaped({"model": model_names(model)}, fields)
 
 
+def embeddings_body(model: str, api: str) -> st.SearchStrategy:
+    """OpenAI's /v1/embeddings (`openai`), Ollama's /api/embed (`embed`) and /api/embeddings."""
+    keep = st.sampled_from([-1, "1h", "-1"])
+    if api == "openai":
+        token_ids = st.lists(st.integers(0, 300), min_size=1, max_size=4)
+        inputs = st.one_of(st.just("hello"), st.lists(st.sampled_from(["hi", "a b", "é"]),
+                                                      min_size=1, max_size=3),
+                           token_ids, st.lists(token_ids, min_size=1, max_size=2))
+        return shaped({"input": inputs}, {
+            "model": model_names(model), "encoding_format": st.sampled_from(["float", "base64"]),
+            "dimensions": st.integers(1, 64), "user": st.just("u"), "keep_alive": keep})
+    fields: dict[str, st.SearchStrategy] = {"options": st.just({"temperature": 0}),
+                                            "keep_alive": keep}
+    if api == "embed":
+        fields |= {"input": st.one_of(st.just("hi"), st.lists(st.just("hi"), max_size=3)),
+                   "truncate": st.booleans(), "dimensions": st.integers(1, 64)}
+    else:
+        fields["prompt"] = st.sampled_from(["hi", ""])
+    return shaped({"model": model_names(model)}, fields)
+
+
+def responses_body(model: str) -> st.SearchStrategy:
+    item = st.one_of(
+        shaped({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
+                "content": st.sampled_from(["hi", [{"type": "input_text", "text": "hi"}]])},
+               {"type": st.just("message")}),
+        shaped({"type": st.just("function_call"), "call_id": st.just("c1"),
+                "name": st.just("f"), "arguments": st.sampled_from(['{"a": 1}', "{", "[]"])}, {}),
+        shaped({"type": st.just("function_call_output"), "call_id": st.just("c1"),
+                "output": st.just("42")}, {}))
+    tool = shaped({"type": st.just("function"), "name": st.just("f")},
+                  {"parameters": st.sampled_from([TOOL_PARAMS, {}]), "description": st.just("d")})
+    text_format = st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+        "type": "json_schema", "name": "x", "schema": TOOL_PARAMS}])
+    return shaped({"input": st.one_of(st.just("hi"), st.lists(item, min_size=1, max_size=3))}, {
+        "model": model_names(model), "instructions": st.just("be brief"),
+        "previous_response_id": st.sampled_from(["resp_nosuch", "x" * 300]),
+        "stream": st.booleans(), "max_output_tokens": st.integers(1, 4),
+        "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+        "tools": st.lists(tool, max_size=2), "tool_choice": st.sampled_from(
+            ["auto", "none", "required", {"type": "function", "name": "f"}]),
+        "parallel_tool_calls": st.booleans(), "text": st.builds(lambda f: {"format": f},
+                                                                text_format),
+        "include": st.just(["message.output_text.logprobs"]), "top_logprobs": st.integers(0, 3),
+        "store": st.booleans(), "metadata": st.just({"k": "v"}), "user": st.just("u"),
+        "truncation": st.sampled_from(["disabled", "auto"]), "reasoning": st.just({}),
+        "background": st.just(False), "keep_alive": st.sampled_from([-1, "1h", "-1"])})
+
+
+def pull_body(model: str) -> st.SearchStrategy:
+    """Ollama's /api/pull, for names that are served or cannot be fetched (no repo ids)."""
+    return shaped({"model": model_names(model)}, {
+        "name": model_names(model), "insecure": st.booleans(), "stream": st.booleans()})
+
+
 def harmless(body: Any) -> Any:
     """A generated body with what would legitimately change the daemon's state taken out:
     a keep_alive that unloads the model soon (0 or a few seconds) becomes "pin"."""
@@ -314,39 +382,75 @@ def _headers() -> st.SearchStrategy:
                          {"Authorization": "Bearer " + "k" * 5000}]))
 
 
-def _post(path: str, bodies: st.SearchStrategy) -> st.SearchStrategy:
+def _routes(*routes: tuple[str, str]) -> frozenset[tuple[str, str]]:
+    return frozenset(routes)
+
+
+def _post(path: str, bodies: st.SearchStrategy) -> Endpoint:
     """A POST whose body is the endpoint's schema-shaped JSON, or (1 in 4) raw garbage."""
     encoded = bodies.map(harmless).map(encode)
-    return st.builds(FuzzRequest, st.just("POST"), st.just(path), _headers(),
-                     st.one_of(encoded, encoded, encoded, GARBAGE))
+    return Endpoint(_routes(("POST", path)), st.builds(
+        FuzzRequest, st.just("POST"), st.just(path), _headers(),
+        st.one_of(encoded, encoded, encoded, GARBAGE)))
 
 
-def _get(path: str) -> st.SearchStrategy:
-    query = st.one_of(st.just(""), st.text(max_size=30).map(  # what an HTTP client would send
-        lambda q: "?" + "".join(c for c in q if c.isprintable() and c not in " #")),
-        st.just("?" + "a=" + "x" * 5000))
-    return st.builds(lambda q, method, headers, body: FuzzRequest(method, path + q, headers, body),
-                     query, st.sampled_from(["GET", "GET", "HEAD", "POST", "DELETE", "PUT"]),
-                     _headers(), st.one_of(st.just(b""), GARBAGE))
+QUERIES = st.one_of(st.just(""), st.text(max_size=30).map(  # what an HTTP client would send
+    lambda q: "?" + "".join(c for c in q if c.isprintable() and c not in " #")),
+    st.just("?" + "a=" + "x" * 5000))
 
 
-def _admin(path: str, bodies: st.SearchStrategy, keep: Callable[[bytes], bool]
-           ) -> st.SearchStrategy:
+NO_PARTS = st.just(())
+
+
+def _get(template: str, parts: st.SearchStrategy = NO_PARTS,
+         methods: Iterable[str] = ("GET", "GET", "HEAD", "POST", "DELETE", "PUT"),
+         queries: st.SearchStrategy = QUERIES, serves: Iterable[str] = ("GET", "HEAD")
+         ) -> Endpoint:
+    """Requests to a route read without a body, `{}` in `template` filled from `parts`
+    (tuples of path segments): every method in `methods` (those not in `serves`, the methods
+    the route has, are a 405), with a garbage body now and then."""
+    methods = list(methods)
+    return Endpoint(_routes(*((m, template) for m in serves)), st.builds(
+        lambda p, q, method, headers, body: FuzzRequest(method, template.format(*p) + q,
+                                                        headers, body),
+        parts, queries, st.sampled_from(methods), _headers(), st.one_of(st.just(b""), GARBAGE)))
+
+
+# Path segments as a client might send them: ids that exist nowhere, long, odd, percent-encoded
+# (at most 2,000 characters: with QUERIES' 5,000 the request line stays under --max-header,
+# past which aiohttp's own parser answers a plain-text 400 before mlxd sees the request).
+SEGMENTS = st.one_of(
+    st.sampled_from(["resp_nosuch", "x" * 300, "x" * 2000, "%00", "..", "%2e%2e", "%2F",
+                     "%C3%A9", "%FF", "a%20b", "-1", "0", "null", "{id}", "input_items"]),
+    st.text(alphabet=string.ascii_letters + string.digits + "-._~!$&'()*+,;=:@%", min_size=1,
+            max_size=40))
+
+
+def _model_segments(model: str) -> st.SearchStrategy:
+    """A model id in a path (`/v1/models/{model:.+}` takes slashes too)."""
+    return st.one_of(st.just(model), st.just(model + ":latest"), SEGMENTS,
+                     st.sampled_from(["a/b", "a/b/c", "/" + "x" * 300, "x" * 255 + "/" + "y" * 255,
+                                      "..%2F..%2Fetc"]))
+
+
+def _admin(path: str, bodies: st.SearchStrategy, keep: Callable[[bytes], bool]) -> Endpoint:
     raw = st.one_of(bodies.map(encode), GARBAGE).filter(keep)
-    return st.builds(FuzzRequest, st.just("POST"), st.just(path), _headers(), raw)
+    return Endpoint(_routes(("POST", path)),
+                    st.builds(FuzzRequest, st.just("POST"), st.just(path), _headers(), raw))
 
 
-def _unknown_route() -> st.SearchStrategy:
+def _unknown_route() -> Endpoint:
     path = st.one_of(st.sampled_from(["/v1/", "/v1/chat", "/api/", "/admin/", "/v2/models",
-                                      "/v1/models/x", "/api/delete", "/api/pull"]),
+                                      "/api/delete", "/v1/responses/", "/v1/embeddings/x"]),
                      st.text(alphabet=string.ascii_letters + string.digits + "-._~/!$&'()*+,;=:@",
                              max_size=40).map(lambda p: "/x/" + p))
-    return st.builds(FuzzRequest, st.sampled_from(["GET", "POST", "PATCH", "DELETE", "OPTIONS"]),
-                     path, _headers(), GARBAGE)
+    return Endpoint(frozenset(), st.builds(
+        FuzzRequest, st.sampled_from(["GET", "POST", "PATCH", "DELETE", "OPTIONS"]), path,
+        _headers(), GARBAGE))
 
 
-def endpoints(model: str) -> dict[str, st.SearchStrategy]:
-    """Every endpoint's request strategy, by name."""
+def _all(model: str) -> dict[str, Endpoint]:
+    """Every endpoint's generator, by name."""
     model_body = st.one_of(st.fixed_dictionaries({}, optional={"model": either(
         model_names(model)), "name": wild}), wild)
     admin_model = st.one_of(st.fixed_dictionaries({"model": bad_model_names(model)}), wild)
@@ -361,6 +465,20 @@ def endpoints(model: str) -> dict[str, st.SearchStrategy]:
         "ollama_chat": _post("/api/chat", ollama_body(model, chat=True)),
         "ollama_generate": _post("/api/generate", ollama_body(model, chat=False)),
         "ollama_show": _post("/api/show", model_body),
+        "ollama_pull": _post("/api/pull", pull_body(model)),
+        "embeddings": _post("/v1/embeddings", embeddings_body(model, "openai")),
+        "ollama_embed": _post("/api/embed", embeddings_body(model, "embed")),
+        "ollama_embeddings": _post("/api/embeddings", embeddings_body(model, "embeddings")),
+        "responses": _post("/v1/responses", responses_body(model)),
+        "response": _get("/v1/responses/{}", st.tuples(SEGMENTS),
+                         serves=("GET", "HEAD", "DELETE")),
+        "response_input_items": _get(
+            "/v1/responses/{}/input_items", st.tuples(SEGMENTS), ("GET", "GET", "HEAD", "POST"),
+            st.one_of(QUERIES, st.builds(lambda k, v: f"?{k}={v}", st.sampled_from(
+                ["limit", "order", "after", "before", "include"]), st.sampled_from(
+                ["1", "0", "-1", "100", "101", "2147483648", "asc", "desc", "x", "", "msg_x"])))),
+        "model": _get("/v1/models/{}", st.tuples(_model_segments(model)), ("GET", "GET", "HEAD",
+                                                                            "POST", "DELETE")),
         "admin_load": _admin("/admin/models/load", admin_model,
                              _admin_body_is_harmless(_model_body)),
         "admin_unload": _admin("/admin/models/unload", admin_model,
@@ -368,13 +486,26 @@ def endpoints(model: str) -> dict[str, st.SearchStrategy]:
         "admin_reset": _admin("/admin/models/reset", admin_model,
                               _admin_body_is_harmless(_model_body)),
         "admin_drain": _admin("/admin/drain", drain, _admin_body_is_harmless(_drain_body)),
-        "admin_other": st.builds(FuzzRequest, st.sampled_from(["POST", "GET"]), st.sampled_from(
-            ["/admin/cache/flush", "/admin/undrain", "/admin/nothing"]), _headers(), GARBAGE),
+        "admin_other": Endpoint(_routes(("POST", "/admin/cache/flush"), ("POST", "/admin/undrain")),
+                                st.builds(FuzzRequest, st.sampled_from(["POST", "GET"]),
+                                          st.sampled_from(["/admin/cache/flush", "/admin/undrain",
+                                                           "/admin/nothing"]),
+                                          _headers(), GARBAGE)),
         "unknown_route": _unknown_route(),
     }
     for path in GET_PATHS:
         out["get " + path] = _get(path)
     return out
+
+
+def endpoints(model: str) -> dict[str, st.SearchStrategy]:
+    """Every endpoint's request strategy, by name."""
+    return {name: e.requests for name, e in _all(model).items()}
+
+
+def covered_routes(model: str = "tiny") -> frozenset[tuple[str, str]]:
+    """Every (method, path template) some generator sends a request to."""
+    return frozenset().union(*(e.routes for e in _all(model).values()))
 
 
 def requests(endpoint: str, model: str) -> st.SearchStrategy:
@@ -434,7 +565,7 @@ def problems(req: FuzzRequest, status: int, headers: dict[str, str], body: bytes
 
 def _in_band_error(body: bytes, dialect: str) -> bool:
     """A stream that broke off with an error event (after admission, only a server fault)."""
-    if dialect == "anthropic":
+    if dialect == "anthropic" or b"event: response.created\n" in body:  # the Responses API
         return b"event: error\n" in body
     if dialect == "ollama":
         return any(line.startswith(b'{"error"') for line in body.splitlines())
@@ -453,5 +584,5 @@ def envelope_ok(err: Any, dialect: str) -> bool:
         and isinstance(e.get("type"), str) and "param" in e and "code" in e
 
 
-__all__ = ["FuzzRequest", "encode", "endpoints", "envelope_ok", "iter_requests", "problems",
-           "requests"]
+__all__ = ["NOT_FUZZED", "Endpoint", "FuzzRequest", "covered_routes", "encode", "endpoints",
+           "envelope_ok", "iter_requests", "problems", "requests"]
