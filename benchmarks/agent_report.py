@@ -152,12 +152,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             f["rep"] = r.get("rep")
         out[config] = {k: spread([f[k] for f in figs]) for k in KEYS}
         out[config]["per_rep"] = figs
-    if "mlxd-openai" in runs and "mlx_lm-openai" in runs:
-        a = out["mlxd-openai"]["per_rep"]
-        b = out["mlx_lm-openai"]["per_rep"]
+    if runs.get("mlxd-openai") and runs.get("mlx_lm-openai"):
+        # paired by repetition: a configuration that failed in one has no pair there
+        b_of = {f["rep"]: f for f in out["mlx_lm-openai"]["per_rep"]}
+        pairs = [(x, b_of[x["rep"]]) for x in out["mlxd-openai"]["per_rep"] if x["rep"] in b_of]
         out["ratio_mlxd_over_mlx_lm"] = {
-            k: spread([x[k] / y[k] for x, y in zip(a, b, strict=True)
-                       if x[k] is not None and y[k]])
+            k: spread([x[k] / y[k] for x, y in pairs if x[k] is not None and y[k]])
             for k in ("session_wall_s", "wall_s", "first_turn_ttft_s", "later_ttft_median_s",
                       "later_ttft_sum_s", "decode_tps")}
     return out
@@ -168,7 +168,7 @@ def per_turn(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for config, reps in runs.items():
         rows = []
-        n = max(len(s["turns"]) for r in reps for s in r["sessions"])
+        n = max((len(s["turns"]) for r in reps for s in r["sessions"]), default=0)
         for k in range(n):
             ts = [s["turns"][k] for r in reps for s in r["sessions"] if len(s["turns"]) > k]
 
@@ -239,9 +239,9 @@ def paired_wall(summary: dict) -> list[float | None]:
     """Each repetition's session wall, mlxd-openai over mlx_lm-openai."""
     if "mlxd-openai" not in summary or "mlx_lm-openai" not in summary:
         return []
-    return [ratio(a["session_wall_s"], b["session_wall_s"]) for a, b in
-            zip(summary["mlxd-openai"]["per_rep"], summary["mlx_lm-openai"]["per_rep"],
-                strict=True)]
+    b_of = {b["rep"]: b for b in summary["mlx_lm-openai"]["per_rep"]}
+    return [ratio(a["session_wall_s"], b_of[a["rep"]]["session_wall_s"])
+            if a["rep"] in b_of else None for a in summary["mlxd-openai"]["per_rep"]]
 
 
 def goals(summary: dict, sessions: int = 1) -> list[dict]:

@@ -57,6 +57,7 @@ from mlxd.protocol.messages import CacheSource, FinishReason
 from mlxd.protocol.settings import TuningSettings
 
 log = logging.getLogger("mlxd.engine")
+IDLE_S = 0.5  # seconds without a command (no row running) after which the runner is idle
 
 
 class Runner:
@@ -117,6 +118,7 @@ class Runner:
         self._publish = Publisher(self.cache, self.codec, persist)
         self._checkpoint_every = checkpoint_every if persist else 0
         self._groups: dict[str, PrefillGroup] = {}
+        self._stepped = False  # a step ran since MLX's buffers were last given back
         self._gen = self._new_generator()
         self._update_cap()
 
@@ -155,6 +157,15 @@ class Runner:
         if self.gate.held and self.gate.room_changed:  # rows ended: room for more?
             self._admit(self._through_gate([]))
 
+    def _release_idle_memory(self) -> None:
+        """Nothing to run for `IDLE_S`: the buffers MLX keeps for reuse (a long prefill's
+        peak) go back to the system, once per busy spell. An idle daemon must not hold them:
+        on a Mac they are the machine's RAM, on a shared GPU another process's memory. The
+        RAM prefix cache's entries are data, not buffers: they stay."""
+        if self._stepped:
+            mx.clear_cache()
+            self._stepped = False
+
     def take_commands(self) -> bool:
         """Take whatever is in the inbox without waiting (drivers: tests, benchmarks); False
         once the runner must stop."""
@@ -166,8 +177,10 @@ class Runner:
         if not block and not self.inbox.queue:  # the usual step: no lock taken, no Empty raised
             return True
         try:
-            cmd = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            cmd = self.inbox.get(timeout=IDLE_S) if block else self.inbox.get_nowait()
         except queue.Empty:
+            if block:
+                self._release_idle_memory()
             return True
         adds: list[AddRequest] = []
         aborts: list[str] = []
@@ -494,6 +507,7 @@ class Runner:
     def step(self) -> None:
         """One generation step (drivers may call it directly: tests, benchmarks)."""
         t0 = time.perf_counter()
+        self._stepped = True
         before = 0
         if self._chunks is not None:
             before = prefilled_tokens(self._gen)
