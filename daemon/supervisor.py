@@ -224,6 +224,7 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         child.state = "starting"
+        child.served = False
         if child.role == "engine":
             await self._rebalance()
         # stderr is our own pipe, not asyncio's: Process.wait() waits for its pipes to close,
@@ -303,12 +304,14 @@ class Supervisor:
             self.exit_code = exit_codes.CONFIG_ERROR
             self._stop("the proxy cannot listen")
             return
-        verdict, delay = child.policy.after_exit(code, time.monotonic())
+        verdict, delay = child.policy.after_exit(code, time.monotonic(),
+                                                 progressed=child.served)
         if verdict == "failed":
             child.state = "failed"
             if code != exit_codes.CONFIG_ERROR:
                 child.reason = (f"crashed {child.policy.loop_crashes} times in "
-                                f"{child.policy.loop_window:.0f} s (last: {child.last_exit}); "
+                                f"{child.policy.loop_window:.0f} s without serving a token "
+                                f"(last: {child.last_exit}); "
                                 f"retried after {self.cfg.daemon.crash_cooldown:.0f} s or on "
                                 "reset")
                 self._spawn_task(self._cool_down(child, child.epoch))
@@ -425,8 +428,9 @@ class Supervisor:
             return  # from an earlier life of the child
         child.last_heartbeat = now = time.monotonic()
         match msg:
-            case Heartbeat(progress=progress, busy=busy):
+            case Heartbeat(progress=progress, busy=busy, served=served):
                 self.watchdog.beat(child.child_id, progress, busy, now)
+                child.served = child.served or served > 0
             case Ready(detail=detail):
                 child.state = "ready"
                 self.watchdog.watch(child.child_id, now,

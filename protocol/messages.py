@@ -328,6 +328,7 @@ class Heartbeat(_Msg, tag="hb"):
     epoch: int
     progress: int = 0
     busy: bool = False
+    served: int = 0  # an engine's tokens generated (inputs embedded) in this life
 
 
 class ChildFailed(_Msg, tag="failed"):
