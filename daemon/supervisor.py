@@ -28,6 +28,7 @@ from mlxd.daemon.launch import (
     command,
     engine_launch,
     proxy_launch,
+    stop_grace,
     storage_launch,
     with_lifeline,
     write_launch,
@@ -494,7 +495,7 @@ class Supervisor:
         """An unloaded engine gets the grace a daemon stop gives one to flush and exit; one
         still there after it (stopped, hung in its flush) is killed, since until it is gone
         its memory, and its memory share, are not free for the models that follow."""
-        grace = self.cfg.proxy.shutdown_timeout + 10
+        grace = stop_grace(self.cfg)
         try:
             await asyncio.wait_for(proc.wait(), grace)
         except TimeoutError:
@@ -523,7 +524,7 @@ class Supervisor:
         """The proxy first: it drains (in-flight requests finish or are aborted at the
         shutdown timeout) while the engines still serve them. Then the engines, which flush
         their caches through the storage worker; the storage worker last."""
-        grace = self.cfg.proxy.shutdown_timeout + 10
+        grace = stop_grace(self.cfg)
         if self.listeners is not None:  # new connections: refused once the proxy lets go
             self.listeners.close()
         await self._stop_group([c for c in self.children.values() if c.role == "proxy"], grace)

@@ -113,12 +113,14 @@ class BlockStore:
         size = 0
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            for part in parts:
-                view = memoryview(part)
-                while view:
-                    n = os.write(fd, view)
-                    size += n
-                    view = view[n:]
+            for part in parts:  # views released even on an error: `part` may be shared memory
+                with memoryview(part) as whole:
+                    done = 0
+                    while done < len(whole):
+                        with whole[done:] as rest:
+                            n = os.write(fd, rest)
+                        done += n
+                size += done
             faults.hit("storage.write")  # a kill here leaves only a .tmp
             os.fsync(fd)
         except BaseException:
