@@ -62,6 +62,43 @@ def test_write_health_backs_off_and_one_probe_decides():
     assert h.answered([8], full, now=20.0) is Change.DEGRADED and h.retry_in(20.0) == 1.0
 
 
+def test_a_tier_degraded_for_five_minutes_probes_again_within_five_seconds():
+    """Simulated time: a disk refusing every probe for five minutes, then taking writes. The
+    wait between probes is capped at 5 s, so the first block offered after the recovery is
+    written at most 5 s later, whatever the length of the outage."""
+    h = WriteHealth()
+    full = Refusal("disk_full", "the disk is full")
+    now, slot = 0.0, 0
+    h.answered([slot], full, now)
+    while now < 300:  # blocks offered all the time: a probe whenever one is due
+        now = max(now + 0.1, h.retry_at)
+        assert h.admit(now) is Admit.PROBE
+        slot += 1
+        h.probing(slot)
+        assert h.answered([slot], full, now) is Change.STILL_DEGRADED
+        assert h.retry_in(now) <= 5.0
+    freed = now + 0.01  # space freed just after a refused probe: the worst case
+    probe_at = h.retry_at
+    assert probe_at - freed <= 5.0 and h.admit(probe_at) is Admit.PROBE
+    h.probing(slot + 1)
+    assert h.answered([slot + 1], None, probe_at) is Change.RECOVERED
+
+
+def test_a_flush_during_a_probe_from_before_the_recovery_probes_again_at_once():
+    """The probe out when the flush asked was refused by the disk as it was: the flush's own
+    probe goes at once instead of after the backoff."""
+    h = WriteHealth(first=1.0, most=60.0)
+    full = Refusal("disk_full", "the disk is full")
+    h.answered([0], full, now=0.0)
+    h.probing(1)
+    h.retry_now(1.5)  # the flush, with the earlier probe still out
+    assert h.answered([1], full, now=1.6) is Change.STILL_DEGRADED
+    assert h.admit(1.6) is Admit.PROBE and not h.refused(1.6)
+    h.probing(2)  # the flush's own probe: its refusal stands
+    assert h.answered([2], full, now=1.7) is Change.STILL_DEGRADED
+    assert h.refused(1.7) and h.retry_in(1.7) == 4.0
+
+
 def test_write_errors_are_classified_and_a_vanished_root_is_not_recreated(tmp_path):
     for code, want in ((errno.ENOSPC, "disk_full"), (errno.EDQUOT, "disk_full"),
                        (errno.EROFS, "read_only"), (errno.EACCES, "permission_denied"),
@@ -279,5 +316,32 @@ def test_injected_enospc_flush_drain_and_shutdown_answer_promptly(tiny_model, tm
         t0 = time.monotonic()
         stop(d)  # the shutdown flush ends at the first refusal, not after its 10 s bound
         assert time.monotonic() - t0 < 8.0
+    finally:
+        d.cleanup()
+
+
+def test_a_full_disk_freed_is_written_again_within_seconds_without_a_flush(tiny_model, tmpfs):
+    """A disk full for 16 s under traffic (an uncapped doubling backoff would wait 16 s for
+    its next try by then), then space freed: the blocks of the requests that follow reach the
+    disk within 10 s, with no flush to prompt it."""
+    d = serve(tiny_model, tmpfs)
+    try:
+        filler = fill(tmpfs)
+        i = 0
+        full_since = time.monotonic()
+        while time.monotonic() - full_since < 16:  # blocks offered, probes refused
+            chat(d, f"Question {i}: is the disk still full?")
+            i += 1
+        assert not blocks(tmpfs)
+        filler.unlink()
+        freed = time.monotonic()
+        while not blocks(tmpfs):
+            assert time.monotonic() - freed < 10, f"nothing written 10 s after\n{d.log()}"
+            chat(d, f"Question {i}: and now?")
+            i += 1
+        d.wait_until(lambda s: s["engines"][0]["cache"]["ssd_state"] == "ok",
+                     what="the SSD tier to say it recovered")
+        assert_recovers(d)
+        stop(d)
     finally:
         d.cleanup()

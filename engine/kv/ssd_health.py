@@ -2,9 +2,15 @@
 
 Healthy, every block is written. The first refused write degrades the tier: it writes nothing
 (blocks are skipped, not failed) until a retry time, then sends one probe block; the probe's
-answer decides: written, the tier is healthy again; refused, the wait doubles (1 s up to 60 s).
+answer decides: written, the tier is healthy again; refused, the wait doubles (1 s up to 5 s).
 Answers to writes sent before the tier degraded carry no news and change nothing. So a full,
-read-only or vanished disk costs one write attempt per backoff period, never a busy loop.
+read-only or vanished disk costs one block write attempt per backoff period, never a busy loop,
+and a disk that takes writes again (space freed, remounted) is written to again within 5 s of
+the next block to store, however long it refused them.
+
+An explicit flush probes at once (`retry_now`); a probe already out when it asked was sent to
+the disk as it was before, so its refusal leaves the next probe due at once, not after the
+backoff: the flush's own probe decides.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 BACKOFF_FIRST = 1.0
-BACKOFF_MAX = 60.0
+BACKOFF_MAX = 5.0  # a refused block costs little; a recovered disk unused for minutes costs more
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class WriteHealth:
         self.backoff = 0.0
         self.retry_at = 0.0
         self.probe_slot: int | None = None  # the slot of the probe awaiting its answer
+        self._recheck = False  # a flush asked while that probe was out
 
     @property
     def degraded(self) -> bool:
@@ -59,6 +66,7 @@ class WriteHealth:
     def retry_now(self, now: float) -> None:
         """An explicit flush: the next write may probe at once, whatever the backoff."""
         self.retry_at = min(self.retry_at, now)
+        self._recheck = self.probe_slot is not None
 
     def refused(self, now: float) -> bool:
         """Degraded and not allowed to try again yet (and no probe out to decide it)."""
@@ -82,6 +90,8 @@ class WriteHealth:
             return Change.DEGRADED
         if probe:
             self.backoff = min(2 * self.backoff, self.most)
-            self.refusal, self.retry_at = refusal, now + self.backoff
+            self.refusal = refusal
+            self.retry_at = now if self._recheck else now + self.backoff
+            self._recheck = False
             return Change.STILL_DEGRADED
         return None
