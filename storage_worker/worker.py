@@ -32,8 +32,10 @@ from mlxd.protocol.block_format import (
     snap_key,
 )
 from mlxd.protocol.messages import (
+    DiskProbed,
     Heartbeat,
     Hello,
+    ProbeDisk,
     Ready,
     Shutdown,
     StoreBlocks,
@@ -148,6 +150,21 @@ class StorageWorker:
                 router.send_multipart([peer, enc.encode(self._store(msg))])
             case TouchBlocks(names=names):
                 self._touch(names)
+            case ProbeDisk(nbytes=nbytes):
+                router.send_multipart([peer, enc.encode(self._probe(nbytes))])
+
+    def _probe(self, nbytes: int) -> DiskProbed:
+        try:
+            self.store.probe(nbytes)
+        except (OSError, faults.FaultInjected) as e:
+            code, error = refusal(e)
+            return DiskProbed(code, error)
+        if self.error_code == "gone":
+            self.store.scan()  # the cache dir is back (remounted, recreated): index it again
+        if self.error_code:
+            log.info("SSD tier writable again (a probe)")
+        self.error = self.error_code = None
+        return DiskProbed()
 
     def _serve_queued(self, router: zmq.Socket, dec: Any, enc: Any) -> None:
         """Before exiting: what engines sent and we have not read yet is written too (their
