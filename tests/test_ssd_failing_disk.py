@@ -130,6 +130,18 @@ def test_write_errors_are_classified_and_a_vanished_root_is_not_recreated(tmp_pa
     assert refusal(e.value)[0] == "gone"
 
 
+def test_the_disk_probe_leaves_nothing_and_never_recreates_a_vanished_root(tmp_path):
+    root = tmp_path / "kv"
+    root.mkdir()
+    store = BlockStore(root, 0)
+    store.probe(3 << 20)  # more than one write's worth of zeros
+    assert list(root.iterdir()) == []
+    shutil.rmtree(root)
+    with pytest.raises(OSError) as e:
+        store.probe(4096)
+    assert refusal(e.value)[0] == "gone" and not root.exists()
+
+
 def test_errno_fault_action():
     faults.configure(0, "storage.write=errno:EROFS@2")
     try:
