@@ -126,7 +126,7 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
     from mlxd.protocol import codec, shm
     from mlxd.protocol.addresses import Endpoints
     from mlxd.protocol.block_format import Layout, namespace_key
-    from mlxd.protocol.messages import BlockWrite, StoreBlocks
+    from mlxd.protocol.messages import BlockWrite, StoreBlocks, StoreDone
 
     run_dir = Path(tempfile.mkdtemp(prefix="mlxd-bw-", dir="/tmp"))
     root = work / "worker-kv"
@@ -164,9 +164,11 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
                                                          list(range(tokens_per_block)))])))
             sent += 1
         reply = dec.decode(sock.recv())
+        assert isinstance(reply, StoreDone), reply
         free.extend(reply.slots)
         done += len(reply.slots)
     worker_s = time.perf_counter() - t0
+    sock.close()  # the worker serves a connected engine for a while after SIGTERM
     proc.terminate()
     proc.wait()
     # the reference: one file, sequential writes of the same bytes, fsync at the end
@@ -181,7 +183,6 @@ def worker_throughput(work: Path, blocks: int, block_bytes: int) -> dict:
     plain_s = time.perf_counter() - t0
     seg.close()
     shm.unlink(name)
-    sock.close()
     ctx.term()
     total = blocks * real_block
     return {"blocks": blocks, "block_bytes": real_block, "worker_MBps": total / worker_s / 1e6,

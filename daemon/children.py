@@ -27,6 +27,7 @@ class Child:
     last_error: str | None = None
     last_heartbeat: float | None = None
     restarts: int = 0
+    served: bool = False  # an engine that served a token in its current life (its heartbeats)
     removed: bool = False  # unloaded on purpose: not restarted when it exits
     share: PoolShare | None = None  # an engine's part of the memory (memory_share.py), as told
 

@@ -60,7 +60,13 @@ def storage_launch(cfg: ServeConfig, epoch: int, supervised: bool) -> StorageLau
     return StorageLaunch(
         epoch=epoch, run_dir=str(cfg.run_dir), log_level=cfg.daemon.log_level,
         log_format=cfg.daemon.log_format, root=str(cfg.ssd_cache), supervised=supervised,
-        settings=cfg.storage, tuning=cfg.tuning)
+        settings=cfg.storage, tuning=cfg.tuning, stop_grace=stop_grace(cfg))
+
+
+def stop_grace(cfg: ServeConfig) -> float:
+    """How long a stopping child may take: the proxy's drain (the shutdown timeout) plus the
+    engines' bounded flush."""
+    return cfg.proxy.shutdown_timeout + 10
 
 
 def with_lifeline(launch: L, fd: int) -> L:

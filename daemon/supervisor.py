@@ -28,6 +28,7 @@ from mlxd.daemon.launch import (
     command,
     engine_launch,
     proxy_launch,
+    stop_grace,
     storage_launch,
     with_lifeline,
     write_launch,
@@ -225,6 +226,7 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         child.state = "starting"
+        child.served = False
         if child.role == "engine":
             await self._rebalance()
         # stderr is our own pipe, not asyncio's: Process.wait() waits for its pipes to close,
@@ -304,12 +306,14 @@ class Supervisor:
             self.exit_code = exit_codes.CONFIG_ERROR
             self._stop("the proxy cannot listen")
             return
-        verdict, delay = child.policy.after_exit(code, time.monotonic())
+        verdict, delay = child.policy.after_exit(code, time.monotonic(),
+                                                 progressed=child.served)
         if verdict == "failed":
             child.state = "failed"
             if code != exit_codes.CONFIG_ERROR:
                 child.reason = (f"crashed {child.policy.loop_crashes} times in "
-                                f"{child.policy.loop_window:.0f} s (last: {child.last_exit}); "
+                                f"{child.policy.loop_window:.0f} s without serving a token "
+                                f"(last: {child.last_exit}); "
                                 f"retried after {self.cfg.daemon.crash_cooldown:.0f} s or on "
                                 "reset")
                 self._spawn_task(self._cool_down(child, child.epoch))
@@ -426,8 +430,9 @@ class Supervisor:
             return  # from an earlier life of the child
         child.last_heartbeat = now = time.monotonic()
         match msg:
-            case Heartbeat(progress=progress, busy=busy):
+            case Heartbeat(progress=progress, busy=busy, served=served):
                 self.watchdog.beat(child.child_id, progress, busy, now)
+                child.served = child.served or served > 0
             case Ready(detail=detail):
                 child.state = "ready"
                 self.watchdog.watch(child.child_id, now,
@@ -491,7 +496,7 @@ class Supervisor:
         """An unloaded engine gets the grace a daemon stop gives one to flush and exit; one
         still there after it (stopped, hung in its flush) is killed, since until it is gone
         its memory, and its memory share, are not free for the models that follow."""
-        grace = self.cfg.proxy.shutdown_timeout + 10
+        grace = stop_grace(self.cfg)
         try:
             await asyncio.wait_for(proc.wait(), grace)
         except TimeoutError:
@@ -520,7 +525,7 @@ class Supervisor:
         """The proxy first: it drains (in-flight requests finish or are aborted at the
         shutdown timeout) while the engines still serve them. Then the engines, which flush
         their caches through the storage worker; the storage worker last."""
-        grace = self.cfg.proxy.shutdown_timeout + 10
+        grace = stop_grace(self.cfg)
         if self.listeners is not None:  # new connections: refused once the proxy lets go
             self.listeners.close()
         await self._stop_group([c for c in self.children.values() if c.role == "proxy"], grace)

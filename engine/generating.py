@@ -189,6 +189,10 @@ class GeneratingEngine:
         c = self.runner.counters
         return c.steps, c.busy
 
+    def served(self) -> int:
+        embedded = self.embedding.counters.inputs if self.embedding is not None else 0
+        return self.runner.counters.generated_tokens + embedded
+
     def status(self, status: EngineStatus) -> EngineStatus:
         status = generating_status(status, self.loaded, self.runner, self.ssd)
         if self.embedding is not None:

@@ -328,6 +328,7 @@ class Heartbeat(_Msg, tag="hb"):
     epoch: int
     progress: int = 0
     busy: bool = False
+    served: int = 0  # an engine's tokens generated (inputs embedded) in this life
 
 
 class ChildFailed(_Msg, tag="failed"):
@@ -441,5 +442,16 @@ class StoreDone(_Msg, tag="stored"):
     error_code: str | None = None
 
 
-ToStorage = StoreBlocks | TouchBlocks
-FromStorage = StoreDone
+class ProbeDisk(_Msg, tag="probe"):
+    """While an engine's SSD tier is degraded: could a block of `nbytes` be written now? The
+    worker makes room for one in a temporary file and gives it back (`DiskProbed`)."""
+    nbytes: int
+
+
+class DiskProbed(_Msg, tag="probed"):
+    error_code: str | None = None  # None: the disk takes writes; else as StoreDone's
+    error: str | None = None
+
+
+ToStorage = StoreBlocks | TouchBlocks | ProbeDisk
+FromStorage = StoreDone | DiskProbed

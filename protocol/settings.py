@@ -326,6 +326,10 @@ class StorageLaunch(msgspec.Struct, frozen=True, kw_only=True):
     log_format: LogFormat = "text"
     tuning: TuningSettings = TuningSettings()
     lifeline_fd: int | None = None
+    # On SIGTERM the worker keeps serving the engines still connected for up to this long
+    # (the daemon's shutdown timeout plus the engines' flush), so a signal to the whole
+    # process group flushes what a supervisor-led stop would.
+    stop_grace: float = 25.0
 
 
 Launch = EngineLaunch | ProxyLaunch | StorageLaunch

@@ -23,9 +23,11 @@ def main() -> int:
     stage_trace.configure(launch.tuning.stage_trace)
     child_process_setup(launch.log_level, f"storage#{launch.epoch}", launch.log_format)
     faults.configure(launch.epoch, launch.tuning.faults)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()
     worker = StorageWorker(launch, ctx, Endpoints.ipc(Path(launch.run_dir)))
+    # Not an exit: the engines, signalled with us (a process group's SIGTERM), are flushing
+    # through us. An exception raised mid-write would also leave a shared-memory view exported.
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     try:
         return worker.run()
     finally:

@@ -113,12 +113,14 @@ class BlockStore:
         size = 0
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            for part in parts:
-                view = memoryview(part)
-                while view:
-                    n = os.write(fd, view)
-                    size += n
-                    view = view[n:]
+            for part in parts:  # views released even on an error: `part` may be shared memory
+                with memoryview(part) as whole:
+                    done = 0
+                    while done < len(whole):
+                        with whole[done:] as rest:
+                            n = os.write(fd, rest)
+                        done += n
+                size += done
             faults.hit("storage.write")  # a kill here leaves only a .tmp
             os.fsync(fd)
         except BaseException:
@@ -140,6 +142,23 @@ class BlockStore:
             raise
         self._add(path, size, time.time(), parent, key)
         return size
+
+    def probe(self, nbytes: int) -> None:
+        """Raise the OSError a block write of `nbytes` would meet now (disk full, read-only,
+        gone...); else return, having written and removed a temporary file of that size in the
+        root (never created: a vanished root stays vanished)."""
+        tmp = self.root / ".probe.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            zeros = bytes(min(nbytes, 1 << 20))
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, zeros[:left])
+            faults.hit("storage.write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
 
     def _make_dirs(self, d: Path) -> None:
         """Create `d` and its parents below the root, never the root itself."""

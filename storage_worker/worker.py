@@ -1,7 +1,13 @@
 """The storage worker's loop: engines hand over blocks in shared-memory slots; the worker packs,
 hashes (blake3), writes, fsyncs and renames them into place, then frees the slots. CPU only: it
 never imports MLX. Serving never waits on it: when the disk is full, read-only or gone, it
-answers failures (engines keep serving without the SSD tier) and recovers on its own."""
+answers failures (engines keep serving without the SSD tier) and recovers on its own.
+
+Stopping: the supervisor's `Shutdown` comes once the engines have exited (they flush first),
+so the worker answers what is still queued and exits. SIGTERM may come at the same moment as
+the engines' own (a signal to the whole process group), while they still flush through it: the
+worker then serves on until no engine is connected (a socket monitor counts them), for at most
+`stop_grace` seconds."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from mlxd.protocol import codec, exit_codes, faults, shm
 from mlxd.protocol.addresses import Endpoints, identity, make_private
@@ -25,8 +32,10 @@ from mlxd.protocol.block_format import (
     snap_key,
 )
 from mlxd.protocol.messages import (
+    DiskProbed,
     Heartbeat,
     Hello,
+    ProbeDisk,
     Ready,
     Shutdown,
     StoreBlocks,
@@ -50,6 +59,14 @@ class StorageWorker:
         self.error_code: str | None = None  # the last write's refusal (block_store.refusal)
         self._segments: dict[str, Any] = {}  # name -> attached SharedMemory
         self._latest: dict[str, tuple[int, str]] = {}  # engine id -> (epoch, segment)
+        self.stop_grace = launch.stop_grace
+        self._stop_at: float | None = None  # when SIGTERM came
+        self._engines = 0  # connections to our socket (only engines connect)
+
+    def request_stop(self) -> None:
+        """SIGTERM: finish the connected engines' writes, then exit (see the docstring)."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
 
     def run(self) -> int:
         try:
@@ -59,11 +76,13 @@ class StorageWorker:
             log.error("%s", self.error)
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
+        monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         router.bind(self.storage_ep)
         make_private(self.storage_ep)
         ctl = None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sup = codec.to_supervisor()
         parent = os.getppid()
         if self.control_ep:
@@ -78,24 +97,29 @@ class StorageWorker:
         enc = codec.from_storage()
         ctl_dec = codec.to_child()
         next_beat = 0.0
+        stopping_logged = False
         try:
             while True:
                 events = dict(poller.poll(500))
+                if monitor in events:
+                    self._count_engines(monitor)
                 if router in events:
-                    peer, data = router.recv_multipart()
-                    try:
-                        msg = dec.decode(data)
-                    except msgspec.DecodeError as e:
-                        log.warning("dropped an undecodable message: %s", e)
-                        continue
-                    match msg:
-                        case StoreBlocks():
-                            router.send_multipart([peer, enc.encode(self._store(msg))])
-                        case TouchBlocks(names=names):
-                            self._touch(names)
+                    self._serve_one(router, dec, enc)
+                if self._stop_at is not None:
+                    if not stopping_logged:
+                        stopping_logged = True
+                        log.info("SIGTERM: serving %d connected engines' writes before exiting",
+                                 self._engines)
+                    if self._engines <= 0 or time.monotonic() - self._stop_at > self.stop_grace:
+                        if self._engines > 0:
+                            log.warning("%d engines still connected after %g s; exiting",
+                                        self._engines, self.stop_grace)
+                        self._serve_queued(router, dec, enc)
+                        return exit_codes.OK
                 if ctl is not None:
                     if ctl in events and isinstance(ctl_dec.decode(ctl.recv()), Shutdown):
                         log.info("shutdown requested")
+                        self._serve_queued(router, dec, enc)
                         return exit_codes.OK
                     now = time.monotonic()
                     if now >= next_beat:
@@ -107,11 +131,52 @@ class StorageWorker:
                 elif os.getppid() != parent:
                     return exit_codes.PARENT_GONE
         finally:
+            router.disable_monitor()
+            monitor.close()
             router.close()
             if ctl is not None:
                 ctl.close()
             for seg in self._segments.values():
                 seg.close()
+
+    def _serve_one(self, router: zmq.Socket, dec: Any, enc: Any) -> None:
+        peer, data = router.recv_multipart()
+        try:
+            msg = dec.decode(data)
+        except msgspec.DecodeError as e:
+            log.warning("dropped an undecodable message: %s", e)
+            return
+        match msg:
+            case StoreBlocks():
+                router.send_multipart([peer, enc.encode(self._store(msg))])
+            case TouchBlocks(names=names):
+                self._touch(names)
+            case ProbeDisk(nbytes=nbytes):
+                router.send_multipart([peer, enc.encode(self._probe(nbytes))])
+
+    def _probe(self, nbytes: int) -> DiskProbed:
+        try:
+            self.store.probe(nbytes)
+        except (OSError, faults.FaultInjected) as e:
+            code, error = refusal(e)
+            return DiskProbed(code, error)
+        if self.error_code == "gone":
+            self.store.scan()  # the cache dir is back (remounted, recreated): index it again
+        if self.error_code:
+            log.info("SSD tier writable again (a probe)")
+        self.error = self.error_code = None
+        return DiskProbed()
+
+    def _serve_queued(self, router: zmq.Socket, dec: Any, enc: Any) -> None:
+        """Before exiting: what engines sent and we have not read yet is written too (their
+        slots' bytes stay readable through our mapping after their segment is unlinked)."""
+        while router.poll(0, zmq.POLLIN):
+            self._serve_one(router, dec, enc)
+
+    def _count_engines(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor)["event"]
+            self._engines += 1 if event == zmq.EVENT_ACCEPTED else -1
 
     def _touch(self, names: list[str]) -> None:
         for name in names:
@@ -149,32 +214,35 @@ class StorageWorker:
             if not 0 < size <= msg.slot_bytes:  # an engine's bug: never read past a slot
                 log.error("dropped a block of %d bytes for slots of %d", size, msg.slot_bytes)
                 continue
-            payload = seg.buf[b.slot * msg.slot_bytes: b.slot * msg.slot_bytes + size]
             try:
-                digest = payload_hash(payload)
-                key = snap_key(b.key) if b.snapshot else b.key
-                header = pack_header(layout, msg.namespace, b.parent, key, b.tokens, digest,
-                                     size, b.tail, b.snapshot)
-                path = Path(snap_file(str(ns_dir), b.parent, n, b.key)) if b.snapshot \
-                    else block_path(ns_dir, b.parent, n, b.key)
-                wrote = self.store.write(path, [header, payload])
+                # released on leaving, whatever happens: an exported view of the segment
+                # would make closing it fail (BufferError)
+                with seg.buf[b.slot * msg.slot_bytes: b.slot * msg.slot_bytes + size] as payload:
+                    wrote = self._write_block(msg, b, ns_dir, payload)
             except (OSError, faults.FaultInjected) as e:
                 # The disk refused: the rest of this message is not tried (it would be refused
                 # alike); the engine backs off and probes later.
                 done.failed = len(msg.blocks) - i
                 done.error_code, done.error = refusal(e)
                 break
+            if wrote:
+                done.written += 1
+                done.bytes_written += wrote
             else:
-                if wrote:
-                    done.written += 1
-                    done.bytes_written += wrote
-                else:
-                    done.existed += 1
-            finally:
-                payload.release()
+                done.existed += 1
         if done.failed == 0:
             done.evicted = self.store.evict_to_cap()
         return self._finish(done)
+
+    def _write_block(self, msg: StoreBlocks, b: Any, ns_dir: Path, payload: memoryview) -> int:
+        n = len(b.tokens)
+        digest = payload_hash(payload)
+        key = snap_key(b.key) if b.snapshot else b.key
+        header = pack_header(msg.layout, msg.namespace, b.parent, key, b.tokens, digest,
+                             len(payload), b.tail, b.snapshot)
+        path = Path(snap_file(str(ns_dir), b.parent, n, b.key)) if b.snapshot \
+            else block_path(ns_dir, b.parent, n, b.key)
+        return self.store.write(path, [header, payload])
 
     def _finish(self, done: StoreDone) -> StoreDone:
         if done.error_code and done.error_code != self.error_code:

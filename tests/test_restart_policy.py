@@ -33,3 +33,29 @@ def test_without_the_breaker_a_crash_loop_only_stretches_the_backoff():
         ("restart", 1), ("restart", 2), ("restart", 4), ("restart", 8), ("restart", 8),
         ("restart", 8)]
     assert p.after_exit(exit_codes.CONFIG_ERROR, 7) == ("failed", 0.0)  # it cannot run at all
+
+
+def test_deaths_after_progress_are_restarted_at_the_base_delay_and_never_parked():
+    p = RestartPolicy(base_delay=1, max_delay=8, jitter=0, loop_crashes=3, loop_window=60)
+    assert [p.after_exit(-9, t, progressed=True) for t in range(10)] == [("restart", 1)] * 10
+    assert p.loop_length == 1
+
+
+def test_a_loop_is_the_deaths_since_the_last_progress():
+    p = RestartPolicy(base_delay=1, max_delay=8, jitter=0, loop_crashes=3, loop_window=60)
+    assert p.after_exit(1, 0) == ("restart", 1)
+    assert p.after_exit(1, 1) == ("restart", 2)
+    assert p.after_exit(-9, 2, progressed=True) == ("restart", 1)  # the loop is broken
+    assert p.after_exit(1, 3) == ("restart", 2)
+    assert p.after_exit(1, 4) == ("failed", 0.0)  # three deaths since the last progress
+
+
+def test_a_model_that_dies_at_every_load_is_parked_after_five():
+    p = RestartPolicy(base_delay=0.1, jitter=0)
+    verdicts = [p.after_exit(1, t * 0.5)[0] for t in range(5)]
+    assert verdicts == ["restart"] * 4 + ["failed"]
+
+
+def test_progress_does_not_excuse_a_configuration_error():
+    p = RestartPolicy()
+    assert p.after_exit(exit_codes.CONFIG_ERROR, 0, progressed=True) == ("failed", 0.0)

@@ -62,6 +62,49 @@ def test_write_health_backs_off_and_one_probe_decides():
     assert h.answered([8], full, now=20.0) is Change.DEGRADED and h.retry_in(20.0) == 1.0
 
 
+def test_a_tier_degraded_for_five_minutes_notices_the_recovered_disk_within_five_seconds():
+    """Simulated time: a disk refusing every block probe and every disk probe for five minutes
+    (the block backoff at its 60 s cap by then), then taking writes: the next disk probe, at
+    most 5 s later, recovers the tier, and every block is written again."""
+    h = WriteHealth()
+    full = Refusal("disk_full", "the disk is full")
+    now, slot = 0.0, 0
+    h.answered([slot], full, now)
+    while now < 300:  # blocks offered all the time; the storage thread's loop every 50 ms
+        now += 0.05
+        if h.admit(now) is Admit.PROBE:
+            slot += 1
+            h.probing(slot)
+            assert h.answered([slot], full, now) is Change.STILL_DEGRADED
+        if h.disk_probe_due(now):
+            h.disk_probing()
+            assert not h.disk_probe_due(now)  # one at a time
+            assert h.disk_answered(full, now) is None
+    assert h.backoff == 60.0  # a block is tried once a minute by now
+    freed = now
+    while not h.disk_probe_due(now):
+        now += 0.05
+    assert now - freed <= 5.0
+    h.disk_probing()
+    assert h.disk_answered(None, now) is Change.RECOVERED
+    assert h.admit(now) is Admit.WRITE and not h.disk_probe_due(now + 10)
+
+
+def test_a_flush_during_a_probe_from_before_the_recovery_probes_again_at_once():
+    """The probe out when the flush asked was refused by the disk as it was: the flush's own
+    probe goes at once instead of after the backoff."""
+    h = WriteHealth(first=1.0, most=60.0)
+    full = Refusal("disk_full", "the disk is full")
+    h.answered([0], full, now=0.0)
+    h.probing(1)
+    h.retry_now(1.5)  # the flush, with the earlier probe still out
+    assert h.answered([1], full, now=1.6) is Change.STILL_DEGRADED
+    assert h.admit(1.6) is Admit.PROBE and not h.refused(1.6)
+    h.probing(2)  # the flush's own probe: its refusal stands
+    assert h.answered([2], full, now=1.7) is Change.STILL_DEGRADED
+    assert h.refused(1.7) and h.retry_in(1.7) == 4.0
+
+
 def test_write_errors_are_classified_and_a_vanished_root_is_not_recreated(tmp_path):
     for code, want in ((errno.ENOSPC, "disk_full"), (errno.EDQUOT, "disk_full"),
                        (errno.EROFS, "read_only"), (errno.EACCES, "permission_denied"),
@@ -85,6 +128,18 @@ def test_write_errors_are_classified_and_a_vanished_root_is_not_recreated(tmp_pa
     with pytest.raises(OSError) as e:
         store.write(root / "ns" / "00" / name.replace("11", "33"), [b"x"])
     assert refusal(e.value)[0] == "gone"
+
+
+def test_the_disk_probe_leaves_nothing_and_never_recreates_a_vanished_root(tmp_path):
+    root = tmp_path / "kv"
+    root.mkdir()
+    store = BlockStore(root, 0)
+    store.probe(3 << 20)  # more than one write's worth of zeros
+    assert list(root.iterdir()) == []
+    shutil.rmtree(root)
+    with pytest.raises(OSError) as e:
+        store.probe(4096)
+    assert refusal(e.value)[0] == "gone" and not root.exists()
 
 
 def test_errno_fault_action():
@@ -279,5 +334,34 @@ def test_injected_enospc_flush_drain_and_shutdown_answer_promptly(tiny_model, tm
         t0 = time.monotonic()
         stop(d)  # the shutdown flush ends at the first refusal, not after its 10 s bound
         assert time.monotonic() - t0 < 8.0
+    finally:
+        d.cleanup()
+
+
+def test_a_full_disk_freed_is_written_again_within_seconds_without_a_flush(tiny_model, tmpfs):
+    """A disk full for 16 s under traffic (the block backoff has grown to 16 s by then), then
+    space freed: the idle tier notices within seconds, and the next request's blocks reach the
+    disk within 10 s of the freeing, with no flush to prompt it."""
+    d = serve(tiny_model, tmpfs)
+    try:
+        filler = fill(tmpfs)
+        i = 0
+        full_since = time.monotonic()
+        while time.monotonic() - full_since < 16:  # blocks offered, probes refused
+            chat(d, f"Question {i}: is the disk still full?")
+            i += 1
+        assert not blocks(tmpfs)
+        filler.unlink()
+        freed = time.monotonic()
+        # idle: the disk probe notices (every 5 s; /stats is refreshed every 0.5 s)
+        d.wait_until(lambda s: s["engines"][0]["cache"]["ssd_state"] == "ok", timeout=10,
+                     what="the SSD tier to notice the freed disk")
+        chat(d, f"Question {i}: and now?")
+        while not blocks(tmpfs):
+            assert time.monotonic() - freed < 10, f"nothing written 10 s after\n{d.log()}"
+            chat(d, f"Question {i}: and now?")
+            i += 1
+        assert_recovers(d)
+        stop(d)
     finally:
         d.cleanup()

@@ -145,4 +145,8 @@ class Engine(Protocol):
     def progress(self) -> tuple[int, bool]:
         """The MLX thread's step counter, and whether it is busy (the hang watchdog)."""
 
+    def served(self) -> int:
+        """Tokens generated (inputs embedded) in this engine's life: the supervisor's crash-loop
+        breaker counts only deaths of engines that served none (daemon/restart_policy.py)."""
+
     def close(self) -> None: ...

@@ -10,8 +10,10 @@
   device first).
 - A disk that refuses writes (full, read-only, gone) degrades the tier (`WriteHealth`): nothing
   is queued (blocks are counted as skipped) until a retry time with exponential backoff, then
-  one probe block decides whether it recovers. A flush probes at once and answers promptly with
-  the refusal's code instead of retrying until its deadline.
+  one probe block decides whether it recovers; meanwhile the storage thread asks the worker every
+  5 s whether the disk could take a block (`ProbeDisk`), so a recovered disk is noticed within
+  seconds, idle or not. A flush probes at once and answers promptly with the refusal's code
+  instead of retrying until its deadline.
 - The storage thread owns the DEALER to the storage worker: it sends, frees slots on
   `StoreDone`, and reclaims slots a dead worker never answered for.
 - Restore: `ssd_restore.SsdReader` (`self.reader`), on the admission lanes; it finds tails
@@ -56,7 +58,15 @@ from mlxd.protocol.block_format import (
     snap_file,
     snap_key,
 )
-from mlxd.protocol.messages import BlockWrite, EngineStats, StoreBlocks, StoreDone, TouchBlocks
+from mlxd.protocol.messages import (
+    BlockWrite,
+    DiskProbed,
+    EngineStats,
+    ProbeDisk,
+    StoreBlocks,
+    StoreDone,
+    TouchBlocks,
+)
 from mlxd.protocol.settings import EngineLaunch
 
 log = logging.getLogger("mlxd.engine")
@@ -512,6 +522,8 @@ class SsdTier:
                                                  error_code="copy_failed"))
                             continue
                     if isinstance(msg, _ReclaimAll):
+                        with self._idle:
+                            self.health.disk_probe_lost()
                         if self._pending:
                             self._done(StoreDone(list(self._pending), failed=len(self._pending),
                                                  error="the storage worker restarted before "
@@ -521,11 +533,37 @@ class SsdTier:
                         sock.send(enc.encode(msg))
                     except zmq.Again:
                         self._fail(msg, "the storage worker is not reachable")
+                self._probe_disk(sock, enc)
                 if sock.poll(50, zmq.POLLIN):
-                    self._done(dec.decode(sock.recv()))
+                    answer = dec.decode(sock.recv())
+                    if isinstance(answer, DiskProbed):
+                        self._disk_probed(answer)
+                    else:
+                        self._done(answer)
                 self._reclaim()
         finally:
             sock.close()
+
+    def _probe_disk(self, sock: zmq.Socket, enc: Any) -> None:
+        with self._idle:
+            if not self.health.disk_probe_due(time.monotonic()):
+                return
+            self.health.disk_probing()
+        try:
+            sock.send(enc.encode(ProbeDisk(self.slot_bytes)))
+        except zmq.Again:
+            with self._idle:
+                self.health.disk_probe_lost()
+
+    def _disk_probed(self, answer: DiskProbed) -> None:
+        refusal = Refusal(answer.error_code, answer.error or "the disk refused") \
+            if answer.error_code else None
+        with self._idle:
+            change = self.health.disk_answered(refusal, time.monotonic())
+            self._idle.notify_all()
+        if change is Change.RECOVERED:
+            self.stats.error = None
+            log.info("SSD tier writable again (a disk probe)")
 
     def _fail(self, msg: Any, error: str) -> None:
         if isinstance(msg, StoreBlocks):

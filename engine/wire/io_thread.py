@@ -46,6 +46,7 @@ class Handlers:
     progress: Callable[[], tuple[int, bool]]  # the MLX thread's step counter, and busy
     embed: Callable[[Embed], None]
     share: Callable[[SetMemoryShare], None] = lambda _: None  # the memory share changed
+    served: Callable[[], int] = lambda: 0  # tokens generated (inputs embedded) in this life
 
 
 class IoThread:
@@ -68,6 +69,7 @@ class IoThread:
         ctl = self._control_socket(poller) if self.supervised else None
         req_codec, ctl_codec, sup_codec = codec.to_engine(), codec.to_child(), codec.to_supervisor()
         next_beat = 0.0
+        told_served = False
         try:
             while not self.channels.stop.is_set():
                 events = dict(poller.poll(100))
@@ -84,10 +86,15 @@ class IoThread:
                     self._on_control(ctl_codec, ctl.recv())
                 self._send_queued(ctl, sup_codec)
                 now = time.monotonic()
-                if now >= next_beat:
+                served = self.on.served()
+                # The first token served is told at once, not at the next beat: a death
+                # soon after it must not count toward the crash-loop breaker.
+                if now >= next_beat or (served and not told_served):
                     next_beat = now + HEARTBEAT_INTERVAL
+                    told_served = served > 0
                     steps, busy = self.on.progress()
-                    ctl.send(sup_codec.encode(Heartbeat(self.engine_id, self.epoch, steps, busy)))
+                    ctl.send(sup_codec.encode(Heartbeat(self.engine_id, self.epoch, steps, busy,
+                                                        served)))
                     if os.getppid() != self._parent:
                         log.error("supervisor is gone; exiting")
                         os._exit(exit_codes.PARENT_GONE)

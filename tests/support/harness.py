@@ -51,11 +51,13 @@ def leftovers() -> tuple[list[str], list[int], list[str]]:
 class Daemon:
     def __init__(self, model: str | None, *extra: str, isolate: bool = False,
                  cache_dir: Path | None = None, env: dict | None = None,
-                 run_dir: Path | None = None, ready_marker: str = READY) -> None:
+                 run_dir: Path | None = None, ready_marker: str = READY,
+                 new_session: bool = False) -> None:
         # A short run dir: Unix socket paths are limited to ~104 bytes.
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
         RUN_DIRS.append(self.run_dir)
         self.ready_marker = ready_marker
+        self.new_session = new_session  # its own process group (a test signals the group)
         self._own_cache = cache_dir is None
         self.cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
         self.argv = [sys.executable, "-m", "mlxd.cli.main", "serve", "--port", "0",
@@ -83,7 +85,8 @@ class Daemon:
 
     def start(self, timeout: float = 120.0) -> Daemon:
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=self.env)
+                                     stderr=subprocess.STDOUT, text=True, env=self.env,
+                                     start_new_session=self.new_session)
         threading.Thread(target=self._pump, daemon=True).start()
         self.wait_for_line(LISTENING, timeout)
         self.wait_for_line(self.ready_marker, timeout)

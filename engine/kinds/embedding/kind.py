@@ -79,6 +79,9 @@ class EncoderEngine:
     def progress(self) -> tuple[int, bool]:
         return self.embedding.progress()
 
+    def served(self) -> int:
+        return self.embedding.counters.inputs
+
     def close(self) -> None:
         self.embedding.stop()
 
