@@ -79,7 +79,7 @@ class EngineService:
                                      flush=self._flush, shutdown=lambda _: self.stop(),
                                      children=self._on_children, progress=self._progress,
                                      embed=self._embed, share=self._on_share,
-                                     served=self._served))
+                                     served=lambda: 0 if self.engine is None else self.engine.served()))
         self._out = OutputThread(ctx, endpoints.outputs, launch.engine_id, launch.epoch, self.ch,
                                  self._status, lambda rid: self._abort([rid]), self._token_text)
 
@@ -222,9 +222,6 @@ class EngineService:
 
     def _progress(self) -> tuple[int, bool]:
         return self.engine.progress() if self.engine is not None else (0, False)
-
-    def _served(self) -> int:
-        return self.engine.served() if self.engine is not None else 0
 
     # ------------------------------------------------------------------ output thread's calls
 
