@@ -107,11 +107,35 @@ class EncoderEmbedder:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_left = getattr(tokenizer, "padding_side", "right") == "left"
         self.dimensions = 0  # known after the first forward pass
+        # A cross-encoder: a sequence-classification head with one label (mlx-embeddings builds
+        # it as `classifier` and gives sigmoid(logit) as `pooler_output`), so it can rerank
+        self.ranks = getattr(model, "classifier", None) is not None \
+            and getattr(model, "num_labels", 0) == 1
 
     def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
         ids = self.tokenizer(texts, truncation=truncate,
                              max_length=self.max_tokens if truncate else None)["input_ids"]
         return [_fit(list(x), i, self.max_tokens, truncate) for i, x in enumerate(ids)]
+
+    def tokenize_pairs(self, query: str, documents: list[str]) -> list[list[int]]:
+        """(query, document) pairs as the model's tokenizer frames them; a document too long
+        for the model is cut (the query never is), as rerank APIs do."""
+        query_tokens = len(self.tokenizer(query)["input_ids"])
+        if query_tokens + 2 > self.max_tokens:  # a separator and one document token at least
+            raise ClientError(f"the query is {query_tokens} tokens; this model takes "
+                              f"{self.max_tokens} for the query and a document together",
+                              "context_length_exceeded")
+        ids = self.tokenizer([query] * len(documents), documents, truncation="only_second",
+                             max_length=self.max_tokens)["input_ids"]
+        return [_fit(list(x), i, self.max_tokens, False) for i, x in enumerate(ids)]
+
+    def score(self, batch: list[list[int]]) -> np.ndarray:
+        """Each pair's relevance, as the classifier head gives it: (inputs, 1) float32."""
+        import mlx.core as mx
+        ids, mask = _padded(batch, self.pad_id, self.pad_left)
+        with mx.stream(self.stream):
+            out = self.model(mx.array(ids), attention_mask=mx.array(mask))
+            return np.array(out.pooler_output.astype(mx.float32)).reshape(len(batch), 1)
 
     def forward(self, batch: list[list[int]]) -> np.ndarray:
         import mlx.core as mx

@@ -16,7 +16,7 @@ import numpy as np
 from mlxd.protocol.messages import Embed, Embeddings
 from mlxd.proxy.core.generation import RECONNECT_POLL, _delta_error, new_request_id
 from mlxd.proxy.engines.client import EngineClient, EngineGone, EngineRecord, RequestStream
-from mlxd.proxy.errors import APIError, unavailable
+from mlxd.proxy.errors import APIError, bad_request, unavailable
 from mlxd.proxy.state import ProxyState
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
@@ -31,10 +31,11 @@ class EmbeddingRequest:
     truncate: bool = False  # cut an input longer than the model takes (else a 400)
     dimensions: int = 0  # keep the first `dimensions` of each vector, renormalized (0: all)
     keep_alive: float | None = None
+    query: str | None = None  # rerank: `texts` are documents scored against it
 
     def engine_message(self) -> Embed:
         return Embed(new_request_id("embd"), inputs=self.texts, input_token_ids=self.token_ids,
-                     truncate=self.truncate, dimensions=self.dimensions)
+                     truncate=self.truncate, dimensions=self.dimensions, query=self.query)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ async def embed(state: ProxyState, req: EmbeddingRequest) -> EmbeddingResult:
     engine = await router.acquire(req.model)
     t_loaded = time.monotonic()
     try:
+        if req.query is not None:
+            check_reranks(engine)
         got = await _run(state.client, engine, req.engine_message(), state.resume,
                          router.load_wait)
     finally:
@@ -113,6 +116,15 @@ async def _submit(client: EngineClient, engine: EngineRecord, msg: Embed,
                 or client.engines.get(engine.engine_id) is not engine:
             raise unavailable(why, "engine_unavailable")
         await client.wait_change(engine, min(left, RECONNECT_POLL))
+
+
+def check_reranks(engine: EngineRecord) -> None:
+    """A rerank asked of a model without a cross-encoder head is a 400 here: the engine never
+    sees it."""
+    if "rerank" not in (engine.status.capabilities if engine.status else []):
+        raise bad_request(f"{engine.model_id} cannot rerank: it is not a cross-encoder (a "
+                          "sequence-classification model with one label)",
+                          code="model_not_supported", param="model")
 
 
 def check_dimensions(dimensions: int | None) -> int:

@@ -1,6 +1,7 @@
 """Write a random-weight BERT embedding model directory (config.json, model.safetensors, a
-WordPiece tokenizer.json): a real model directory that mlx-embeddings loads like any BERT.
-Used by the embedding tests; no weights are downloaded.
+WordPiece tokenizer.json): a real model directory that mlx-embeddings loads like any BERT; or
+a ModernBERT cross-encoder (a reranker) the same way. Used by the embedding and rerank tests;
+no weights are downloaded.
 
     python tests/support/random_bert.py OUT_DIR [--hidden 64 --layers 2 ...]
 """
@@ -69,6 +70,31 @@ def write_random_bert(out: Path, *, hidden: int = 64, layers: int = 2, heads: in
     (out / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)
     model = bert.Model(bert.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return out
+
+
+def write_random_cross_encoder(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
+                               intermediate: int = 128, vocab: int = 400, max_length: int = 128,
+                               seed: int = 0) -> Path:
+    """A ModernBERT with a one-label sequence-classification head: a cross-encoder reranker
+    shaped like gte-reranker-modernbert-base (its config's fields, its weight names)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.models import modernbert
+
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_wordpiece_tokenizer(out, vocab, max_length)
+    config = {"architectures": ["ModernBertForSequenceClassification"],
+              "model_type": "modernbert", "hidden_size": hidden, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "intermediate_size": intermediate,
+              "max_position_embeddings": max_length, "vocab_size": real_vocab,
+              "global_attn_every_n_layers": 2, "local_attention": 16,
+              "classifier_pooling": "mean", "id2label": {"0": "LABEL_0"},
+              "label2id": {"LABEL_0": 0}, "pad_token_id": 0}
+    (out / "config.json").write_text(json.dumps(config))
+    mx.random.seed(seed)
+    model = modernbert.Model(modernbert.ModelArgs.from_dict(config))
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return out
 
