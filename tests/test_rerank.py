@@ -1,11 +1,16 @@
-"""Reranking through a real daemon: `/v1/rerank`, `/v2/rerank` and `/rerank` served by a
-random-weight ModernBERT cross-encoder (written by the test) in an embedding engine; its scores
-equal what mlx-embeddings computes in-process for the same pairs. Cohere's and Jina's request
+"""Reranking through a real daemon: `/v1/rerank`, `/v2/rerank` and `/rerank` served by
+random-weight ModernBERT, BERT and XLM-RoBERTa cross-encoders (written by the test) in
+embedding engines of one pool; their scores equal what is computed in-process for the same
+pairs (mlx-embeddings, and for the heads it lacks numpy). Cohere's and Jina's request
 shapes, `top_n`, `return_documents`; bad input is a 400; an embedding model and a generation
 model in the same pool answer a rerank with a 400 and their engines never see it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -18,9 +23,15 @@ DOCS = ["The capital of France is Paris.", "the quick brown fox jumps over the l
         "Hello, how are you today?", "Numbers: 0 1 2 3 42", "Paris", "embeddings map sentences"]
 
 
+FAMILIES = ("modernbert", "bert", "xlm_roberta")
+
+
 @pytest.fixture(scope="module")
-def reranker(tmp_path_factory):
-    return write_random_cross_encoder(tmp_path_factory.mktemp("models") / MODEL)
+def rerankers(tmp_path_factory) -> dict[str, Path]:
+    """One cross-encoder per family; the ModernBERT is the daemon's model (`MODEL`)."""
+    root = tmp_path_factory.mktemp("models")
+    return {f: write_random_cross_encoder(root / (MODEL if f == "modernbert" else f"ce-{f}"),
+                                          family=f, seed=i) for i, f in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +39,44 @@ def bert(tmp_path_factory):
     return write_random_bert(tmp_path_factory.mktemp("models") / "tiny-bert")
 
 
-@pytest.fixture(scope="module")
-def reference(reranker):
-    """The cross-encoder run in-process with mlx-embeddings: each pair's score, and the
-    pairs' tokens."""
+def reference(model_dir: Path, query: str, docs: list[str]) -> tuple[np.ndarray, int]:
+    """Each pair's score computed in-process, and the pairs' tokens: mlx-embeddings' ModernBERT
+    classifier as its README runs models; for BERT and XLM-RoBERTa (which mlx-embeddings has
+    no head for) its encoder, and Hugging Face's head in numpy from the weight file."""
     from mlx_embeddings import load
-    model, tokenizer = load(str(reranker))
-
-    def score(query: str, docs: list[str]) -> tuple[np.ndarray, int]:
-        pairs = tokenizer([query] * len(docs), docs, padding=True, return_tensors="mlx")
-        out = model(pairs["input_ids"], attention_mask=pairs["attention_mask"])
-        return np.array(out.pooler_output)[:, 0], int(pairs["attention_mask"].sum().item())
-    return score
+    from mlx_embeddings.models import bert, xlm_roberta
+    from transformers import AutoTokenizer
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    pairs = tokenizer([query] * len(docs), docs, padding=True, return_tensors="np")
+    ids, mask = mx.array(pairs["input_ids"]), mx.array(pairs["attention_mask"])
+    tokens = int(pairs["attention_mask"].sum())
+    if config["model_type"] == "modernbert":
+        return np.array(load(str(model_dir))[0](ids, attention_mask=mask).pooler_output)[:, 0], \
+            tokens
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    head = {k: np.array(v) for k, v in weights.items() if k.startswith("classifier.")}
+    is_bert = config["model_type"] == "bert"
+    module, prefix = (bert, "bert.") if is_bert else (xlm_roberta, "roberta.")
+    encoder = module.Model(module.ModelArgs.from_dict({**config, "add_pooling_layer": is_bert}))
+    encoder.load_weights([(k[len(prefix):], v) for k, v in weights.items()
+                          if k.startswith(prefix)])
+    encoder.eval()  # no dropout
+    if is_bert:
+        out = encoder(ids, attention_mask=mask,
+                      token_type_ids=mx.array(pairs["token_type_ids"]))
+        logit = np.array(out.pooler_output) @ head["classifier.weight"].T \
+            + head["classifier.bias"]
+    else:
+        first = np.array(encoder(ids, attention_mask=mask).last_hidden_state)[:, 0]
+        h = np.tanh(first @ head["classifier.dense.weight"].T + head["classifier.dense.bias"])
+        logit = h @ head["classifier.out_proj.weight"].T + head["classifier.out_proj.bias"]
+    return 1 / (1 + np.exp(-logit[:, 0])), tokens
 
 
 @pytest.fixture(scope="module")
-def daemon(reranker):
-    d = start_daemon(reranker, "--model-pool", "3", isolate=True)
+def daemon(rerankers):
+    d = start_daemon(rerankers["modernbert"], "--model-pool", "5", isolate=True)
     yield d
     stop_and_check(d)
 
@@ -54,10 +86,12 @@ def rerank(d, body: dict, path: str = "/v1/rerank"):
         return h.post(path, json=body)
 
 
-def test_jina_shape_gets_mlx_embeddings_scores_best_first(daemon, reference):
-    want, tokens = reference(QUERY, DOCS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jina_shape_gets_the_in_process_scores_best_first(daemon, rerankers, family):
+    want, tokens = reference(rerankers[family], QUERY, DOCS)
     assert len(set(np.round(want, 4))) == len(DOCS), "the test needs distinct scores"
-    r = rerank(daemon, {"model": MODEL, "query": QUERY, "documents": DOCS})
+    model = MODEL if family == "modernbert" else str(rerankers[family])
+    r = rerank(daemon, {"model": model, "query": QUERY, "documents": DOCS})
     assert r.status_code == 200, r.text
     got = r.json()
     assert [x["index"] for x in got["results"]] == list(np.argsort(-want))
@@ -65,11 +99,11 @@ def test_jina_shape_gets_mlx_embeddings_scores_best_first(daemon, reference):
         assert x["relevance_score"] == pytest.approx(float(want[x["index"]]), abs=1e-5)
         assert x["document"] == {"text": DOCS[x["index"]]}  # Jina's default: documents back
     assert got["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
-    assert got["model"] == MODEL and got["id"].startswith("rerank-")
+    assert got["id"].startswith("rerank-")
 
 
-def test_cohere_shape_top_n_without_documents_on_every_path(daemon, reference):
-    want, _ = reference(QUERY, DOCS)
+def test_cohere_shape_top_n_without_documents_on_every_path(daemon, rerankers):
+    want, _ = reference(rerankers["modernbert"], QUERY, DOCS)
     best = [int(i) for i in np.argsort(-want)[:2]]
     body = {"model": MODEL, "query": QUERY, "top_n": 2, "return_documents": False,
             "documents": [{"text": t, "title": "ignored"} for t in DOCS]}

@@ -74,28 +74,47 @@ def write_random_bert(out: Path, *, hidden: int = 64, layers: int = 2, heads: in
     return out
 
 
-def write_random_cross_encoder(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
-                               intermediate: int = 128, vocab: int = 400, max_length: int = 128,
-                               seed: int = 0) -> Path:
-    """A ModernBERT with a one-label sequence-classification head: a cross-encoder reranker
-    shaped like gte-reranker-modernbert-base (its config's fields, its weight names)."""
+def write_random_cross_encoder(out: Path, *, family: str = "modernbert", hidden: int = 64,
+                               layers: int = 2, heads: int = 4, intermediate: int = 128,
+                               vocab: int = 400, max_length: int = 128, seed: int = 0) -> Path:
+    """A cross-encoder reranker: a one-label sequence-classification head on a ModernBERT
+    (shaped like gte-reranker-modernbert-base), a BERT (like ms-marco-MiniLM) or an XLM-RoBERTa
+    (like bge-reranker), with Hugging Face's config fields and weight names."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_embeddings.models import modernbert
+    from mlx_embeddings.models import bert, modernbert, xlm_roberta
 
     out.mkdir(parents=True, exist_ok=True)
     real_vocab = write_wordpiece_tokenizer(out, vocab, max_length)
-    config = {"architectures": ["ModernBertForSequenceClassification"],
-              "model_type": "modernbert", "hidden_size": hidden, "num_hidden_layers": layers,
+    config = {"model_type": family, "hidden_size": hidden, "num_hidden_layers": layers,
               "num_attention_heads": heads, "intermediate_size": intermediate,
               "max_position_embeddings": max_length, "vocab_size": real_vocab,
-              "global_attn_every_n_layers": 2, "local_attention": 16,
-              "classifier_pooling": "mean", "id2label": {"0": "LABEL_0"},
-              "label2id": {"LABEL_0": 0}, "pad_token_id": 0}
-    (out / "config.json").write_text(json.dumps(config))
+              "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": 0}
     mx.random.seed(seed)
-    model = modernbert.Model(modernbert.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    if family == "modernbert":
+        config |= {"architectures": ["ModernBertForSequenceClassification"],
+                   "global_attn_every_n_layers": 2, "local_attention": 16,
+                   "classifier_pooling": "mean"}
+        weights = dict(tree_flatten(modernbert.Model(
+            modernbert.ModelArgs.from_dict(config)).parameters()))
+    elif family == "bert":
+        config |= {"architectures": ["BertForSequenceClassification"], "type_vocab_size": 2}
+        encoder = bert.Model(bert.ModelArgs.from_dict(config))
+        weights = {"bert." + k: v for k, v in tree_flatten(encoder.parameters())}
+        weights |= {"classifier.weight": mx.random.normal((1, hidden)),
+                    "classifier.bias": mx.random.normal((1,))}
+    else:  # XLM-RoBERTa: positions count from the padding id, so two more of them
+        config |= {"architectures": ["XLMRobertaForSequenceClassification"],
+                   "max_position_embeddings": max_length + 2, "type_vocab_size": 1}
+        args = xlm_roberta.ModelArgs.from_dict({**config, "add_pooling_layer": False})
+        weights = {"roberta." + k: v
+                   for k, v in tree_flatten(xlm_roberta.Model(args).parameters())}
+        weights |= {"classifier.dense.weight": mx.random.normal((hidden, hidden)) * 0.3,
+                    "classifier.dense.bias": mx.zeros((hidden,)),
+                    "classifier.out_proj.weight": mx.random.normal((1, hidden)) * 0.3,
+                    "classifier.out_proj.bias": mx.zeros((1,))}
+    (out / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
 
 
