@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -54,7 +55,7 @@ def reference(model_dir: Path, query: str, docs: list[str]) -> tuple[np.ndarray,
     if config["model_type"] == "modernbert":
         return np.array(load(str(model_dir))[0](ids, attention_mask=mask).pooler_output)[:, 0], \
             tokens
-    weights = mx.load(str(model_dir / "model.safetensors"))
+    weights = cast(dict[str, mx.array], mx.load(str(model_dir / "model.safetensors")))
     head = {k: np.array(v) for k, v in weights.items() if k.startswith("classifier.")}
     is_bert = config["model_type"] == "bert"
     module, prefix = (bert, "bert.") if is_bert else (xlm_roberta, "roberta.")

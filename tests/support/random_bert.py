@@ -100,7 +100,7 @@ def write_random_cross_encoder(out: Path, *, family: str = "modernbert", hidden:
     elif family == "bert":
         config |= {"architectures": ["BertForSequenceClassification"], "type_vocab_size": 2}
         encoder = bert.Model(bert.ModelArgs.from_dict(config))
-        weights = {"bert." + k: v for k, v in tree_flatten(encoder.parameters())}
+        weights = {"bert." + k: v for k, v in dict(tree_flatten(encoder.parameters())).items()}
         weights |= {"classifier.weight": mx.random.normal((1, hidden)),
                     "classifier.bias": mx.random.normal((1,))}
     else:  # XLM-RoBERTa: positions count from the padding id, so two more of them
@@ -108,7 +108,7 @@ def write_random_cross_encoder(out: Path, *, family: str = "modernbert", hidden:
                    "max_position_embeddings": max_length + 2, "type_vocab_size": 1}
         args = xlm_roberta.ModelArgs.from_dict({**config, "add_pooling_layer": False})
         weights = {"roberta." + k: v
-                   for k, v in tree_flatten(xlm_roberta.Model(args).parameters())}
+                   for k, v in dict(tree_flatten(xlm_roberta.Model(args).parameters())).items()}
         weights |= {"classifier.dense.weight": mx.random.normal((hidden, hidden)) * 0.3,
                     "classifier.dense.bias": mx.zeros((hidden,)),
                     "classifier.out_proj.weight": mx.random.normal((1, hidden)) * 0.3,
