@@ -7,6 +7,7 @@ input never reaches the router) and render the result."""
 from __future__ import annotations
 
 import base64
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import msgspec
 import numpy as np
 
 from mlxd.protocol.messages import Embed, Embeddings
+from mlxd.protocol.models import local_model_dir, model_id
 from mlxd.proxy.core.generation import RECONNECT_POLL, _delta_error, new_request_id
 from mlxd.proxy.engines.client import EngineClient, EngineGone, EngineRecord, RequestStream
 from mlxd.proxy.errors import APIError, bad_request, unavailable
@@ -58,6 +60,8 @@ class EmbeddingResult:
 async def embed(state: ProxyState, req: EmbeddingRequest) -> EmbeddingResult:
     router = state.router
     t0 = time.monotonic()
+    if req.query is not None:
+        check_may_rerank(router.lookup(req.model))
     engine = await router.acquire(req.model)
     t_loaded = time.monotonic()
     try:
@@ -118,13 +122,31 @@ async def _submit(client: EngineClient, engine: EngineRecord, msg: Embed,
         await client.wait_change(engine, min(left, RECONNECT_POLL))
 
 
+def check_may_rerank(spec: str) -> None:
+    """A local model directory whose config.json names no sequence-classification
+    architecture cannot rerank: refused before it is loaded, so nothing is evicted for it."""
+    path = local_model_dir(spec)
+    try:
+        config = json.loads((path / "config.json").read_text()) if path else None
+    except (OSError, ValueError):
+        return  # the load says what is wrong with it
+    if isinstance(config, dict) and not any(
+            str(a).endswith("ForSequenceClassification")
+            for a in config.get("architectures") or []):
+        raise _cannot_rerank(model_id(spec))
+
+
 def check_reranks(engine: EngineRecord) -> None:
-    """A rerank asked of a model without a cross-encoder head is a 400 here: the engine never
-    sees it."""
+    """A rerank asked of an engine without a one-label classifier head (the model's
+    capabilities, known once loaded) is a 400 here: the engine never sees it."""
     if "rerank" not in (engine.status.capabilities if engine.status else []):
-        raise bad_request(f"{engine.model_id} cannot rerank: it is not a cross-encoder (a "
-                          "sequence-classification model with one label)",
-                          code="model_not_supported", param="model")
+        raise _cannot_rerank(engine.model_id)
+
+
+def _cannot_rerank(model: str) -> APIError:
+    return bad_request(f"{model} cannot rerank: it is not a cross-encoder (a "
+                       "sequence-classification model with one label)",
+                       code="model_not_supported", param="model")
 
 
 def check_dimensions(dimensions: int | None) -> int:
