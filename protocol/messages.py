@@ -117,6 +117,9 @@ class Embed(_Msg, tag="embed"):
     input_token_ids: list[list[int]] = []
     truncate: bool = False  # cut inputs longer than the model takes (else a client error)
     dimensions: int = 0  # keep each vector's first `dimensions` and renormalize (0: all)
+    # Rerank: each of `inputs` is a document scored against this query by a cross-encoder;
+    # the answer's vectors are one relevance score per document (dimensions 1)
+    query: str | None = None
 
 
 ToEngine = Generate | Abort | FlushCache | Embed

@@ -24,6 +24,7 @@ from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
 from mlxd.proxy.dialects.embeddings import routes as embedding_routes
 from mlxd.proxy.dialects.ollama import routes as ollama_routes
 from mlxd.proxy.dialects.openai import routes as openai_routes
+from mlxd.proxy.dialects.rerank import routes as rerank_routes
 from mlxd.proxy.dialects.responses import routes as responses_routes
 from mlxd.proxy.engines.client import EngineClient
 from mlxd.proxy.engines.router import Router
@@ -60,6 +61,7 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     anthropic_routes.add_routes(app)
     ollama_routes.add_routes(app)
     embedding_routes.add_routes(app)
+    rerank_routes.add_routes(app)
     responses_routes.add_routes(app)
     model_routes.add_routes(app)
     admin_routes.add_routes(app)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import numpy as np
@@ -38,6 +38,15 @@ class Embedder(Protocol):
     def forward(self, batch: list[list[int]]) -> np.ndarray: ...
 
 
+class PairScorer(Embedder, Protocol):
+    """An embedder that can also rerank (a cross-encoder)."""
+    ranks: bool
+
+    def tokenize_pairs(self, query: str, documents: list[str]) -> list[list[int]]: ...
+
+    def score(self, batch: list[list[int]]) -> np.ndarray: ...
+
+
 @dataclass
 class EmbedJob:
     """One request on its way through the MLX thread."""
@@ -47,6 +56,7 @@ class EmbedJob:
     vectors: list[np.ndarray | None] = field(default_factory=list)
     left: int = 0
     failed: bool = False
+    rerank: bool = False  # inputs are (query, document) pairs; vectors are their scores
 
 
 @dataclass
@@ -106,6 +116,8 @@ class Embedding:
 
     def _prepare(self, msg: Embed) -> EmbedJob:
         e = self.embedder
+        if msg.query is not None:
+            return self._prepare_pairs(msg)
         if msg.input_token_ids:
             inputs = check_token_ids(msg.input_token_ids, e.vocab, e.max_tokens, msg.truncate)
         else:
@@ -119,6 +131,17 @@ class Embedding:
             raise _too_many_dimensions(msg.dimensions, e.dimensions)
         return EmbedJob(msg.request_id, inputs, msg.dimensions, [None] * len(inputs),
                         len(inputs))
+
+    def _prepare_pairs(self, msg: Embed) -> EmbedJob:
+        e = self.embedder
+        if not getattr(e, "ranks", False) or msg.query is None:  # the proxy checks it first
+            raise ClientError("this model cannot rerank (it is not a cross-encoder)",
+                              "invalid_request")
+        if not msg.inputs:
+            raise ClientError("there are no documents to rank", "invalid_request")
+        inputs = cast(PairScorer, e).tokenize_pairs(msg.query, list(msg.inputs))
+        return EmbedJob(msg.request_id, inputs, 0, [None] * len(inputs), len(inputs),
+                        rerank=True)
 
     def _fail(self, request_id: str, error: str, code: str) -> None:
         self._count_active(-1)
@@ -149,16 +172,22 @@ class Embedding:
             if not self._rows:
                 return
             window, self._rows = self._rows[:MAX_STEP_INPUTS], self._rows[MAX_STEP_INPUTS:]
-            for step in plan_steps([len(job.inputs[i]) for job, i in window]):
-                self._embed_step([window[k] for k in step])
-                on_step()
+            for rerank in (False, True):  # pairs are scored, not embedded: passes of their own
+                rows = [r for r in window if r[0].rerank == rerank]
+                for step in plan_steps([len(job.inputs[i]) for job, i in rows]):
+                    self._embed_step([rows[k] for k in step])
+                    on_step()
 
     def _embed_step(self, rows: list[tuple[EmbedJob, int]]) -> None:
         c = self.counters
         c.busy = True
         try:
             faults.hit("engine.embed")
-            vectors = self.embedder.forward([job.inputs[i] for job, i in rows])
+            batch = [job.inputs[i] for job, i in rows]
+            if rows[0][0].rerank:
+                vectors = cast(PairScorer, self.embedder).score(batch)
+            else:
+                vectors = self.embedder.forward(batch)
         except ClientError as e:
             self._fail_jobs(rows, str(e), e.code)
             return
@@ -214,7 +243,8 @@ class Embedding:
         return msgspec.structs.replace(
             status, stats=stats, active=c.active, steps=c.steps, peak_batch=c.peak_batch,
             prompt_tokens_total=c.tokens, context_length=self.embedder.max_tokens,
-            model_dir=str(model_dir), capabilities=["embedding"])
+            model_dir=str(model_dir), capabilities=["embedding", "rerank"]
+            if getattr(self.embedder, "ranks", False) else ["embedding"])
 
     def progress(self) -> tuple[int, bool]:
         """The hang watchdog's view of an embedding engine: steps taken, and whether busy."""

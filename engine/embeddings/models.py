@@ -107,11 +107,38 @@ class EncoderEmbedder:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_left = getattr(tokenizer, "padding_side", "right") == "left"
         self.dimensions = 0  # known after the first forward pass
+        # A cross-encoder: a sequence-classification head with one label (mlx-embeddings builds
+        # it as `classifier` and gives sigmoid(logit) as `pooler_output`), so it can rerank
+        self.ranks = getattr(model, "classifier", None) is not None \
+            and getattr(model, "num_labels", 0) == 1
 
     def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
         ids = self.tokenizer(texts, truncation=truncate,
                              max_length=self.max_tokens if truncate else None)["input_ids"]
         return [_fit(list(x), i, self.max_tokens, truncate) for i, x in enumerate(ids)]
+
+    def tokenize_pairs(self, query: str, documents: list[str]) -> list[list[int]]:
+        """(query, document) pairs as the model's tokenizer frames them; a document too long
+        for the model is cut (the query never is), as rerank APIs do."""
+        query_tokens = len(self.tokenizer(query)["input_ids"])
+        if query_tokens + 2 > self.max_tokens:  # a separator and one document token at least
+            raise ClientError(f"the query is {query_tokens} tokens; this model takes "
+                              f"{self.max_tokens} for the query and a document together",
+                              "context_length_exceeded")
+        ids = self.tokenizer([query] * len(documents), documents, truncation="only_second",
+                             max_length=self.max_tokens)["input_ids"]
+        return [_fit(list(x), i, self.max_tokens, False) for i, x in enumerate(ids)]
+
+    def score(self, batch: list[list[int]]) -> np.ndarray:
+        """Each pair's relevance, as the classifier head gives it: (inputs, 1) float32."""
+        import mlx.core as mx
+        ids, mask = _padded(batch, self.pad_id, self.pad_left)
+        extra = {}
+        if getattr(self.model, "uses_token_types", False):
+            extra["token_type_ids"] = mx.array(_second_segment(ids, self.tokenizer.sep_token_id))
+        with mx.stream(self.stream):
+            out = self.model(mx.array(ids), attention_mask=mx.array(mask), **extra)
+            return np.array(out.pooler_output.astype(mx.float32)).reshape(len(batch), 1)
 
     def forward(self, batch: list[list[int]]) -> np.ndarray:
         import mlx.core as mx
@@ -168,6 +195,14 @@ def _padded(batch: list[list[int]], pad_id: int, pad_left: bool
     return ids, mask
 
 
+def _second_segment(ids: np.ndarray, sep_id: int) -> np.ndarray:
+    """BERT's token types for right-padded pairs: 1 after the first separator (the document
+    and its closing separator), as its tokenizer gives them; padding is masked anyway."""
+    is_sep = ids == sep_id
+    after_first = np.cumsum(is_sep, axis=1) - is_sep > 0
+    return after_first.astype(np.int32)
+
+
 def _mean(hidden: Any, mask: Any) -> Any:
     import mlx.core as mx
     m = mask[..., None].astype(mx.float32)
@@ -181,10 +216,14 @@ def load_encoder(model_dir: Path, dtype: str, stream: Any) -> EncoderEmbedder:
         import mlx_embeddings
     except ImportError as e:
         raise ModelLoadError(f"{NO_EMBEDDINGS} ({e})") from e
+    from mlxd.engine.embeddings.cross_encoder import head_architecture, load_cross_encoder
     try:
-        model, tokenizer = mlx_embeddings.load(str(model_dir))
-        _cast_for_device(model, dtype)
         config = json.loads((model_dir / "config.json").read_text())
+        if head_architecture(config):  # a head mlx-embeddings lacks: this module adds it
+            model, tokenizer = load_cross_encoder(model_dir, config)
+        else:
+            model, tokenizer = mlx_embeddings.load(str(model_dir))
+        _cast_for_device(model, dtype)
     except Exception as e:  # any failure here means the model cannot load
         raise ModelLoadError(f"cannot load embedding model from {model_dir}: {e}") from e
     return EncoderEmbedder(model, tokenizer, config, stream)

@@ -7,6 +7,7 @@ input never reaches the router) and render the result."""
 from __future__ import annotations
 
 import base64
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -14,9 +15,10 @@ import msgspec
 import numpy as np
 
 from mlxd.protocol.messages import Embed, Embeddings
+from mlxd.protocol.models import local_model_dir, model_id
 from mlxd.proxy.core.generation import RECONNECT_POLL, _delta_error, new_request_id
 from mlxd.proxy.engines.client import EngineClient, EngineGone, EngineRecord, RequestStream
-from mlxd.proxy.errors import APIError, unavailable
+from mlxd.proxy.errors import APIError, bad_request, unavailable
 from mlxd.proxy.state import ProxyState
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
@@ -31,10 +33,11 @@ class EmbeddingRequest:
     truncate: bool = False  # cut an input longer than the model takes (else a 400)
     dimensions: int = 0  # keep the first `dimensions` of each vector, renormalized (0: all)
     keep_alive: float | None = None
+    query: str | None = None  # rerank: `texts` are documents scored against it
 
     def engine_message(self) -> Embed:
         return Embed(new_request_id("embd"), inputs=self.texts, input_token_ids=self.token_ids,
-                     truncate=self.truncate, dimensions=self.dimensions)
+                     truncate=self.truncate, dimensions=self.dimensions, query=self.query)
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,13 @@ class EmbeddingResult:
 async def embed(state: ProxyState, req: EmbeddingRequest) -> EmbeddingResult:
     router = state.router
     t0 = time.monotonic()
+    if req.query is not None:
+        check_may_rerank(router.lookup(req.model))
     engine = await router.acquire(req.model)
     t_loaded = time.monotonic()
     try:
+        if req.query is not None:
+            check_reranks(engine)
         got = await _run(state.client, engine, req.engine_message(), state.resume,
                          router.load_wait)
     finally:
@@ -113,6 +120,33 @@ async def _submit(client: EngineClient, engine: EngineRecord, msg: Embed,
                 or client.engines.get(engine.engine_id) is not engine:
             raise unavailable(why, "engine_unavailable")
         await client.wait_change(engine, min(left, RECONNECT_POLL))
+
+
+def check_may_rerank(spec: str) -> None:
+    """A local model directory whose config.json names no sequence-classification
+    architecture cannot rerank: refused before it is loaded, so nothing is evicted for it."""
+    path = local_model_dir(spec)
+    try:
+        config = json.loads((path / "config.json").read_text()) if path else None
+    except (OSError, ValueError):
+        return  # the load says what is wrong with it
+    if isinstance(config, dict) and not any(
+            str(a).endswith("ForSequenceClassification")
+            for a in config.get("architectures") or []):
+        raise _cannot_rerank(model_id(spec))
+
+
+def check_reranks(engine: EngineRecord) -> None:
+    """A rerank asked of an engine without a one-label classifier head (the model's
+    capabilities, known once loaded) is a 400 here: the engine never sees it."""
+    if "rerank" not in (engine.status.capabilities if engine.status else []):
+        raise _cannot_rerank(engine.model_id)
+
+
+def _cannot_rerank(model: str) -> APIError:
+    return bad_request(f"{model} cannot rerank: it is not a cross-encoder (a "
+                       "sequence-classification model with one label)",
+                       code="model_not_supported", param="model")
 
 
 def check_dimensions(dimensions: int | None) -> int:

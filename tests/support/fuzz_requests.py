@@ -291,6 +291,17 @@ def embeddings_body(model: str, api: str) -> st.SearchStrategy:
     return shaped({"model": model_names(model)}, fields)
 
 
+def rerank_body(model: str) -> st.SearchStrategy:
+    """/v1/rerank, /v2/rerank, /rerank: Cohere's and Jina's shape (documents as strings or
+    `{"text"}` objects)."""
+    document = st.one_of(st.sampled_from(["a fox", "", "é"]), texts,
+                         shaped({"text": st.just("a fox")}, {"title": st.just("t")}))
+    return shaped({"query": st.sampled_from(["fox?", ""]),
+                   "documents": st.lists(document, max_size=4)},
+                  {"model": model_names(model), "top_n": st.integers(-1, 5),
+                   "return_documents": st.booleans(), "keep_alive": st.sampled_from([-1, "1h"])})
+
+
 def responses_body(model: str) -> st.SearchStrategy:
     item = st.one_of(
         shaped({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
@@ -469,6 +480,9 @@ def _all(model: str) -> dict[str, Endpoint]:
         "embeddings": _post("/v1/embeddings", embeddings_body(model, "openai")),
         "ollama_embed": _post("/api/embed", embeddings_body(model, "embed")),
         "ollama_embeddings": _post("/api/embeddings", embeddings_body(model, "embeddings")),
+        "rerank": _post("/v1/rerank", rerank_body(model)),
+        "rerank_v2": _post("/v2/rerank", rerank_body(model)),
+        "rerank_alias": _post("/rerank", rerank_body(model)),
         "responses": _post("/v1/responses", responses_body(model)),
         "response": _get("/v1/responses/{}", st.tuples(SEGMENTS),
                          serves=("GET", "HEAD", "DELETE")),
