@@ -79,7 +79,7 @@ class EngineService:
                                      flush=self._flush, shutdown=lambda _: self.stop(),
                                      children=self._on_children, progress=self._progress,
                                      embed=self._embed, share=self._on_share,
-                                     served=lambda: 0 if self.engine is None else self.engine.served()))
+                                     served=lambda: self.engine.served() if self.engine else 0))
         self._out = OutputThread(ctx, endpoints.outputs, launch.engine_id, launch.epoch, self.ch,
                                  self._status, lambda rid: self._abort([rid]), self._token_text)
 
