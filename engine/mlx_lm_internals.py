@@ -204,6 +204,11 @@ def decoding_rows(gen: Any) -> int:
     return len(gen._generation_batch)
 
 
+def prompts_waiting(gen: Any) -> int:
+    """Prompts being prefilled or waiting to be (the next step takes up to its batch size)."""
+    return min(len(gen._prompt_batch) + len(gen._unprocessed_sequences), gen.prefill_batch_size)
+
+
 def decoding_alone(gen: Any) -> bool:
     """One row decoding, and no prompt waiting or being prefilled."""
     return (len(gen._generation_batch) == 1 and len(gen._prompt_batch) == 0

@@ -29,6 +29,9 @@ def test_the_chunk_follows_the_step_time_within_its_bounds():
     assert chunks.observe(2048, 0.001) == IDLE_STEP  # never past it
     assert chunks.for_step(decoding=True) == 512  # never past --prefill-step while rows decode
     assert chunks.for_step(decoding=False) == IDLE_STEP
+    # a burst shares it: no prompt's chunk below --prefill-step, the step no larger than before
+    assert chunks.for_step(decoding=False, prompts=2) == IDLE_STEP // 2
+    assert chunks.for_step(decoding=False, prompts=32) == 512
     assert chunks.observe(512, 4.0) == 51  # 128 tok/s: 64 fit in 0.5 s, 51 with the margin
     assert chunks.for_step(decoding=True) == chunks.for_step(decoding=False) == 51
     assert chunks.observe(64, 10.0) == FLOOR  # never below the floor

@@ -15,7 +15,8 @@ and reaches `--prefill-step` within a few steps.
 
 `--prefill-step` bounds a chunk only while rows decode: it is what they wait between two tokens.
 With no row decoding (an agent's next turn, a lone chat) nothing waits, and a step prefills up to
-`IDLE_STEP` (or `--prefill-step`, if larger), mlx-lm's own chunk: a long prompt then costs as few
+`IDLE_STEP` (or `--prefill-step`, if larger), mlx-lm's own chunk, shared by the prompts
+prefilled together (so a burst's step is no larger than with `--prefill-step` each): a long prompt then costs as few
 steps as in-process mlx-lm, each step's fixed cost (the forward pass's dispatch, the batch's
 bookkeeping) paid a quarter as often.
 """
@@ -40,9 +41,13 @@ class PrefillChunks:
         self.target_s = target_s
         self.chunk = min(configured, START)  # what the time bound allows (<= most)
 
-    def for_step(self, decoding: bool) -> int:
-        """The chunk for a step that starts with rows decoding (or with none)."""
-        return min(self.chunk, self.configured) if decoding else self.chunk
+    def for_step(self, decoding: bool, prompts: int = 1) -> int:
+        """Each prompt's chunk for a step that starts with rows decoding (or with none) and
+        `prompts` prompts to prefill: with none decoding, the prompts share `most` (a burst
+        of them is no larger a step than before: `--prefill-step` each)."""
+        if decoding:
+            return min(self.chunk, self.configured)
+        return min(self.chunk, max(self.configured, self.most // max(1, prompts)))
 
     def observe(self, prefilled: int, seconds: float) -> int:
         """A step prefilled `prefilled` tokens (all rows) in `seconds` (its whole time): the

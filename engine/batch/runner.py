@@ -49,7 +49,7 @@ from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
-from mlxd.engine.mlx_lm_internals import decoding_rows, prefilled_tokens
+from mlxd.engine.mlx_lm_internals import decoding_rows, prefilled_tokens, prompts_waiting
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol import faults
@@ -511,7 +511,8 @@ class Runner:
         before = 0
         if self._chunks is not None:
             before = prefilled_tokens(self._gen)
-            self._gen.prefill_step_size = self._chunks.for_step(decoding_rows(self._gen) > 0)
+            self._gen.prefill_step_size = self._chunks.for_step(
+                decoding_rows(self._gen) > 0, prompts_waiting(self._gen))
         try:
             self._generate()
             self._publish.hand_over()  # after the step's tokens went out
