@@ -16,9 +16,9 @@ and reaches `--prefill-step` within a few steps.
 `--prefill-step` bounds a chunk only while rows decode: it is what they wait between two tokens.
 With no row decoding (an agent's next turn, a lone chat) nothing waits, and a step prefills up to
 `IDLE_STEP` (or `--prefill-step`, if larger), mlx-lm's own chunk, shared by the prompts
-prefilled together (so a burst's step is no larger than with `--prefill-step` each): a long prompt then costs as few
-steps as in-process mlx-lm, each step's fixed cost (the forward pass's dispatch, the batch's
-bookkeeping) paid a quarter as often.
+prefilled together (a burst's step is no larger than with `--prefill-step` each): a long prompt
+then costs as few steps as in-process mlx-lm, each step's fixed cost (the forward pass's
+dispatch, the batch's bookkeeping) paid a quarter as often.
 """
 
 from __future__ import annotations
