@@ -90,12 +90,17 @@ def rerank(d, body: dict, path: str = "/v1/rerank"):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_jina_shape_gets_the_in_process_scores_best_first(daemon, rerankers, family):
     want, tokens = reference(rerankers[family], QUERY, DOCS)
-    assert len(set(np.round(want, 4))) == len(DOCS), "the test needs distinct scores"
+    assert np.ptp(want) > 1e-3  # the documents' scores differ: the order below means something
     model = MODEL if family == "modernbert" else str(rerankers[family])
     r = rerank(daemon, {"model": model, "query": QUERY, "documents": DOCS})
     assert r.status_code == 200, r.text
     got = r.json()
-    assert [x["index"] for x in got["results"]] == list(np.argsort(-want))
+    order = [x["index"] for x in got["results"]]
+    assert sorted(order) == list(range(len(DOCS)))
+    ref = [float(want[i]) for i in order]  # best first by the reference (ties within 1e-5)
+    assert all(a >= b - 1e-5 for a, b in zip(ref, ref[1:], strict=False)), (order, want)
+    scores = [x["relevance_score"] for x in got["results"]]
+    assert scores == sorted(scores, reverse=True)
     for x in got["results"]:
         assert x["relevance_score"] == pytest.approx(float(want[x["index"]]), abs=1e-5)
         assert x["document"] == {"text": DOCS[x["index"]]}  # Jina's default: documents back
@@ -110,7 +115,9 @@ def test_cohere_shape_top_n_without_documents_on_every_path(daemon, rerankers):
             "documents": [{"text": t, "title": "ignored"} for t in DOCS]}
     for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
         got = rerank(daemon, body, path).json()
-        assert [x["index"] for x in got["results"]] == best, path
+        top = [x["index"] for x in got["results"]]  # the best two (ties within 1e-5 either way)
+        assert len(set(top)) == 2 and [float(want[i]) for i in top] == pytest.approx(
+            [float(want[i]) for i in best], abs=1e-5), (path, top, want)
         assert all(set(x) == {"index", "relevance_score"} for x in got["results"])
         assert got["meta"]["api_version"]["version"] == "2"
     # top_n beyond the documents is all of them; one document alone scores as in a batch
