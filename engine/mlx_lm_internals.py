@@ -418,3 +418,80 @@ def observe_steps(observer: StepObserver) -> None:
 
     BatchGenerator.next = observed_next  # type: ignore[method-assign]
     _wrapped_next = True
+
+
+# ---------------------------------------------------------------------- masks of unpadded batches
+
+_PAD_FREE = "_mlxd_pad_free"  # on a BatchKVCache: no row padded (True/False), or absent: unknown
+
+
+def _pad_free(cache: Any) -> bool:
+    known = cache.__dict__.get(_PAD_FREE)
+    if known is None:  # after a `state` assignment: read the (small) array once
+        known = not any(cache.left_padding.tolist())
+        cache.__dict__[_PAD_FREE] = known
+    return bool(known)
+
+
+def unpadded_batch_masks() -> None:
+    """A `BatchKVCache` none of whose rows is padded asks for the mask a single sequence's
+    `KVCache` asks for: none for one token, `"causal"` for several, instead of mlx-lm's array
+    mask of all-true padding columns. An array mask keeps MLX's fused attention away (CUDA's
+    vector kernel and cuDNN take no array mask for a decode step: every step at a long
+    context ran the unfused fallback; `benchmarks/cuda_long_context.py`). Whether a row is
+    padded is tracked on the Python side where mlx-lm's own methods set the padding, so no
+    step waits on the device to find out. Installed once per process; `MLXD_BATCH_MASK=array`
+    leaves mlx-lm's masks (the benchmarks' other side)."""
+    import os
+
+    from mlx_lm.models.cache import BatchKVCache
+    if getattr(BatchKVCache, "_mlxd_unpadded_masks", False) or (
+            os.environ.get("MLXD_BATCH_MASK") == "array"):
+        return
+    init, prepare, finalize = BatchKVCache.__init__, BatchKVCache.prepare, BatchKVCache.finalize
+    filter_, extend, make_mask = BatchKVCache.filter, BatchKVCache.extend, BatchKVCache.make_mask
+    state: Any = BatchKVCache.__dict__["state"]  # the property itself
+
+    def __init__(self: Any, left_padding: list[int]) -> None:
+        init(self, left_padding)
+        self.__dict__[_PAD_FREE] = not any(left_padding)
+
+    def prepare_(self: Any, *, left_padding: Any = None, **kwargs: Any) -> None:
+        prepare(self, left_padding=left_padding, **kwargs)
+        if left_padding is not None and any(left_padding):
+            self.__dict__[_PAD_FREE] = False
+
+    def finalize_(self: Any) -> None:
+        padded = self._right_padding is not None  # finalize moves it to the left
+        finalize(self)
+        if padded:
+            self.__dict__[_PAD_FREE] = False
+
+    def filter_rows(self: Any, batch_indices: Any) -> None:
+        filter_(self, batch_indices)  # which shifts the padding common to the rows left, and
+        # waits for the device to read it: reading the result adds no wait
+        self.__dict__[_PAD_FREE] = not any(self.left_padding.tolist())
+
+    def extend_(self: Any, other: Any) -> None:
+        free = _pad_free(self) and _pad_free(other) and self._idx == other._idx
+        extend(self, other)
+        self.__dict__[_PAD_FREE] = free
+
+    def set_state(self: Any, v: Any) -> None:
+        state.fset(self, v)
+        self.__dict__[_PAD_FREE] = None
+
+    def make_mask_(self: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if (not return_array and kwargs.get("window_size") is None
+                and self._right_padding is None and _pad_free(self)):
+            return None if N == 1 else "causal"
+        return make_mask(self, N, return_array=return_array, **kwargs)
+
+    BatchKVCache.__init__ = __init__  # type: ignore[method-assign]
+    BatchKVCache.prepare = prepare_  # type: ignore[method-assign]
+    BatchKVCache.finalize = finalize_  # type: ignore[method-assign]
+    BatchKVCache.filter = filter_rows  # type: ignore[method-assign]
+    BatchKVCache.extend = extend_  # type: ignore[method-assign]
+    BatchKVCache.state = property(state.fget, set_state)  # type: ignore[method-assign,assignment]
+    BatchKVCache.make_mask = make_mask_  # type: ignore[method-assign]
+    BatchKVCache._mlxd_unpadded_masks = True  # type: ignore[attr-defined]

@@ -49,7 +49,12 @@ from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
-from mlxd.engine.mlx_lm_internals import decoding_rows, prefilled_tokens, prompts_waiting
+from mlxd.engine.mlx_lm_internals import (
+    decoding_rows,
+    prefilled_tokens,
+    prompts_waiting,
+    unpadded_batch_masks,
+)
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
 from mlxd.protocol import faults
@@ -123,6 +128,7 @@ class Runner:
         self._update_cap()
 
     def _new_generator(self) -> BatchGenerator:
+        unpadded_batch_masks()
         gen = BatchGenerator(
             self._model,
             completion_batch_size=self._batch_size,

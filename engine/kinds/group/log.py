@@ -284,6 +284,9 @@ class Follower:
 
     def _new(self, cmd: GNew) -> None:
         from mlx_lm.generate import BatchGenerator, StopSequences
+
+        from mlxd.engine.mlx_lm_internals import unpadded_batch_masks
+        unpadded_batch_masks()  # as the leader's runner does
         if self.gen is not None:
             self.gen.close()
         self.eos = list(cmd.eos)
