@@ -73,7 +73,7 @@ def measure(model_dir: str, contexts: list[int], reps: int, chunk: int) -> dict[
         for i in range(reps + 2):  # two passes to warm kernels and graphs
             # a new shape every pass (as a turn's next chunk meets): one token fewer each time
             t_in = toks[:, : toks.shape[1] - 1 - i] if new_shapes else toks
-            t = timed(lambda t_in=t_in: model(t_in, cache=cache))
+            t = timed(lambda t_in=t_in: model(t_in, cache=cache))  # type: ignore[misc]
             trim_prompt_cache(cache, t_in.shape[1])
             if i >= 2:
                 out.append(t)
@@ -97,7 +97,7 @@ def measure(model_dir: str, contexts: list[int], reps: int, chunk: int) -> dict[
         extend(shorter, ctx - built, 13 + built)
         built = ctx
         trim_prompt_cache(shorter, min(1000, ctx // 4))  # the other row: a shorter session
-        row = {c: [] for c in CASES}
+        row: dict[str, list[float]] = {c: [] for c in CASES}
         batch = [BatchKVCache.merge([c]) for c in single]
         two = [BatchKVCache.merge([a, b]) for a, b in zip(single, shorter, strict=True)]
         mx.eval([c.keys for c in batch] + [c.keys for c in two])
