@@ -495,3 +495,31 @@ def unpadded_batch_masks() -> None:
     BatchKVCache.state = property(state.fget, set_state)  # type: ignore[method-assign,assignment]
     BatchKVCache.make_mask = make_mask_  # type: ignore[method-assign]
     BatchKVCache._mlxd_unpadded_masks = True  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------- attention
+
+def route_attention(attention: Callable[..., Any] | None) -> None:
+    """mlx-lm's models attend through `models.base.scaled_dot_product_attention`, which calls
+    `mx.fast.scaled_dot_product_attention` for an unquantized cache; send those calls to
+    `attention` (same signature) instead, in every model module imported so far (they bind
+    the name at import: call this after loading). Installing again replaces the route; None
+    gives mlx-lm's function back."""
+    import sys
+
+    from mlx_lm.models import base
+    original = base.__dict__.setdefault("_mlxd_sdpa", base.scaled_dot_product_attention)
+    previous = base.__dict__.get("_mlxd_routed")
+
+    def sdpa(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+             sinks: Any = None) -> Any:
+        if hasattr(cache, "bits"):  # quantized attention: mlx-lm's own
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        assert attention is not None
+        return attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    now = original if attention is None else sdpa
+    base.__dict__["_mlxd_routed"] = now
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models") and getattr(
+                module, "scaled_dot_product_attention", None) in (original, previous):
+            setattr(module, "scaled_dot_product_attention", now)  # noqa: B010

@@ -49,6 +49,7 @@ from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache, common_prefix
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN, segments, snapshot_points
 from mlxd.engine.kv.ssd_snapshots import states_from_host
+from mlxd.engine.load import cuda_attention
 from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
     prefilled_tokens,
@@ -124,6 +125,7 @@ class Runner:
         self._checkpoint_every = checkpoint_every if persist else 0
         self._groups: dict[str, PrefillGroup] = {}
         self._stepped = False  # a step ran since MLX's buffers were last given back
+        cuda_attention.install(model)
         self._gen = self._new_generator()
         self._update_cap()
 

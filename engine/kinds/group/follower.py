@@ -53,6 +53,7 @@ def main() -> int:
     group = mx.distributed.init(strict=True, backend=launch.backend)
     model, tokenizer, config = load_shard(launch.model_dir, launch.dtype,
                                           parse_layout(launch.layout), group)
+    cuda_attention.install(model)  # as rank 0's runner routes its passes
     grammar_tokenizer = None
     try:
         from mlxd.engine.grammar.processor import TokenizerCache

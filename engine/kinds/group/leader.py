@@ -196,7 +196,7 @@ class GroupLeader:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for rank in self.plan.ranks[1:]:
             env = self.plan.env(rank.rank, str(self.hostfile) if rank.host.local else None,
-                                visible, attention=os.environ.get(cuda_attention.ENV, "0"))
+                                visible, attention=os.environ.get(cuda_attention.ENV, "1"))
             cmd = follower_command(sys.executable, rank, env, self.plan.hostfile, os.getcwd())
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
                                     preexec_fn=_die_with_parent if rank.host.local else None)
