@@ -145,7 +145,8 @@ class RequestOutput:
         """Feed one generated token; return the delta to send (None if nothing to say)."""
         if self.finished:
             return None
-        is_eos = finish_reason == "stop" and token in self.eos_ids
+        # "length" with the end token: a document a budget closed early (`grammar/budget.py`)
+        is_eos = finish_reason in ("stop", "length") and token in self.eos_ids
         new_ids: list[int] = []
         if not is_eos:
             self.detokenizer.add_token(token)
