@@ -11,9 +11,13 @@ tokenized):
   container is what makes the closing suddenly longer, so the row fills in the values it
   has open and follows the closing's structure;
 - near (slack <= NEAR): the same while the row is inside a string value or a number (it may
-  finish what it is writing); anywhere else the closing is forced from here;
+  go on with what it is writing); anywhere else the closing's next token is forced (a
+  separator, a key, the start of a value the row then fills in);
 - closing (slack <= MARGIN): the closing's tokens are forced one by one; then the grammar
   allows nothing but the end of the sequence.
+
+A row where the budget forced a token the grammar did not force anyway was closed for the
+budget: its finish is "length" (`closed_for_budget`), however early the document ended.
 
 One token in free mode may open a lot (`":[{"`: an array of objects with required keys): CALM
 is wide so that such a jump still leaves room. The closing is computed again only once the
@@ -126,7 +130,8 @@ class BudgetGuard:
         self._lexed = 0
         self._queue: list[int] = []
         self._decided: tuple[int, Decision] | None = None
-        self.closing_started_at: int | None = None  # position where the budget closed it
+        self.closing_started_at: int | None = None  # where the budget first took a choice
+        self._committed = False  # the closing is forced to its end
         first = self._closing_tokens()
         self.shortest = len(first) if first is not None else None
         if self.shortest is not None and self.shortest > max_tokens:
@@ -151,9 +156,9 @@ class BudgetGuard:
         if self._queue:
             t = self._queue.pop(0)
             if self.matcher.validate_tokens([t]) == 1:
-                return Decision(force=t)
+                return self._force(t, position)
             self._queue = []  # should not happen: search again from here
-        elif self.closed_for_budget:
+        elif self._committed:
             return FREE  # closed: the grammar allows only the end now
         if left - GROWTH * (position - self._checked_at) > self._last + CALM:
             return FREE  # even at the fastest growth the closing cannot be near yet
@@ -163,18 +168,30 @@ class BudgetGuard:
             return FREE
         self._last = len(tokens)
         slack, lex = left - len(tokens), self._lex
-        if slack <= MARGIN or (slack <= NEAR and not lex.in_value):
+        if slack <= MARGIN:
             if len(tokens) > left:
                 log.warning("a constrained row's closing (%d tokens) no longer fits its %d "
                             "tokens left: it will be cut", len(tokens), left)
-            self.closing_started_at = position
+            self._committed = True
             self._queue = tokens[1:]
-            return Decision(force=tokens[0])
+            return self._force(tokens[0], position)
         if slack > CALM:
             return FREE
-        if lex.in_key or (lex.key_next and not lex.in_string):
-            return Decision(force=tokens[0])  # the closing's key, not one of the row's choice
+        if (slack <= NEAR and not lex.in_value) or lex.in_key \
+                or (lex.key_next and not lex.in_string):
+            # the closing's next step (its key, its shortest value's start), then the row
+            # fills the value in
+            return self._force(tokens[0], position)
         return Decision(near=True, first=tokens[0])
+
+    def _force(self, token: int, position: int) -> Decision:
+        """Force `token`; the budget took a choice from the row unless the grammar itself
+        forces the same bytes here."""
+        if self.closing_started_at is None:
+            mine = self.vocab.ll.decode_bytes([token])
+            if not self.matcher.compute_ff_bytes().startswith(mine):
+                self.closing_started_at = position
+        return Decision(force=token)
 
     def _closing_tokens(self) -> list[int] | None:
         """Tokens that finish the document from the matcher's state (checked by it)."""
