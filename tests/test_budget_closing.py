@@ -227,8 +227,8 @@ def shortest_of(tc: Any, schema: dict) -> int:
 
 
 def test_forced_calls_and_schema_answers_validate_at_small_budgets(served, tokenizers):
-    """tool_choice required / a named tool (OpenAI), tool_choice any (Anthropic),
-    response_format json_schema and output_config.format, at 64-80 tokens, sampled at
+    """tool_choice required (OpenAI), tool_choice any (Anthropic), response_format
+    json_schema, output_config.format and Responses' text.format, at 64-80 tokens, sampled at
     temperature 1 from a random-weight model: every call and answer validates; a document
     the budget closed says so (length / max_tokens)."""
     oai = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
@@ -267,6 +267,11 @@ def test_forced_calls_and_schema_answers_validate_at_small_budgets(served, token
                                     "type": "json_schema", "schema": schema}}})
         jsonschema.validate(json.loads(m.content[0].text), schema)
         cut += m.stop_reason == "max_tokens"
+        resp = oai.responses.create(model="tiny-llama", input="Fill it in.",
+                                    max_output_tokens=budget, temperature=1.0,
+                                    text={"format": {"type": "json_schema", "name": "x",
+                                                     "schema": schema}})
+        jsonschema.validate(json.loads(resp.output_text), schema)
     assert cut >= 4  # a random-weight model runs on: the budget closed many of them
 
 

@@ -125,7 +125,7 @@ class BudgetGuard:
                  history: list[int]) -> None:
         self.vocab, self.matcher, self.max_tokens = vocab, matcher, max_tokens
         self.history = history
-        self._replayed = len(history)  # tokens before the budget's first (a resumed request)
+        self._closing: tuple[int, list[int]] | None = None  # (position, closing) last found
         self._lex = JsonLex()
         self._lexed = 0
         self._queue: list[int] = []
@@ -162,7 +162,7 @@ class BudgetGuard:
             return FREE  # closed: the grammar allows only the end now
         if left - GROWTH * (position - self._checked_at) > self._last + CALM:
             return FREE  # even at the fastest growth the closing cannot be near yet
-        tokens = self._closing_tokens()
+        tokens = self._next_closing(position)
         self._checked_at = position
         if not tokens:  # complete already, or no closing found: the grammar alone
             return FREE
@@ -192,6 +192,19 @@ class BudgetGuard:
             if not self.matcher.compute_ff_bytes().startswith(mine):
                 self.closing_started_at = position
         return Decision(force=token)
+
+    def _next_closing(self, position: int) -> list[int] | None:
+        """The closing from here: the last one less its first token when the row took that
+        token (what happens every step once it is forced), else searched again."""
+        was = self._closing
+        if was is not None and was[0] == position - 1 and was[1] \
+                and self.history and self.history[-1] == was[1][0]:
+            self._catch_up()
+            tokens: list[int] | None = was[1][1:]
+        else:
+            tokens = self._closing_tokens()
+        self._closing = (position, tokens) if tokens else None
+        return tokens
 
     def _closing_tokens(self) -> list[int] | None:
         """Tokens that finish the document from the matcher's state (checked by it)."""
