@@ -34,6 +34,7 @@ from support.harness import Daemon
 from support.json_schemas import random_schema
 
 ASK = [{"role": "user", "content": "Fill in every field with realistic values."}]
+ROUTES = ("openai-call", "openai-format", "anthropic-call", "anthropic-format")
 
 
 def shortest(tc: Any, grammar: str) -> int:
@@ -43,10 +44,13 @@ def shortest(tc: Any, grammar: str) -> int:
     return guard.shortest
 
 
-def budgets(lo: int, n: int, rng: random.Random) -> list[int]:
-    """`n` budgets from lo (the shortest + 8) up to 128: lo, 128, and random ones between."""
+def budgets(lo: int, n: int, rng: random.Random, top_only: bool = False) -> list[int]:
+    """`n` budgets from lo (the shortest + 8) up to 128: lo, 128, and random ones between
+    (`top_only`: 128 alone)."""
     if lo > 128:
         return []
+    if top_only:
+        return [128]
     picks = [lo, 128][:n] + [rng.randint(lo, 128) for _ in range(max(0, n - 2))]
     return sorted(set(picks))
 
@@ -89,6 +93,9 @@ def main() -> None:
     ap.add_argument("--model", help="a model directory (default: a random-weight tiny model)")
     ap.add_argument("--schemas", type=int, default=200)
     ap.add_argument("--budgets", type=int, default=3, help="budgets per schema and route")
+    ap.add_argument("--top-only", action="store_true", help="only the budget of 128 tokens")
+    ap.add_argument("--rotate", action="store_true",
+                    help="each schema through one route only, in turn (a slow model's run)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -111,8 +118,9 @@ def main() -> None:
         schema = random_schema(s)
         lo = {"call": shortest(tc, call_grammar([Tool("fill", "", schema)])) + 8,
               "format": shortest(tc, schema_grammar(schema, "schema")) + 8}
-        for route in ("openai-call", "openai-format", "anthropic-call", "anthropic-format"):
-            for b in budgets(lo[route.split("-")[1]], args.budgets, rng):
+        routes = ROUTES[s % 4:s % 4 + 1] if args.rotate else ROUTES
+        for route in routes:
+            for b in budgets(lo[route.split("-")[1]], args.budgets, rng, args.top_only):
                 jobs.append((route, schema, b, len(jobs)))
     d = Daemon(str(model_dir), "--batch", str(max(8, args.concurrency)))
     d.start()
@@ -124,6 +132,9 @@ def main() -> None:
         with ThreadPoolExecutor(args.concurrency) as pool:
             futures = [(j, pool.submit(one, d.url, model, *j)) for j in jobs]
             for (route, _, b, i), f in futures:
+                if len(results) % 50 == 0:
+                    print(f"{len(results)}/{len(jobs)} in {time.monotonic() - t0:.0f} s",
+                          file=sys.stderr, flush=True)
                 try:
                     results.append({"route": route, "budget": b, **f.result()})
                 except Exception as e:  # noqa: BLE001 - any failure is the figure measured
@@ -135,7 +146,7 @@ def main() -> None:
     wall = time.monotonic() - t0
     lines = [f"model: {model_dir.name}  schemas: {args.schemas}  requests: {len(results)}  "
              f"wall: {wall:.0f} s"]
-    for route in ("openai-call", "openai-format", "anthropic-call", "anthropic-format"):
+    for route in ROUTES:
         rs = [r for r in results if r["route"] == route]
         ok = [r for r in rs if "error" not in r]
         finishes = Counter(r["finish"] for r in ok)
