@@ -40,7 +40,7 @@ from mlxd.engine.grammar.closing import JsonLex, closing
 
 log = logging.getLogger("mlxd.engine")
 
-CALM = 64  # slack under which nothing new may be opened
+CALM = 64  # slack under which nothing new may be opened (at least; `BudgetGuard.calm`)
 NEAR = 16  # slack under which the row only finishes the value it is writing
 MARGIN = 3  # slack kept when the closing is forced (an enum's or a number's growth)
 # How many tokens one generated token may add to the closing, at most (`[{"` may open an
@@ -49,6 +49,28 @@ MARGIN = 3  # slack kept when the closing is forced (an enum's or a number's gro
 GROWTH = 16
 _LIMIT_BYTES = 8192  # a closing longer than this is not searched for
 _OPENERS = b"{[,"
+
+
+def fully_required(schema: Any) -> Any:
+    """`schema` with every listed property required and every array at least one item long
+    (unless it may hold none): its shortest document bounds what one token can add to a
+    closing, opening an optional key or a further item (`BudgetGuard.calm`)."""
+    if isinstance(schema, list):
+        return [fully_required(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: fully_required(v) for k, v in schema.items()}
+    props = out.get("properties")
+    if isinstance(props, dict):
+        out["required"] = list(props)
+    if out.get("type") == "array" and out.get("maxItems") != 0:
+        out["minItems"] = max(1, out.get("minItems", 0) if isinstance(
+            out.get("minItems"), int) else 1)
+    return out
+
+
+def schema_of(grammar: str) -> Any:
+    return json.loads(grammar)["grammars"][0]["json_schema"]
 
 
 def is_json_schema(grammar: str) -> bool:
@@ -122,7 +144,7 @@ class BudgetGuard:
     consumed token to (replayed ones first)."""
 
     def __init__(self, vocab: ClosingVocab, matcher: Any, max_tokens: int,
-                 history: list[int]) -> None:
+                 history: list[int], grammar: str | None = None) -> None:
         self.vocab, self.matcher, self.max_tokens = vocab, matcher, max_tokens
         self.history = history
         self._closing: tuple[int, list[int]] | None = None  # (position, closing) last found
@@ -138,6 +160,28 @@ class BudgetGuard:
             raise BudgetTooSmall(self.shortest, max_tokens)
         self._last = self.shortest or 0
         self._checked_at = 0
+        self.calm = CALM if grammar is None else max(CALM, self._widest_jump(grammar))
+
+    def _widest_jump(self, grammar: str) -> int:
+        """The shortest document of the schema with everything optional made required: one
+        token opening a heavy optional key (`"when":` whose object has required keys of its
+        own) can add that much to the closing at once, so the calm mode starts that far out."""
+        import llguidance
+        try:
+            full = llguidance.LLMatcher.grammar_from_json_schema(
+                fully_required(schema_of(grammar)), defaults={"whitespace_flexible": False})
+            m = llguidance.LLMatcher(self.vocab.ll, full)
+            if m.is_error():
+                return 0
+            byte_token = self.vocab.byte_token
+
+            def accept(b: int) -> bool:
+                t = byte_token.get(b)
+                return t is not None and m.try_consume_tokens([t]) == 1
+            found = closing(JsonLex(), accept, m.is_accepting, _LIMIT_BYTES)
+        except (ValueError, KeyError, TypeError, RuntimeError):
+            return 0  # a schema the widening breaks: the default width
+        return 0 if found is None else len(self.vocab.ll.tokenize_bytes(found))
 
     @property
     def closed_for_budget(self) -> bool:
@@ -160,7 +204,7 @@ class BudgetGuard:
             self._queue = []  # should not happen: search again from here
         elif self._committed:
             return FREE  # closed: the grammar allows only the end now
-        if left - GROWTH * (position - self._checked_at) > self._last + CALM:
+        if left - GROWTH * (position - self._checked_at) > self._last + self.calm:
             return FREE  # even at the fastest growth the closing cannot be near yet
         tokens = self._next_closing(position)
         self._checked_at = position
@@ -175,7 +219,7 @@ class BudgetGuard:
             self._committed = True
             self._queue = tokens[1:]
             return self._force(tokens[0], position)
-        if slack > CALM:
+        if slack > self.calm:
             return FREE
         if (slack <= NEAR and not lex.in_value) or lex.in_key \
                 or (lex.key_next and not lex.in_string):

@@ -135,7 +135,7 @@ class GrammarProcessor:
         if max_tokens is not None and is_json_schema(grammar):
             history = list(replay or [])
             vocab = closing_vocab(tokenizers.get(), tokenizers.n_vocab)
-            self.budget = BudgetGuard(vocab, self.matcher, max_tokens, history)
+            self.budget = BudgetGuard(vocab, self.matcher, max_tokens, history, grammar)
         self.feed = TokenFeed(self.matcher, history)
         self._calls = 0
         self._warned = False
