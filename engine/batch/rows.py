@@ -32,6 +32,8 @@ class Row:
     snap_at: frozenset[int] = frozenset()
     snaps: dict[int, list[Any]] = field(default_factory=dict)
     waits: dict[str, int] = field(default_factory=dict)  # follower request id -> its point
+    # its output grammar, when one may close the output early for the budget (finish: length)
+    grammar: Any = None
 
 
 class RowTable:

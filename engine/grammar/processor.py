@@ -20,6 +20,8 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
+from mlxd.engine.grammar.budget import BudgetGuard, Decision, apply, closing_vocab, is_json_schema
+
 _NEG_INF = float("-inf")
 log = logging.getLogger("mlxd.engine")
 
@@ -62,9 +64,10 @@ class TokenFeed:
     """A matcher and how many generated tokens it has consumed: each generated position is
     consumed exactly once and in order, whichever path (batched or per-row) offers it."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, history: list[int] | None = None) -> None:
         self.matcher = matcher
         self.consumed = 0  # generated tokens consumed so far (replayed ones not counted)
+        self.history = history  # every consumed token appended, where a budget reads them
 
     def due(self, position: int) -> bool:
         """Whether the token at generated `position` is the next to consume (False: it was
@@ -77,6 +80,8 @@ class TokenFeed:
         if self.due(position):
             self.matcher.consume_token(token)
             self.consumed += 1
+            if self.history is not None:
+                self.history.append(token)
 
 
 _SHIFTS: list[mx.array] = []  # 0..7 as uint8, built once
@@ -113,7 +118,10 @@ class GrammarProcessor:
     the row reads its token and computes its mask itself."""
 
     def __init__(self, tokenizers: TokenizerCache, grammar: str,
-                 replay: list[int] | None = None) -> None:
+                 replay: list[int] | None = None, max_tokens: int | None = None) -> None:
+        """`max_tokens`: the row's budget (generated tokens, after `replay`); given, a JSON
+        schema's document is closed validly within it (`budget.py`), and a budget that cannot
+        hold even the shortest document raises `BudgetTooSmall`."""
         import llguidance
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
@@ -122,7 +130,13 @@ class GrammarProcessor:
             raise ConstraintError(self.matcher.get_error())
         for t in replay or []:  # a resumed request: what was delivered before the crash
             self.matcher.consume_token(t)
-        self.feed = TokenFeed(self.matcher)
+        self.budget: BudgetGuard | None = None
+        history: list[int] | None = None
+        if max_tokens is not None and is_json_schema(grammar):
+            history = list(replay or [])
+            vocab = closing_vocab(tokenizers.get(), tokenizers.n_vocab)
+            self.budget = BudgetGuard(vocab, self.matcher, max_tokens, history, grammar)
+        self.feed = TokenFeed(self.matcher, history)
         self._calls = 0
         self._warned = False
         self.plan: Any = None  # set by the step hook for the step in progress
@@ -130,8 +144,26 @@ class GrammarProcessor:
         self._vocab = tokenizers.n_vocab
         self._first: np.ndarray | None = None
         if not self.matcher.is_error():
-            self._first = self._allocate(1, self._vocab)
-            self._fill(self.matcher, self._first, 0)
+            self._first = self.row_bits(self._vocab)
+
+    def decision(self) -> Decision | None:
+        """The budget's word on the next token (None: no budget, the grammar alone)."""
+        return None if self.budget is None else self.budget.decide(self.feed.consumed)
+
+    @property
+    def closed_for_budget(self) -> bool:
+        """The document was closed early because the budget ran out (finish: length)."""
+        return self.budget is not None and self.budget.closed_for_budget
+
+    def row_bits(self, vocab: int) -> np.ndarray:
+        """This row's packed mask for the next token: the grammar's, and the budget's word."""
+        bits = self._allocate(1, vocab)
+        d = self.decision()
+        if d is None or d.force is None:
+            self._fill(self.matcher, bits, 0)
+        if d is not None and self.budget is not None:
+            apply(d, bits, 0, self.budget.vocab)
+        return bits
 
     @property
     def calls(self) -> int:
@@ -173,6 +205,5 @@ class GrammarProcessor:
                 self.feed.consume(calls - 1, cast(int, context[-1].item()))  # token ids: int
             if self.check_error():
                 return None
-            bits = self._allocate(1, vocab)
-            self._fill(self.matcher, bits, 0)
+            bits = self.row_bits(vocab)
         return unpack_bits(bits, vocab)
