@@ -113,7 +113,7 @@ def main() -> None:
     n_vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     tc = TokenizerCache(hf, n_vocab, [])
     rng = random.Random(0)
-    jobs = []
+    jobs: list[tuple[str, dict, int, int]] = []
     for s in range(args.schemas):
         schema = random_schema(s)
         lo = {"call": shortest(tc, call_grammar([Tool("fill", "", schema)])) + 8,

@@ -16,8 +16,10 @@ from typing import Any
 import anthropic
 import jsonschema
 import numpy as np
+import ollama
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from conftest import start_daemon, stop_and_check
 from support.json_schemas import random_schema
@@ -111,9 +113,9 @@ def run_on(tc: Any, grammar: str, budget: int, rng: random.Random) -> tuple[list
 
 def test_run_on_rows_end_valid_within_every_budget(tokenizers):
     """200 schemas, each at a budget from its shortest closing + 8 to 128: the row never
-    ends on its own, the budget closes every document validly, and a budget under the
-    shortest closing is refused naming the minimum."""
-    from mlxd.engine.grammar.budget import BudgetTooSmall
+    ends on its own, the budget closes every document validly (complete: the grammar
+    accepts it), and a budget under the shortest closing is not refused: that row gets no
+    guard (it is cut by max_tokens as any row)."""
     from mlxd.engine.grammar.processor import GrammarProcessor
     hf, tc = tokenizers
     rng = random.Random(1)
@@ -128,10 +130,40 @@ def test_run_on_rows_end_valid_within_every_budget(tokenizers):
         out, p = run_on(tc, g, budget, rng)
         assert len(out) <= budget
         jsonschema.validate(json.loads(hf.decode(out)), schema)
+        assert p.matcher.is_accepting()
         closed += p.closed_for_budget
-        with pytest.raises(BudgetTooSmall, match=f"at least {shortest} tokens"):
-            GrammarProcessor(tc, g, max_tokens=shortest - 1)
+        under = GrammarProcessor(tc, g, max_tokens=shortest - 1)
+        assert under.budget is None and under.shortest == shortest
+        assert under.feed.history is None  # nothing kept for a guard it does not have
     assert closed >= 40  # many documents were closed by the budget, not by the walk
+
+
+def test_a_closing_that_fills_the_budget_is_complete_at_the_last_token(tokenizers):
+    """A budget of exactly the shortest closing: the closing is forced from the first token
+    and ends in the last one, with no room for the end token (mlx-lm then says length).
+    `completed_by` tells the runner the document is complete, whether or not the matcher
+    consumed that last token yet; a token earlier it is not."""
+    from mlxd.engine.grammar.processor import GrammarProcessor
+    hf, tc = tokenizers
+    for seed in (3, 47, 77):
+        schema = random_schema(seed)
+        g = grammar_of(schema)
+        shortest = GrammarProcessor(tc, g, max_tokens=10**6).shortest
+        assert shortest is not None
+        p = GrammarProcessor(tc, g, max_tokens=shortest)
+        out: list[int] = []
+        for pos in range(shortest):
+            ids = allowed(p.row_bits(tc.n_vocab), tc.n_vocab)
+            assert len(ids) == 1  # forced all the way
+            out.append(int(ids[0]))
+            if pos < shortest - 1:
+                assert not p.completed_by(pos, out[-1])
+                p.feed.consume(pos, out[-1])
+        jsonschema.validate(json.loads(hf.decode(out)), schema)
+        assert p.completed_by(shortest - 1, out[-1])  # not consumed yet: offered to a copy
+        assert p.feed.consumed == shortest - 1
+        p.feed.consume(shortest - 1, out[-1])
+        assert p.completed_by(shortest - 1, out[-1])  # consumed already (mlx-lm's next step)
 
 
 def test_without_a_budget_run_on_rows_are_cut_invalid(tokenizers):
@@ -173,7 +205,10 @@ def engine(tiny_model, tmp_path_factory, tokenizers):
 def test_runner_closes_rows_within_their_budget(engine):
     """A batch of constrained rows (seeded sampling at temperature 1: a random-weight model
     runs on) beside a free row: every document parses and validates, is no longer than its
-    budget, and a row the budget closed finishes with length."""
+    budget, and finishes with stop, also a row the budget closed (its document is complete);
+    the free row is cut with length. Two rows whose budget is exactly the shortest closing
+    (the closing fills it, no room for the end token: mlx-lm says length) finish with stop
+    too; one a token under it gets no guard and is cut with length."""
     from mlxd.engine.admit.sampling import make_request_sampler
     from mlxd.engine.batch.messages import AddRequest
     from mlxd.engine.batch.runner import Runner
@@ -195,16 +230,32 @@ def test_runner_closes_rows_within_their_budget(engine):
                                [p]))
     adds.append(AddRequest("free", tok.encode("free"), 30,
                            make_request_sampler(SamplingParams(temperature=1.0, seed=9)), []))
-    outs = run_together(runner, outq, adds)[0]
+    exact = {"exact0": 3, "exact1": 77, "under": 17}
+    for rid, seed in exact.items():
+        g = grammar_of(random_schema(seed))
+        shortest = GrammarProcessor(tc, g, max_tokens=10**6).budget.shortest
+        budgets[rid] = shortest - (rid == "under")
+        adds.append(AddRequest(rid, tok.encode(f"{rid}: the answer"), budgets[rid],
+                               make_request_sampler(SamplingParams(temperature=1.0, seed=5)),
+                               [GrammarProcessor(tc, g, max_tokens=budgets[rid])]))
+    finishes: dict[str, str] = {}
+    outs = run_together(runner, outq, adds, finishes)[0]
     closed = 0
     for i, (seed, _) in enumerate(CASES):
         ids = outs[f"r{i}"]
         text = tok.decode([t for t in ids if t not in tok.eos_token_ids])
         jsonschema.validate(json.loads(text), random_schema(seed))
         assert len([t for t in ids if t not in tok.eos_token_ids]) <= budgets[f"r{i}"]
+        assert finishes[f"r{i}"] == "stop", (i, text)
         closed += procs[f"r{i}"].closed_for_budget
     assert closed >= len(CASES) // 2
-    assert len(outs["free"]) == 30
+    assert len(outs["free"]) == 30 and finishes["free"] == "length"
+    for rid in ("exact0", "exact1"):
+        ids = outs[rid]
+        assert len(ids) == budgets[rid] and not set(ids) & set(tok.eos_token_ids)
+        jsonschema.validate(json.loads(tok.decode(ids)), random_schema(exact[rid]))
+        assert finishes[rid] == "stop"
+    assert len(outs["under"]) == budgets["under"] and finishes["under"] == "length"
 
 
 # ---- through the OpenAI and Anthropic routes ----
@@ -216,25 +267,36 @@ def served(tiny_model):
     stop_and_check(d)
 
 
-def shortest_of(tc: Any, schema: dict) -> int:
+def shortest_of(tc: Any, schema: dict, name: str = "fill") -> int:
     """The shortest forced call of `schema` (a json_schema answer's is shorter)."""
     from mlxd.engine.grammar.processor import GrammarProcessor
     from mlxd.proxy.core.constraints import Tool, call_grammar
-    grammar = call_grammar([Tool("fill", "", schema)])
+    grammar = call_grammar([Tool(name, "", schema)])
     guard = GrammarProcessor(tc, grammar, max_tokens=10**6).budget
     assert guard is not None and guard.shortest is not None
     return guard.shortest
 
 
+def shortest_answer(tc: Any, schema: dict) -> int:
+    """The shortest json_schema answer of `schema`."""
+    from mlxd.engine.grammar.processor import GrammarProcessor
+    shortest = GrammarProcessor(tc, grammar_of(schema), max_tokens=10**6).shortest
+    assert shortest is not None
+    return shortest
+
+
 def test_forced_calls_and_schema_answers_validate_at_small_budgets(served, tokenizers):
     """tool_choice required (OpenAI), tool_choice any (Anthropic), response_format
-    json_schema, output_config.format and Responses' text.format, at 64-80 tokens, sampled at
-    temperature 1 from a random-weight model: every call and answer validates; a document
-    the budget closed says so (length / max_tokens)."""
+    json_schema, output_config.format, Responses' text.format and Ollama's format, at 64-80
+    tokens, sampled at temperature 1 from a random-weight model (its strings run on): every
+    call and answer validates, and each finishes as a complete one does (tool_calls / stop,
+    tool_use / end_turn, completed, stop), also where the budget closed it (that the budget
+    closes such rows, not the model, is counted on the runner above: at least half)."""
     oai = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
     ant = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
+    olm = ollama.Client(host=served.url)
     ask = [{"role": "user", "content": "Fill it in."}]
-    cut = 0
+    used = []  # output tokens / budget of each answer
     for k, seed in enumerate((5, 23, 61)):
         schema = random_schema(seed)
         # 64-80 tokens, or the shortest document's + 8 (the tiny tokenizer's tokens are short)
@@ -246,14 +308,15 @@ def test_forced_calls_and_schema_answers_validate_at_small_budgets(served, token
         choice = r.choices[0]
         (call,) = choice.message.tool_calls or []
         jsonschema.validate(json.loads(call.function.arguments), schema)
-        assert choice.finish_reason in ("tool_calls", "length")
-        cut += choice.finish_reason == "length"
+        assert choice.finish_reason == "tool_calls"
+        used.append(r.usage.completion_tokens / budget)
         r = oai.chat.completions.create(
             model="tiny-llama", messages=ask, max_tokens=budget, temperature=1.0, seed=k,
             response_format={"type": "json_schema",
                              "json_schema": {"name": "x", "schema": schema}})
         jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
-        cut += r.choices[0].finish_reason == "length"
+        assert r.choices[0].finish_reason == "stop"
+        used.append(r.usage.completion_tokens / budget)
         m = ant.messages.create(model="tiny-llama", max_tokens=budget, messages=ask,
                                 extra_body={"temperature": 1.0},
                                 tools=[{"name": "fill", "input_schema": schema}],
@@ -261,39 +324,97 @@ def test_forced_calls_and_schema_answers_validate_at_small_budgets(served, token
         (block,) = m.content
         assert block.type == "tool_use"
         jsonschema.validate(block.input, schema)
-        cut += m.stop_reason == "max_tokens"
+        assert m.stop_reason == "tool_use"
+        used.append(m.usage.output_tokens / budget)
         m = ant.messages.create(model="tiny-llama", max_tokens=budget, messages=ask,
                                 extra_body={"temperature": 1.0, "output_config": {"format": {
                                     "type": "json_schema", "schema": schema}}})
         jsonschema.validate(json.loads(m.content[0].text), schema)
-        cut += m.stop_reason == "max_tokens"
+        assert m.stop_reason == "end_turn"
         resp = oai.responses.create(model="tiny-llama", input="Fill it in.",
                                     max_output_tokens=budget, temperature=1.0,
                                     text={"format": {"type": "json_schema", "name": "x",
                                                      "schema": schema}})
         jsonschema.validate(json.loads(resp.output_text), schema)
-    assert cut >= 4  # a random-weight model runs on: the budget closed many of them
+        assert resp.status == "completed" and resp.incomplete_details is None
+        o = olm.chat(model="tiny-llama", messages=ask, format=schema,
+                     options={"num_predict": budget, "temperature": 1.0, "seed": k})
+        jsonschema.validate(json.loads(o.message.content or ""), schema)
+        assert o.done_reason == "stop"
+    assert all(0 < u <= 1 for u in used)
 
 
-def test_a_budget_below_the_shortest_document_is_a_400(served):
+class Place(BaseModel):
+    name: str
+    big: bool
+    rank: int = Field(ge=1, le=99)
+    tags: list[str]
+
+
+def test_the_openai_sdk_parses_answers_the_budget_closed(served, tokenizers):
+    """The official client's `parse()` raises LengthFinishReasonError on finish length: a
+    json_schema answer and a forced call (`pydantic_function_tool`) that the budget closed
+    come back parsed, as the model class, with finish stop / tool_calls, at every budget from
+    the shortest answer up (the shortest itself: the closing fills the budget)."""
+    oai = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Describe a place."}]
+    schema = openai.lib._pydantic.to_strict_json_schema(Place)
+    lo = shortest_answer(tokenizers[1], schema)
+    for k, budget in enumerate((lo, lo + 1, lo + 5, 40, 64)):
+        r = oai.chat.completions.parse(model="tiny-llama", messages=ask, max_tokens=budget,
+                                       temperature=1.0, seed=k, response_format=Place)
+        choice = r.choices[0]
+        assert isinstance(choice.message.parsed, Place), choice.message.content
+        assert choice.finish_reason == "stop"
+        assert r.usage is not None and r.usage.completion_tokens <= budget
+    lo = shortest_of(tokenizers[1], schema, "Place")
+    for k, budget in enumerate((lo, lo + 3, 64)):
+        r = oai.chat.completions.parse(
+            model="tiny-llama", messages=ask, max_tokens=budget, temperature=1.0, seed=k,
+            tools=[openai.pydantic_function_tool(Place)],
+            tool_choice={"type": "function", "function": {"name": "Place"}})
+        choice = r.choices[0]
+        (call,) = choice.message.tool_calls or []
+        assert isinstance(call.function.parsed_arguments, Place)
+        assert choice.finish_reason == "tool_calls"
+    with pytest.raises(openai.LengthFinishReasonError):  # under the shortest: cut, as before
+        oai.chat.completions.parse(model="tiny-llama", messages=ask, max_tokens=lo // 2,
+                                   temperature=1.0, seed=0, response_format=Place)
+
+
+def test_a_budget_below_the_shortest_document_is_served_and_cut(served, tokenizers):
+    """Under the shortest closing there is no valid document to steer to: the request is
+    served (no 400) and cut by max_tokens as any answer, finish length / max_tokens (a
+    forced call still arrives as a call, its arguments closed where they stopped)."""
     schema = {"type": "object", "additionalProperties": False,
               "required": ["first", "second", "third"],
               "properties": {"first": {"type": "string", "minLength": 20},
                              "second": {"type": "array", "minItems": 4,
                                         "items": {"type": "integer"}},
                              "third": {"enum": ["north-west"]}}}
+    assert shortest_answer(tokenizers[1], schema) > 8
     oai = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="max_tokens to at least"):
-        oai.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=8,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "x", "schema": schema}})
+    r = oai.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 8
+    assert (r.choices[0].message.content or "").startswith('{"first"')
+    r = oai.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+        tools=[{"type": "function", "function": {"name": "fill", "parameters": schema}}],
+        tool_choice="required")
+    assert r.choices[0].finish_reason == "length"
+    (call,) = r.choices[0].message.tool_calls or []
+    assert call.function.name == "fill" and isinstance(json.loads(call.function.arguments), dict)
     ant = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
-    with pytest.raises(anthropic.BadRequestError, match="max_tokens to at least"):
-        ant.messages.create(model="tiny-llama", max_tokens=8,
+    m = ant.messages.create(model="tiny-llama", max_tokens=8,
                             messages=[{"role": "user", "content": "x"}],
                             tools=[{"name": "fill", "input_schema": schema}],
                             tool_choice={"type": "any"})
+    assert m.stop_reason == "max_tokens"
+    (block,) = m.content
+    assert block.type == "tool_use" and block.name == "fill"
 
 
 def test_a_heavy_optional_key_opened_far_out_still_fits(tokenizers):

@@ -296,13 +296,10 @@ def processors(msg: Generate, grammar_tokenizer: Any, resumed: list[int],
     from mlxd.engine.admit.sampling import make_request_processors
     out = make_request_processors(msg.sampling)
     if msg.grammar is not None:
-        from mlxd.engine.grammar.budget import BudgetTooSmall
         from mlxd.engine.grammar.processor import ConstraintError, GrammarProcessor
         try:
             out.append(GrammarProcessor(grammar_tokenizer, msg.grammar, replay=resumed,
                                         max_tokens=max_tokens))
-        except BudgetTooSmall as e:
-            raise ClientError(str(e), "invalid_request") from e
         except (ConstraintError, ValueError) as e:
             raise ClientError(f"the output constraint cannot be used: {e}",
                               "invalid_request") from e

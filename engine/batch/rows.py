@@ -32,7 +32,8 @@ class Row:
     snap_at: frozenset[int] = frozenset()
     snaps: dict[int, list[Any]] = field(default_factory=dict)
     waits: dict[str, int] = field(default_factory=dict)  # follower request id -> its point
-    # its output grammar, when one may close the output early for the budget (finish: length)
+    # its output grammar when a budget guards it: a document closed in the last token is
+    # complete (finish: stop, not length)
     grammar: Any = None
 
 

@@ -574,8 +574,9 @@ class Runner:
                     c.to_admit_s += row.admitted_at - row.received_at
                     c.to_first_token_s += now - row.received_at
             finish = r.finish_reason
-            if finish == "stop" and row.grammar is not None and row.grammar.closed_for_budget:
-                finish = "length"  # a valid document, but the budget, not the model, ended it
+            if finish == "length" and row.grammar is not None \
+                    and row.grammar.completed_by(row.generated, r.token):
+                finish = "stop"  # the budget's closing ended in the last token: complete
             rows.append((row.request_id, r.token, finish))
             if row.logprobs >= 0:
                 wanted.append((row.request_id, r, row.logprobs))

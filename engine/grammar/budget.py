@@ -17,14 +17,17 @@ tokenized):
   allows nothing but the end of the sequence.
 
 A row where the budget forced a token the grammar did not force anyway was closed for the
-budget: its finish is "length" (`closed_for_budget`), however early the document ended.
+budget (`closed_for_budget`). Its document is complete and valid for the schema, so its finish
+is the normal one (the end token, or the runner's check that the last token completed it): the
+clients asked for a schema-valid object and got one. Only a row the budget could not close
+(a budget under the shortest closing, or a closing that no longer fits) is cut: "length".
 
 One token in free mode may open a lot (`":[{"`: an array of objects with required keys): CALM
 is wide so that such a jump still leaves room. The closing is computed again only once the
 row could be calm, were it to grow by GROWTH tokens a step since it was last computed (every
 step at the end, rarely before): a scratch copy of the matcher walked a byte at a time, about
-half a millisecond. A request whose budget cannot hold even the closing from the start is
-refused up front.
+half a millisecond. A request whose budget cannot hold even the closing from the start gets
+no guard (`BudgetGuard.fits` is False): it is served and cut by max_tokens as any row.
 """
 
 from __future__ import annotations
@@ -118,14 +121,6 @@ def closing_vocab(ll_tokenizer: Any, n_vocab: int) -> ClosingVocab:
         return v
 
 
-class BudgetTooSmall(ValueError):
-    def __init__(self, needed: int, budget: int) -> None:
-        super().__init__(f"the output's schema needs at least {needed} tokens to be completed "
-                         f"validly, but max_tokens allows {budget}: raise max_tokens to at "
-                         f"least {needed}")
-        self.needed = needed
-
-
 class Decision:
     """One step's word on a row: force one token, or keep the grammar's mask (restricted to
     calm tokens plus `first` when `near`)."""
@@ -156,11 +151,12 @@ class BudgetGuard:
         self._committed = False  # the closing is forced to its end
         first = self._closing_tokens()
         self.shortest = len(first) if first is not None else None
-        if self.shortest is not None and self.shortest > max_tokens:
-            raise BudgetTooSmall(self.shortest, max_tokens)
+        # whether the budget can hold the shortest document at all (else the row is cut)
+        self.fits = self.shortest is not None and self.shortest <= max_tokens
         self._last = self.shortest or 0
         self._checked_at = 0
-        self.calm = CALM if grammar is None else max(CALM, self._widest_jump(grammar))
+        self.calm = CALM if grammar is None or not self.fits \
+            else max(CALM, self._widest_jump(grammar))
 
     def _widest_jump(self, grammar: str) -> int:
         """The shortest document of the schema with everything optional made required: one

@@ -120,8 +120,8 @@ class GrammarProcessor:
     def __init__(self, tokenizers: TokenizerCache, grammar: str,
                  replay: list[int] | None = None, max_tokens: int | None = None) -> None:
         """`max_tokens`: the row's budget (generated tokens, after `replay`); given, a JSON
-        schema's document is closed validly within it (`budget.py`), and a budget that cannot
-        hold even the shortest document raises `BudgetTooSmall`."""
+        schema's document is closed validly within it (`budget.py`). A budget that cannot hold
+        even the shortest document gets no guard: the row is cut by max_tokens as before."""
         import llguidance
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
@@ -131,11 +131,17 @@ class GrammarProcessor:
         for t in replay or []:  # a resumed request: what was delivered before the crash
             self.matcher.consume_token(t)
         self.budget: BudgetGuard | None = None
+        self.shortest: int | None = None  # the shortest closing's tokens, from the start
         history: list[int] | None = None
-        if max_tokens is not None and is_json_schema(grammar):
+        if max_tokens is not None and is_json_schema(grammar) and not self.matcher.is_error():
             history = list(replay or [])
             vocab = closing_vocab(tokenizers.get(), tokenizers.n_vocab)
-            self.budget = BudgetGuard(vocab, self.matcher, max_tokens, history, grammar)
+            guard = BudgetGuard(vocab, self.matcher, max_tokens, history, grammar)
+            self.shortest = guard.shortest
+            if guard.fits:
+                self.budget = guard
+            else:
+                history = None
         self.feed = TokenFeed(self.matcher, history)
         self._calls = 0
         self._warned = False
@@ -152,8 +158,21 @@ class GrammarProcessor:
 
     @property
     def closed_for_budget(self) -> bool:
-        """The document was closed early because the budget ran out (finish: length)."""
+        """The budget steered the document to its end (it is complete and valid all the same:
+        the finish is the normal one)."""
         return self.budget is not None and self.budget.closed_for_budget
+
+    def completed_by(self, position: int, token: int) -> bool:
+        """Whether `token`, the row's last (generated `position`, max_tokens reached), leaves
+        the document complete and valid: a budget's closing that ends exactly at the last
+        token. The matcher may have consumed it already (mlx-lm computes the step after it
+        before it reports the finish); else a copy of the matcher is offered it."""
+        if self.matcher.is_error():
+            return False
+        if self.feed.consumed > position:
+            return bool(self.matcher.is_accepting())
+        m = self.matcher.deep_copy()
+        return bool(m.try_consume_tokens([token]) == 1 and m.is_accepting())
 
     def row_bits(self, vocab: int) -> np.ndarray:
         """This row's packed mask for the next token: the grammar's, and the budget's word."""

@@ -128,8 +128,9 @@ class StepPlan:
         # a budget's word per row (`budget.py`): a forced token needs no fill
         words = [p.decision() if ok else None for (_, p, _), ok in zip(self.rows, self._ok,
                                                                        strict=True)]
-        fill = [(p.matcher, i if self._whole else j) for j, (i, p, _) in enumerate(self.rows)
-                if self._ok[j] and (words[j] is None or words[j].force is None)]
+        fill = [(p.matcher, i if self._whole else j)
+                for j, ((i, p, _), word) in enumerate(zip(self.rows, words, strict=True))
+                if self._ok[j] and (word is None or word.force is None)]
         if self.fill_first:  # 3. the masks fill while this thread dispatches the forward pass
             pending = filler().submit(_fill, fill, bits) if fill else None
             mx.async_eval(logits)
