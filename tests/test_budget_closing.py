@@ -40,6 +40,14 @@ def grammar_of(schema: dict) -> str:
     return schema_grammar(schema, "schema")
 
 
+def shortest_answer(tc: Any, schema: dict) -> int:
+    """The shortest json_schema answer of `schema`."""
+    from mlxd.engine.grammar.processor import GrammarProcessor
+    shortest = GrammarProcessor(tc, grammar_of(schema), max_tokens=10**6).shortest
+    assert shortest is not None
+    return shortest
+
+
 def allowed(bits: np.ndarray, n_vocab: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab])
 
@@ -221,8 +229,7 @@ def test_runner_closes_rows_within_their_budget(engine):
     adds, procs, budgets = [], {}, {}
     for i, (seed, extra) in enumerate(CASES):
         g = grammar_of(random_schema(seed))
-        shortest = GrammarProcessor(tc, g, max_tokens=10**6).budget.shortest
-        budgets[f"r{i}"] = budget = min(shortest + extra, 128)
+        budgets[f"r{i}"] = budget = min(shortest_answer(tc, random_schema(seed)) + extra, 128)
         p = GrammarProcessor(tc, g, max_tokens=budget)
         procs[f"r{i}"] = p
         sampler = make_request_sampler(SamplingParams(temperature=1.0, seed=i))
@@ -233,8 +240,7 @@ def test_runner_closes_rows_within_their_budget(engine):
     exact = {"exact0": 3, "exact1": 77, "under": 17}
     for rid, seed in exact.items():
         g = grammar_of(random_schema(seed))
-        shortest = GrammarProcessor(tc, g, max_tokens=10**6).budget.shortest
-        budgets[rid] = shortest - (rid == "under")
+        budgets[rid] = shortest_answer(tc, random_schema(seed)) - (rid == "under")
         adds.append(AddRequest(rid, tok.encode(f"{rid}: the answer"), budgets[rid],
                                make_request_sampler(SamplingParams(temperature=1.0, seed=5)),
                                [GrammarProcessor(tc, g, max_tokens=budgets[rid])]))
@@ -275,14 +281,6 @@ def shortest_of(tc: Any, schema: dict, name: str = "fill") -> int:
     guard = GrammarProcessor(tc, grammar, max_tokens=10**6).budget
     assert guard is not None and guard.shortest is not None
     return guard.shortest
-
-
-def shortest_answer(tc: Any, schema: dict) -> int:
-    """The shortest json_schema answer of `schema`."""
-    from mlxd.engine.grammar.processor import GrammarProcessor
-    shortest = GrammarProcessor(tc, grammar_of(schema), max_tokens=10**6).shortest
-    assert shortest is not None
-    return shortest
 
 
 def test_forced_calls_and_schema_answers_validate_at_small_budgets(served, tokenizers):
