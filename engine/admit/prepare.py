@@ -88,7 +88,7 @@ def _prepare(msg: Generate, model: LoadedModel,
     restored = restore(prompt)
     request = AddRequest(rid, prompt, max_tokens,
                          make_request_sampler(p, start_position=len(resumed)),
-                         processors(msg, model.grammar_tokenizer, resumed),
+                         processors(msg, model.grammar_tokenizer, resumed, max_tokens),
                          restored=restored, received_at=received_at,
                          logprobs=p.logprobs, group=msg.prefill_group,
                          group_size=msg.group_size)
@@ -290,13 +290,16 @@ def tool_splitter(tok: Any, msg: Generate) -> ToolCallSplitter | None:
     return ToolCallSplitter(tok.tool_call_start, tok.tool_call_end, tok.tool_parser, msg.tools)
 
 
-def processors(msg: Generate, grammar_tokenizer: Any, resumed: list[int]) -> list:
+def processors(msg: Generate, grammar_tokenizer: Any, resumed: list[int],
+               max_tokens: int | None = None) -> list:
+    """`max_tokens`: the row's budget, within which a JSON schema's document is closed."""
     from mlxd.engine.admit.sampling import make_request_processors
     out = make_request_processors(msg.sampling)
     if msg.grammar is not None:
         from mlxd.engine.grammar.processor import ConstraintError, GrammarProcessor
         try:
-            out.append(GrammarProcessor(grammar_tokenizer, msg.grammar, replay=resumed))
+            out.append(GrammarProcessor(grammar_tokenizer, msg.grammar, replay=resumed,
+                                        max_tokens=max_tokens))
         except (ConstraintError, ValueError) as e:
             raise ClientError(f"the output constraint cannot be used: {e}",
                               "invalid_request") from e

@@ -32,6 +32,9 @@ class Row:
     snap_at: frozenset[int] = frozenset()
     snaps: dict[int, list[Any]] = field(default_factory=dict)
     waits: dict[str, int] = field(default_factory=dict)  # follower request id -> its point
+    # its output grammar when a budget guards it: a document closed in the last token is
+    # complete (finish: stop, not length)
+    grammar: Any = None
 
 
 class RowTable:

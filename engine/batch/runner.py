@@ -470,7 +470,9 @@ class Runner:
             stop_sequences=[self._stop_sequences],
         )[0]
         row = Row(uid, add.request_id, len(prompt), add.received_at, time.monotonic(),
-                  add.logprobs, cached, snap_at=frozenset(points))
+                  add.logprobs, cached, snap_at=frozenset(points),
+                  grammar=next((p for p in add.processors
+                                if getattr(p, "budget", None) is not None), None))
         self.rows.add(row)
         c = self.counters
         c.prompt_tokens += len(prompt)
@@ -579,7 +581,11 @@ class Runner:
                     c.first_tokens += 1
                     c.to_admit_s += row.admitted_at - row.received_at
                     c.to_first_token_s += now - row.received_at
-            rows.append((row.request_id, r.token, r.finish_reason))
+            finish = r.finish_reason
+            if finish == "length" and row.grammar is not None \
+                    and row.grammar.completed_by(row.generated, r.token):
+                finish = "stop"  # the budget's closing ended in the last token: complete
+            rows.append((row.request_id, r.token, finish))
             if row.logprobs >= 0:
                 wanted.append((row.request_id, r, row.logprobs))
             if r.finish_reason is None:

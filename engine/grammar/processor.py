@@ -20,6 +20,8 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
+from mlxd.engine.grammar.budget import BudgetGuard, Decision, apply, closing_vocab, is_json_schema
+
 _NEG_INF = float("-inf")
 log = logging.getLogger("mlxd.engine")
 
@@ -62,9 +64,10 @@ class TokenFeed:
     """A matcher and how many generated tokens it has consumed: each generated position is
     consumed exactly once and in order, whichever path (batched or per-row) offers it."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, history: list[int] | None = None) -> None:
         self.matcher = matcher
         self.consumed = 0  # generated tokens consumed so far (replayed ones not counted)
+        self.history = history  # every consumed token appended, where a budget reads them
 
     def due(self, position: int) -> bool:
         """Whether the token at generated `position` is the next to consume (False: it was
@@ -77,6 +80,8 @@ class TokenFeed:
         if self.due(position):
             self.matcher.consume_token(token)
             self.consumed += 1
+            if self.history is not None:
+                self.history.append(token)
 
 
 _SHIFTS: list[mx.array] = []  # 0..7 as uint8, built once
@@ -113,7 +118,10 @@ class GrammarProcessor:
     the row reads its token and computes its mask itself."""
 
     def __init__(self, tokenizers: TokenizerCache, grammar: str,
-                 replay: list[int] | None = None) -> None:
+                 replay: list[int] | None = None, max_tokens: int | None = None) -> None:
+        """`max_tokens`: the row's budget (generated tokens, after `replay`); given, a JSON
+        schema's document is closed validly within it (`budget.py`). A budget that cannot hold
+        even the shortest document gets no guard: the row is cut by max_tokens as before."""
         import llguidance
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
@@ -122,7 +130,19 @@ class GrammarProcessor:
             raise ConstraintError(self.matcher.get_error())
         for t in replay or []:  # a resumed request: what was delivered before the crash
             self.matcher.consume_token(t)
-        self.feed = TokenFeed(self.matcher)
+        self.budget: BudgetGuard | None = None
+        self.shortest: int | None = None  # the shortest closing's tokens, from the start
+        history: list[int] | None = None
+        if max_tokens is not None and is_json_schema(grammar) and not self.matcher.is_error():
+            history = list(replay or [])
+            vocab = closing_vocab(tokenizers.get(), tokenizers.n_vocab)
+            guard = BudgetGuard(vocab, self.matcher, max_tokens, history, grammar)
+            self.shortest = guard.shortest
+            if guard.fits:
+                self.budget = guard
+            else:
+                history = None
+        self.feed = TokenFeed(self.matcher, history)
         self._calls = 0
         self._warned = False
         self.plan: Any = None  # set by the step hook for the step in progress
@@ -130,8 +150,39 @@ class GrammarProcessor:
         self._vocab = tokenizers.n_vocab
         self._first: np.ndarray | None = None
         if not self.matcher.is_error():
-            self._first = self._allocate(1, self._vocab)
-            self._fill(self.matcher, self._first, 0)
+            self._first = self.row_bits(self._vocab)
+
+    def decision(self) -> Decision | None:
+        """The budget's word on the next token (None: no budget, the grammar alone)."""
+        return None if self.budget is None else self.budget.decide(self.feed.consumed)
+
+    @property
+    def closed_for_budget(self) -> bool:
+        """The budget steered the document to its end (it is complete and valid all the same:
+        the finish is the normal one)."""
+        return self.budget is not None and self.budget.closed_for_budget
+
+    def completed_by(self, position: int, token: int) -> bool:
+        """Whether `token`, the row's last (generated `position`, max_tokens reached), leaves
+        the document complete and valid: a budget's closing that ends exactly at the last
+        token. The matcher may have consumed it already (mlx-lm computes the step after it
+        before it reports the finish); else a copy of the matcher is offered it."""
+        if self.matcher.is_error():
+            return False
+        if self.feed.consumed > position:
+            return bool(self.matcher.is_accepting())
+        m = self.matcher.deep_copy()
+        return bool(m.try_consume_tokens([token]) == 1 and m.is_accepting())
+
+    def row_bits(self, vocab: int) -> np.ndarray:
+        """This row's packed mask for the next token: the grammar's, and the budget's word."""
+        bits = self._allocate(1, vocab)
+        d = self.decision()
+        if d is None or d.force is None:
+            self._fill(self.matcher, bits, 0)
+        if d is not None and self.budget is not None:
+            apply(d, bits, 0, self.budget.vocab)
+        return bits
 
     @property
     def calls(self) -> int:
@@ -173,6 +224,5 @@ class GrammarProcessor:
                 self.feed.consume(calls - 1, cast(int, context[-1].item()))  # token ids: int
             if self.check_error():
                 return None
-            bits = self._allocate(1, vocab)
-            self._fill(self.matcher, bits, 0)
+            bits = self.row_bits(vocab)
         return unpack_bits(bits, vocab)

@@ -51,6 +51,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from mlxd.engine.grammar.budget import apply
 from mlxd.engine.grammar.processor import GrammarProcessor, apply_mask, unpack_bits
 from mlxd.engine.mlx_lm_internals import RunningBatch, running_batch
 
@@ -124,8 +125,12 @@ class StepPlan:
         vocab = logits.shape[-1]
         # all bits set: a row left unfilled (free, or its grammar failed) allows everything
         bits = allocate_token_bitmask(self._whole or len(self.rows), vocab)
-        fill = [(p.matcher, i if self._whole else j) for j, (i, p, _) in enumerate(self.rows)
-                if self._ok[j]]
+        # a budget's word per row (`budget.py`): a forced token needs no fill
+        words = [p.decision() if ok else None for (_, p, _), ok in zip(self.rows, self._ok,
+                                                                       strict=True)]
+        fill = [(p.matcher, i if self._whole else j)
+                for j, ((i, p, _), word) in enumerate(zip(self.rows, words, strict=True))
+                if self._ok[j] and (word is None or word.force is None)]
         if self.fill_first:  # 3. the masks fill while this thread dispatches the forward pass
             pending = filler().submit(_fill, fill, bits) if fill else None
             mx.async_eval(logits)
@@ -133,6 +138,10 @@ class StepPlan:
                 pending.result()
         else:  # 3. every row at once on llguidance's threads, the GIL released
             _fill(fill, bits)
+        for j, (i, p, _) in enumerate(self.rows):
+            word = words[j]
+            if word is not None and p.budget is not None:
+                apply(word, bits, i if self._whole else j, p.budget.vocab)
         self._allowed = unpack_bits(bits, vocab)  # 4. one array for every row
 
 

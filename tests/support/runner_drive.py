@@ -37,10 +37,12 @@ def run_one(runner: Runner, outq: queue.Queue, add: AddRequest
                         return tokens, started
 
 
-def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
+def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest],
+                 finishes: dict[str, str] | None = None
                  ) -> tuple[dict[str, list[int]], dict[str, RequestStarted]]:
     """Admit `adds` in one turn (as a burst reaches the runner), step until all finish; each
-    request's tokens and its `RequestStarted`, by request id."""
+    request's tokens and its `RequestStarted`, by request id (and into `finishes`, when
+    given, each request's finish reason)."""
     for add in adds:
         runner.inbox.put(add)
     runner.take_commands()
@@ -58,4 +60,6 @@ def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest]
                     tokens[rid].append(tok)
                     if fin:
                         done.add(rid)
+                        if finishes is not None:
+                            finishes[rid] = fin
     return tokens, started

@@ -328,7 +328,7 @@ class Follower:
                 whole = row.prefix + row.prompt
                 replay = whole[len(whole) - row.resumed:] if row.resumed else []
                 procs.append(GrammarProcessor(self._grammar_tokenizer, row.grammar,
-                                              replay=replay))
+                                              replay=replay, max_tokens=row.max_tokens))
             processors.append(procs)
         uids = gen.insert(
             [r.prompt for r in cmd.rows], max_tokens=[r.max_tokens for r in cmd.rows],

@@ -98,7 +98,8 @@ class VisionAdmission:
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
                              _real_ids(admission.processors(msg, model.grammar_tokenizer,
-                                                            resumed), parts.image_token_id),
+                                                            resumed, max_tokens),
+                                       parts.image_token_id),
                              restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
                              group_size=msg.group_size)
