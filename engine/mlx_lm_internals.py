@@ -440,13 +440,10 @@ def unpadded_batch_masks() -> None:
     vector kernel and cuDNN take no array mask for a decode step: every step at a long
     context ran the unfused fallback; `benchmarks/cuda_long_context.py`). Whether a row is
     padded is tracked on the Python side where mlx-lm's own methods set the padding, so no
-    step waits on the device to find out. Installed once per process; `MLXD_BATCH_MASK=array`
-    leaves mlx-lm's masks (the benchmarks' other side)."""
-    import os
-
+    step waits on the device to find out. Installed once per process (not at all with the
+    hidden setting `batch_masks` at `array`, the benchmarks' other side)."""
     from mlx_lm.models.cache import BatchKVCache
-    if getattr(BatchKVCache, "_mlxd_unpadded_masks", False) or (
-            os.environ.get("MLXD_BATCH_MASK") == "array"):
+    if getattr(BatchKVCache, "_mlxd_unpadded_masks", False):
         return
     init, prepare, finalize = BatchKVCache.__init__, BatchKVCache.prepare, BatchKVCache.finalize
     filter_, extend, make_mask = BatchKVCache.filter, BatchKVCache.extend, BatchKVCache.make_mask

@@ -241,6 +241,9 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
     grammar_order: Annotated[Literal["fill-first", "dispatch-first"], Meta(description=(
         "a constrained step fills its grammar masks before dispatching the forward pass, or "
         "after"))] = "fill-first"
+    batch_masks: Annotated[Literal["unpadded", "array"], Meta(description=(
+        "a batch none of whose rows is padded attends with a single sequence's mask "
+        "(unpadded: none to decode, causal to prefill) or with mlx-lm's array mask"))] = "unpadded"
     prompt_batch: Annotated[bool, Meta(description=(
         "an admission lane tokenizes the chat prompts of a burst in one call"))] = True
     admit_threads: Annotated[int, Meta(ge=0, description=(

@@ -99,6 +99,7 @@ class Runner:
         self._grammar = GrammarSteps(tuning.grammar_order == "fill-first")
         self._burst = BurstWindow.parse(tuning.burst_window)
         self._min_cached = tuning.min_cached_tokens
+        self._unpadded_masks = tuning.batch_masks == "unpadded"
         self.clock = clock
         self._batch_size = batch_size
         self.gate = KvGate(batch_size, budget, context)  # who joins the running rows, when
@@ -130,7 +131,8 @@ class Runner:
         self._update_cap()
 
     def _new_generator(self) -> BatchGenerator:
-        unpadded_batch_masks()
+        if self._unpadded_masks:
+            unpadded_batch_masks()
         gen = BatchGenerator(
             self._model,
             completion_batch_size=self._batch_size,
