@@ -15,7 +15,7 @@ from conftest import start_daemon
 from conftest import stop_and_check as stop
 from support.random_model import write_random_model
 
-ROUNDS, STREAMS = 6, 128
+ROUNDS, STREAMS = 3, 128
 
 
 async def one_round(url: str, rng: random.Random) -> None:
