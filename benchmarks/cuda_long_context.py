@@ -14,6 +14,8 @@ materialises the whole score matrix. This times, at each context length:
 - `decode batch`: the same step through a one-row `BatchKVCache` with mlx-lm's array mask;
 - `decode batch, no mask`: the same, with the mask of a row that has no padding left out;
 - `decode 2 rows`: two rows of different lengths (left padding: the mask is needed);
+- `decode 2 rows split`: the same, each row attending over its own keys without a mask
+  (`engine/load/cuda_attention.by_row`, as engines route it);
 - `prefill kv` / `prefill batch` / `prefill batch, causal`: 2,048 new tokens over the context,
   as in an agent's next turn (`"causal"` for the one-row batch without padding), at a shape
   seen before; `_new`: at a shape never seen (a cuDNN graph build each pass).
@@ -40,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CASES = ("decode_kv", "decode_batch", "decode_batch_nomask", "decode_2rows",
+CASES = ("decode_kv", "decode_batch", "decode_batch_nomask", "decode_2rows", "decode_2rows_split",
          "prefill_kv", "prefill_batch", "prefill_batch_causal",
          "prefill_kv_new", "prefill_batch_causal_new")
 
@@ -50,6 +52,8 @@ def measure(model_dir: str, contexts: list[int], reps: int, chunk: int) -> dict[
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache, KVCache, trim_prompt_cache
 
+    from mlxd.engine.load.cuda_attention import by_row
+    from mlxd.engine.mlx_lm_internals import route_attention
     model, _ = load(model_dir)[:2]
     vocab = model.args.vocab_size
     n_layers = len(model.layers)
@@ -104,6 +108,19 @@ def measure(model_dir: str, contexts: list[int], reps: int, chunk: int) -> dict[
         run("decode_kv", single, one, row["decode_kv"])
         run("decode_batch", batch, one, row["decode_batch"])
         run("decode_2rows", two, mx.concatenate([one, one]), row["decode_2rows"])
+        pads = [0, min(1000, ctx // 4)]
+
+        def split(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None, sinks: Any = None,
+                  cache: Any = None, pads: list[int] = pads) -> Any:
+            if q.shape[2] == 1 and q.shape[0] == 2:
+                return by_row(q, k, v, scale, pads, mx.fast.scaled_dot_product_attention)
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask,
+                                                        sinks=sinks)
+        route_attention(split)
+        try:
+            run("decode_2rows_split", two, mx.concatenate([one, one]), row["decode_2rows_split"])
+        finally:
+            route_attention(None)
         run("prefill_kv", single, block, row["prefill_kv"])
         run("prefill_batch", batch, block, row["prefill_batch"])
         run("prefill_kv_new", single, block, row["prefill_kv_new"], new_shapes=True)

@@ -422,15 +422,20 @@ def observe_steps(observer: StepObserver) -> None:
 
 # ---------------------------------------------------------------------- masks of unpadded batches
 
-_PAD_FREE = "_mlxd_pad_free"  # on a BatchKVCache: no row padded (True/False), or absent: unknown
+_PADS = "_mlxd_pads"  # on a BatchKVCache: each row's left padding, or None/absent: unknown
+_RIGHT = "_mlxd_right"  # the right padding `prepare` was given, until `finalize` moves it
 
 
-def _pad_free(cache: Any) -> bool:
-    known = cache.__dict__.get(_PAD_FREE)
-    if known is None:  # after a `state` assignment: read the (small) array once
-        known = not any(cache.left_padding.tolist())
-        cache.__dict__[_PAD_FREE] = known
-    return bool(known)
+def left_padding(cache: Any) -> list[int] | None:
+    """Each row's left padding in a `BatchKVCache` (None for another cache), read from the
+    host-side copy the patched methods keep, or once from the (small) array after a `state`
+    assignment."""
+    if not getattr(cache, "_mlxd_unpadded_masks", False):
+        return None
+    pads = cache.__dict__.get(_PADS)
+    if pads is None:
+        pads = cache.__dict__[_PADS] = [int(p) for p in cache.left_padding.tolist()]
+    return list(pads)
 
 
 def unpadded_batch_masks() -> None:
@@ -438,10 +443,10 @@ def unpadded_batch_masks() -> None:
     `KVCache` asks for: none for one token, `"causal"` for several, instead of mlx-lm's array
     mask of all-true padding columns. An array mask keeps MLX's fused attention away (CUDA's
     vector kernel and cuDNN take no array mask for a decode step: every step at a long
-    context ran the unfused fallback; `benchmarks/cuda_long_context.py`). Whether a row is
-    padded is tracked on the Python side where mlx-lm's own methods set the padding, so no
-    step waits on the device to find out. Installed once per process (not at all with the
-    hidden setting `batch_masks` at `array`, the benchmarks' other side)."""
+    context ran the unfused fallback; `benchmarks/cuda_long_context.py`). Each row's padding
+    is kept on the Python side where mlx-lm's own methods set it (`left_padding`), so no step
+    waits on the device to find out. Installed once per process (not at all with the hidden
+    setting `batch_masks` at `array`, the benchmarks' other side)."""
     from mlx_lm.models.cache import BatchKVCache
     if getattr(BatchKVCache, "_mlxd_unpadded_masks", False):
         return
@@ -449,38 +454,51 @@ def unpadded_batch_masks() -> None:
     filter_, extend, make_mask = BatchKVCache.filter, BatchKVCache.extend, BatchKVCache.make_mask
     state: Any = BatchKVCache.__dict__["state"]  # the property itself
 
+    def known(cache: Any) -> list[int] | None:
+        return cache.__dict__.get(_PADS)
+
     def __init__(self: Any, left_padding: list[int]) -> None:
         init(self, left_padding)
-        self.__dict__[_PAD_FREE] = not any(left_padding)
+        self.__dict__[_PADS] = ([int(p) for p in left_padding]
+                                if isinstance(left_padding, list | tuple) else None)
 
-    def prepare_(self: Any, *, left_padding: Any = None, **kwargs: Any) -> None:
-        prepare(self, left_padding=left_padding, **kwargs)
-        if left_padding is not None and any(left_padding):
-            self.__dict__[_PAD_FREE] = False
+    def prepare_(self: Any, *, left_padding: Any = None, right_padding: Any = None,
+                 **kwargs: Any) -> None:
+        prepare(self, left_padding=left_padding, right_padding=right_padding, **kwargs)
+        pads = known(self)
+        if left_padding is not None:
+            self.__dict__[_PADS] = (None if pads is None else
+                                    [p + int(q) for p, q in zip(pads, left_padding, strict=True)])
+        if self._right_padding is not None:
+            self.__dict__[_RIGHT] = [int(q) for q in right_padding]
 
     def finalize_(self: Any) -> None:
-        padded = self._right_padding is not None  # finalize moves it to the left
         finalize(self)
-        if padded:
-            self.__dict__[_PAD_FREE] = False
+        right, pads = self.__dict__.pop(_RIGHT, None), known(self)
+        if right is not None:  # finalize moved it to the left
+            self.__dict__[_PADS] = (None if pads is None else
+                                    [p + q for p, q in zip(pads, right, strict=True)])
 
     def filter_rows(self: Any, batch_indices: Any) -> None:
         filter_(self, batch_indices)  # which shifts the padding common to the rows left, and
         # waits for the device to read it: reading the result adds no wait
-        self.__dict__[_PAD_FREE] = not any(self.left_padding.tolist())
+        self.__dict__[_PADS] = [int(p) for p in self.left_padding.tolist()]
 
     def extend_(self: Any, other: Any) -> None:
-        free = _pad_free(self) and _pad_free(other) and self._idx == other._idx
+        mine, theirs = known(self), known(other)
+        top = max(self._idx, other._idx)  # the shorter side is padded on the left to it
+        pads = (None if mine is None or theirs is None else
+                [p + top - self._idx for p in mine] + [p + top - other._idx for p in theirs])
         extend(self, other)
-        self.__dict__[_PAD_FREE] = free
+        self.__dict__[_PADS] = pads
 
     def set_state(self: Any, v: Any) -> None:
         state.fset(self, v)
-        self.__dict__[_PAD_FREE] = None
+        self.__dict__[_PADS] = None
 
     def make_mask_(self: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         if (not return_array and kwargs.get("window_size") is None
-                and self._right_padding is None and _pad_free(self)):
+                and self._right_padding is None and not any(left_padding(self) or [1])):
             return None if N == 1 else "causal"
         return make_mask(self, N, return_array=return_array, **kwargs)
 
@@ -499,9 +517,9 @@ def unpadded_batch_masks() -> None:
 def route_attention(attention: Callable[..., Any] | None) -> None:
     """mlx-lm's models attend through `models.base.scaled_dot_product_attention`, which calls
     `mx.fast.scaled_dot_product_attention` for an unquantized cache; send those calls to
-    `attention` (same signature) instead, in every model module imported so far (they bind
-    the name at import: call this after loading). Installing again replaces the route; None
-    gives mlx-lm's function back."""
+    `attention` (same signature, and the layer's cache as `cache`) instead, in every model
+    module imported so far (they bind the name at import: call this after loading).
+    Installing again replaces the route; None gives mlx-lm's function back."""
     import sys
 
     from mlx_lm.models import base
@@ -513,7 +531,7 @@ def route_attention(attention: Callable[..., Any] | None) -> None:
         if hasattr(cache, "bits"):  # quantized attention: mlx-lm's own
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         assert attention is not None
-        return attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        return attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, cache=cache)
     now = original if attention is None else sdpa
     base.__dict__["_mlxd_routed"] = now
     for name, module in list(sys.modules.items()):

@@ -11,11 +11,18 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxd.engine.load import cuda_attention
-from mlxd.engine.load.cuda_attention import BUILD_EQUIVALENT_SCORES, Router, routed, unfused
-from mlxd.engine.mlx_lm_internals import route_attention
+from mlxd.engine.load.cuda_attention import (
+    BUILD_EQUIVALENT_SCORES,
+    SPLIT_FROM_KEYS,
+    Router,
+    by_row,
+    routed,
+    unfused,
+)
+from mlxd.engine.mlx_lm_internals import route_attention, unpadded_batch_masks
 
 BF16 = mx.bfloat16
 
@@ -87,3 +94,48 @@ def test_a_routed_model_computes_what_mlx_lm_computes(tiny_model: Path):
     calls.clear()
     logits()
     assert not calls  # mlx-lm's own function is back
+
+
+def test_padded_rows_decode_row_by_row_as_the_masked_batch_does(tiny_model: Path, monkeypatch):
+    mx.random.seed(1)
+    q = mx.random.normal((3, 8, 1, 16))
+    k, v = mx.random.normal((3, 2, 20, 16)), mx.random.normal((3, 2, 20, 16))
+    pads = [0, 7, 3]
+    mask = create_causal_mask(1, 19, left_padding=mx.array(pads))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = by_row(q, k, v, 0.25, pads, mx.fast.scaled_dot_product_attention)
+    assert mx.allclose(got, want, atol=1e-5)
+    assert not Router(16).split(2, SPLIT_FROM_KEYS - 1) and Router(16).split(2, SPLIT_FROM_KEYS)
+    assert not Router(16).split(1, 10 * SPLIT_FROM_KEYS)  # one row has no padding to skip
+
+    # through a model: two rows of different lengths decode split, as with mlx-lm's mask
+    unpadded_batch_masks()
+    monkeypatch.setattr(cuda_attention, "SPLIT_FROM_KEYS", 1)
+    model, _ = load(str(tiny_model))[:2]
+
+    def decode() -> mx.array:
+        rows = []
+        for n in (23, 15):
+            cache = make_prompt_cache(model)
+            model(mx.array([[(5 * i) % 300 + 1 for i in range(n)]]), cache=cache)
+            rows.append(cache)
+        batch = [BatchKVCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+        assert all(isinstance(r[0], KVCache) for r in rows)
+        return model(mx.array([[7], [9]]), cache=batch)
+
+    want = decode()
+    router = Router(layers=len(model.layers))
+    splits: list[bool] = []
+    decide = router.split
+
+    def counted(rows: int, keys: int) -> bool:
+        splits.append(decide(rows, keys))
+        return splits[-1]
+    router.split = counted  # type: ignore[method-assign]
+    route_attention(routed(router))
+    try:
+        got = decode()
+    finally:
+        route_attention(None)
+    assert splits and all(splits)
+    assert mx.allclose(got, want, atol=1e-4)

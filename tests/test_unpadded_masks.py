@@ -15,7 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import make_sampler
 
-from mlxd.engine.mlx_lm_internals import unpadded_batch_masks
+from mlxd.engine.mlx_lm_internals import left_padding, unpadded_batch_masks
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,11 @@ def _row(tokens: int) -> KVCache:
     return c
 
 
+def _tracked(cache: BatchKVCache) -> bool:
+    """The host-side padding is the array's."""
+    return left_padding(cache) == cache.left_padding.tolist()
+
+
 def _kind(mask: Any) -> str:
     return "none" if mask is None else mask if isinstance(mask, str) else "array"
 
@@ -39,28 +44,33 @@ def test_only_a_batch_without_padding_leaves_the_array_mask_out(model_and_tokeni
     assert (_kind(even.make_mask(1)), _kind(even.make_mask(4))) == ("none", "causal")
     assert _kind(even.make_mask(1, return_array=True)) == "array"  # a model that asks for one
 
-    uneven = BatchKVCache.merge([_row(5), _row(3)])
+    uneven = BatchKVCache.merge([_row(5), _row(3), _row(4)])
     assert (_kind(uneven.make_mask(1)), _kind(uneven.make_mask(4))) == ("array", "array")
-    uneven.filter([1])  # the shorter row alone: its padding is shifted away
-    assert _kind(uneven.make_mask(1)) == "none"
+    assert left_padding(uneven) == [0, 2, 1] and _tracked(uneven)
+    uneven.filter([1, 2])  # the padding the rows have in common is shifted away
+    assert left_padding(uneven) == [1, 0] and _tracked(uneven)
+    uneven.filter([0])  # the shorter row alone: no padding left
+    assert _kind(uneven.make_mask(1)) == "none" and _tracked(uneven)
 
     longer = BatchKVCache.merge([_row(5), _row(5)])
     longer.update_and_fetch(mx.zeros((2, 2, 2, 8)), mx.zeros((2, 2, 2, 8)))
     joined = BatchKVCache.merge([_row(5)])
     joined.extend(longer)  # rows of different lengths: the shorter is padded
     assert _kind(joined.make_mask(1)) == "array"
+    assert left_padding(joined) == [2, 0, 0] and _tracked(joined)
 
     prompt = BatchKVCache([0, 0])
     prompt.prepare(lengths=[3, 5], right_padding=[2, 0])
     prompt.update_and_fetch(mx.zeros((2, 2, 5, 8)), mx.zeros((2, 2, 5, 8)))
     prompt.finalize()  # the right padding becomes the first row's left padding
     assert _kind(prompt.make_mask(1)) == "array"
+    assert left_padding(prompt) == [2, 0] and _tracked(prompt)
 
     restored = BatchKVCache([0])
     restored.state = uneven.state  # from the array, read once
     assert _kind(restored.make_mask(1)) == "none"
     restored.state = BatchKVCache.merge([_row(5), _row(3)]).state
-    assert _kind(restored.make_mask(1)) == "array"
+    assert _kind(restored.make_mask(1)) == "array" and left_padding(restored) == [0, 2]
 
 
 def test_the_generator_decodes_alone_without_a_mask_and_as_one_sequence_does(

@@ -19,7 +19,11 @@ No setting of the variable suits both a chat's short prompts and an agent's next
 - unfused (`unfused`: MLX's own fallback, written with the same operations) otherwise, and
   always with an array mask.
 
-A one-token pass goes to MLX as it is. A user who sets `MLX_CUDA_USE_CUDNN_SDPA` themselves
+A one-token pass goes to MLX as it is, except over rows of different lengths at a long context
+(agent sessions decoding side by side): their padding needs an array mask, which sends the
+step to the unfused fallback, so each row attends over its own keys alone, without a mask,
+in MLX's vector kernel (`split`; the rows' padding is known on the host,
+`mlx_lm_internals.left_padding`). A user who sets `MLX_CUDA_USE_CUDNN_SDPA` themselves
 gets their setting: with `0` every multi-token pass is unfused, as MLX would run it. MLX reads
 the variable once, at its first attention on the GPU, so `apply` runs before the model's
 first forward pass. A sharded group's ranks get rank 0's value (`kinds/group/leader.py`).
@@ -44,6 +48,10 @@ ENV = "MLX_CUDA_USE_CUDNN_SDPA"
 # build).
 BUILD_EQUIVALENT_SCORES = 11e9
 SEEN_SHAPES = 256  # MLX's own cache of cuDNN graphs
+# A padded one-token pass runs row by row over at most this many rows (a kernel call each),
+# from this many keys on (below, the unfused attention over the batch costs little).
+SPLIT_ROWS = 8
+SPLIT_FROM_KEYS = 4096
 
 
 def apply() -> str:
@@ -93,6 +101,18 @@ class Router:
         return True
 
 
+    def split(self, rows: int, keys: int) -> bool:
+        """Whether a one-token pass over `rows` padded rows and `keys` keys runs row by row."""
+        return 1 < rows <= SPLIT_ROWS and keys >= SPLIT_FROM_KEYS
+
+
+def by_row(q: mx.array, k: mx.array, v: mx.array, scale: float, pads: list[int],
+           fast: Any) -> mx.array:
+    """A one-token pass, each row over its keys past its padding, with no mask."""
+    return mx.concatenate([fast(q[i:i + 1], k[i:i + 1, :, p:], v[i:i + 1, :, p:], scale=scale)
+                           for i, p in enumerate(pads)], axis=0)
+
+
 def unfused(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
     """Attention as MLX's own fallback computes it (`mlx/fast.cpp`): grouped heads, a boolean
     mask by `where` and an additive one by `+`, a causal mask aligned to the last key."""
@@ -122,8 +142,15 @@ def routed(router: Router) -> Any:
     """`mx.fast.scaled_dot_product_attention`'s signature, through `router`."""
     fast = mx.fast.scaled_dot_product_attention
 
+    from mlxd.engine.mlx_lm_internals import left_padding
+
     def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None,
-                  sinks: Any = None) -> mx.array:
+                  sinks: Any = None, cache: Any = None) -> mx.array:
+        if (q.shape[2] == 1 and sinks is None and isinstance(mask, mx.array)
+                and router.split(q.shape[0], k.shape[2])):
+            pads = left_padding(cache)
+            if pads is not None and len(pads) == q.shape[0] and mask.shape[-1] == k.shape[2]:
+                return by_row(q, k, v, scale, pads, fast)
         if sinks is not None or router.fused(tuple(q.shape), tuple(k.shape), q.dtype,
                                              isinstance(mask, mx.array)):
             return fast(q, k, v, scale=scale, mask=mask, sinks=sinks)
