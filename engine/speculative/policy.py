@@ -73,10 +73,10 @@ BACKOFF_MIN = 8  # plain steps before drafting is tried again, after it did not 
 BACKOFF_MAX = 256
 # A step that could not have paid whatever was accepted pauses at least BACKOFF_MAX steps, and
 # twice as long each time it happens again, up to this: on a CPU with reference BLAS every
-# probe is one. On CUDA with cuDNN attention, which engines turn off
-# (engine/load/cuda_attention.py), every probe would also pay for a graph build at its new key
-# length (figures: benchmarks/RESULTS.md, "cuDNN attention on CUDA", and benchmarks/HISTORY.md
-# section 21).
+# probe is one. On CUDA a verify pass through cuDNN would also pay for a graph build at its
+# new key length, which is why engines run such short passes unfused
+# (engine/load/cuda_attention.py; figures: benchmarks/RESULTS.md, "cuDNN attention on CUDA",
+# and benchmarks/HISTORY.md section 21).
 NEVER_PAYS_MAX = 4096
 
 
