@@ -397,8 +397,9 @@ def test_sharded_group_output_equals_the_whole_engine(group_daemon):
     assert engine["peak_batch"] >= 2  # the four streams shared steps
     followers = _followers(engine["pid"])
     assert len(followers) == 1
-    # rank 0's attention setting (engine/cuda_attention.py) reaches every rank
-    assert followers[0].environ().get("MLX_CUDA_USE_CUDNN_SDPA") == "0"
+    # rank 0's attention setting (engine/load/cuda_attention.py: MLX's default) reaches every
+    # rank
+    assert followers[0].environ().get("MLX_CUDA_USE_CUDNN_SDPA") == "1"
 
 
 def test_a_dead_or_hung_follower_restarts_the_group_and_the_stream_completes(group_daemon):
