@@ -95,6 +95,14 @@ class EngineService:
             t.start()
         try:
             return self._load_and_serve()
+        except Exception as e:
+            if self.host.supervised:
+                raise  # the process exits as a crash: the supervisor restarts it
+            # a thread of the serving process: the model fails, with the reason, rather than
+            # leaving its requests waiting on an engine that is gone
+            log.exception("the engine stopped on an unexpected error")
+            return self._failed(f"the engine stopped on an unexpected error "
+                                f"({type(e).__name__}: {str(e)[:200]})")
         finally:
             self.ch.stop.set()
             self.lanes.stop()

@@ -5,7 +5,8 @@ launch struct, e.g. `MLXD_FAULTS="engine.step=exit@20#0,engine.load=fail"`: at t
 step of epoch 0 the engine exits; every load fails. Syntax per entry:
 `point=action[@nth][#epoch]`, where `#<N` means every epoch below N.
 Actions: exit (os._exit(1)), abort (SIGABRT), kill (SIGKILL itself), hang (sleep forever),
-fail (raise FaultInjected, at every hit from the nth), errno:NAME (raise OSError with that
+fail (raise FaultInjected, at every hit from the nth), bug (raise a RuntimeError, which no
+code expects: a bug), errno:NAME (raise OSError with that
 errno, e.g. `storage.write=errno:ENOSPC`, at every hit from the nth: a full, read-only or
 vanished disk without privileges), delay (sleep 50 ms at every hit from the nth: a slow
 engine), spew (write one 1 MiB line straight to stderr, past logging: a runaway child).
@@ -97,6 +98,8 @@ def hit(point: str) -> None:
             time.sleep(3600)
     if action == "fail":
         raise FaultInjected(f"fault injected at {point}")
+    if action == "bug":
+        raise RuntimeError(f"bug injected at {point}")
     if action.startswith("errno:"):
         code = getattr(errno, action[len("errno:"):])
         raise OSError(code, f"{os.strerror(code)} (fault injected at {point})")
