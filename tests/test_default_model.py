@@ -101,8 +101,9 @@ def test_interrupted_conversion_is_never_used(tmp_path):
 
 
 def test_default_model_streams_survive_an_engine_kill(cache_dir):
-    """Greedy and seeded streams, each killed after its fifth token, end with the text
-    they get unharmed (one daemon for both: loading the default model is most of the cost)."""
+    """A seeded stream killed after its fifth token ends with the text it gets unharmed (the
+    harder case: the sampler's state resumes too; greedy resume is tests/test_resume.py's, on
+    tiny models)."""
     import json
     import os
     import signal
@@ -134,8 +135,7 @@ def test_default_model_streams_survive_an_engine_kill(cache_dir):
         with d.http() as c:
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == \
                 ["SmolLM2-135M-Instruct"]
-        for resumes, sampling in enumerate(({"temperature": 0},
-                                            {"temperature": 0.8, "seed": 11}), start=1):
+        for resumes, sampling in enumerate(({"temperature": 0.8, "seed": 11},), start=1):
             reference = run(sampling)
             assert len(reference) > 20
             assert run(sampling, kill_after=5) == reference, sampling
