@@ -164,3 +164,23 @@ def test_engine_keeps_serving_after_every_bad_input(daemon):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     eng = daemon.stats()["engines"][0]
     assert eng["state"] == "ready" and eng["epoch"] == 0  # never restarted
+
+
+def test_a_model_that_fails_to_load_says_why_without_its_paths(tiny_model, tmp_path):
+    """A load error names files; the 503 any client may read keeps only their last part."""
+    import shutil
+
+    from conftest import start_daemon, stop_and_check
+    broken = tmp_path / "secret-user" / "tiny-llama"
+    shutil.copytree(tiny_model, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    d = start_daemon(broken, isolate=True, ready_marker="model failed to load")
+    try:
+        r = _post(d, "/v1/chat/completions", {"model": "tiny-llama", "messages": CHAT})
+        err = _assert_envelope(r, 503, "failed")
+        assert err["code"] == "model_failed", err
+        assert "secret-user" not in r.text and str(tmp_path) not in r.text, r.text
+        assert "secret-user" in d.log()  # the log keeps the whole message
+    finally:
+        stop_and_check(d)

@@ -20,6 +20,7 @@ from mlxd.protocol.models import (
     parse_adapter,
 )
 from mlxd.proxy.bounds import MAX_REPO_PART, clip
+from mlxd.proxy.core.redact import without_paths
 from mlxd.proxy.engines.client import EngineClient, EngineRecord
 from mlxd.proxy.engines.pool import (
     MemoryNeed,
@@ -187,7 +188,8 @@ class Router:
         if rec.state == "failed":
             if self.pool is not None and rec.engine_id not in self.configured:
                 await self._drop_failed(rec)
-            raise unavailable(f"the model {rec.model_id} failed: {rec.error}", "model_failed",
+            raise unavailable(f"the model {rec.model_id} failed: {without_paths(rec.error or '')}",
+                              "model_failed",
                               retry_after=30)
         if rec.state != "ready":
             raise unavailable(f"the model {rec.model_id} is {rec.state}", "engine_unavailable")
