@@ -1,7 +1,6 @@
 """An engine's lifecycle: start the threads (see `state.py` for who owns what), load the model
 into an engine of its kind (`kinds/`) on the calling thread, which then runs its MLX loop,
-and stop. What differs between kinds of engine is theirs; this keeps the threads and the
-states.
+and stop. What differs between kinds of engine is theirs; this keeps the threads and states.
 
 Used by the engine process (`python -m mlxd.engine`) and, without --isolate, on a thread of the
 serving process over inproc:// endpoints.
@@ -48,7 +47,6 @@ from mlxd.protocol.models import model_id
 from mlxd.protocol.settings import EngineLaunch
 
 log = logging.getLogger("mlxd.engine")
-
 SHUTDOWN_FLUSH_S = 10.0
 
 
@@ -88,21 +86,17 @@ class EngineService:
     def run(self) -> int:
         """Load the model and run the MLX loop on the calling thread; return an exit code."""
         gil_switch.apply(self.launch.tuning.gil_switch_us)
-        cuda_attention.apply()
+        cuda_attention.apply()  # before the model's first attention
         threads = [threading.Thread(target=t.run, name=name, daemon=True)
                    for t, name in ((self._io, "engine-io"), (self._out, "engine-out"))]
         for t in threads:
             t.start()
         try:
             return self._load_and_serve()
-        except Exception as e:
+        except Exception as e:  # a bug: isolated, a crash (restarted); in-process, a failed model
             if self.host.supervised:
-                raise  # the process exits as a crash: the supervisor restarts it
-            # a thread of the serving process: the model fails, with the reason, rather than
-            # leaving its requests waiting on an engine that is gone
-            log.exception("the engine stopped on an unexpected error")
-            return self._failed(f"the engine stopped on an unexpected error "
-                                f"({type(e).__name__}: {str(e)[:200]})")
+                raise
+            return self._failed(f"unexpected error ({type(e).__name__}: {str(e)[:200]})", e)
         finally:
             self.ch.stop.set()
             self.lanes.stop()
@@ -136,8 +130,8 @@ class EngineService:
             engine.close()
         return exit_codes.OK
 
-    def _failed(self, why: str) -> int:
-        log.error("model failed to load: %s", why)
+    def _failed(self, why: str, exc: Exception | None = None) -> int:
+        log.error("model failed to load: %s", why, exc_info=exc)
         self._set_state("failed", why)
         self.ch.control_out.put(ChildFailed(self.launch.engine_id, self.launch.epoch, why))
         time.sleep(0.2)  # let the I/O threads deliver the failure before the process exits

@@ -20,7 +20,6 @@ from mlxd.protocol.models import (
     parse_adapter,
 )
 from mlxd.proxy.bounds import MAX_REPO_PART, clip
-from mlxd.proxy.core.redact import without_paths
 from mlxd.proxy.engines.client import EngineClient, EngineRecord
 from mlxd.proxy.engines.pool import (
     MemoryNeed,
@@ -32,7 +31,7 @@ from mlxd.proxy.engines.pool import (
     row_kv_bytes,
 )
 from mlxd.proxy.engines.resolution import LoadableCache
-from mlxd.proxy.errors import APIError, unavailable
+from mlxd.proxy.errors import APIError, unavailable, without_paths
 
 log = logging.getLogger("mlxd.proxy")
 
