@@ -65,6 +65,8 @@ def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layer
     model = llava.Model(cfg)
     weights = dict(tree_flatten(model.parameters()))
     # As in random_model.py: a damped EOS row, so greedy answers run to max_tokens.
+    emb = "language_model.model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
     key = "language_model.lm_head.weight"
     head = weights[key]
     weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
@@ -82,6 +84,104 @@ def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layer
         "processor_class": "LlavaProcessor", "patch_size": PATCH,
         "vision_feature_select_strategy": "default", "image_token": IMAGE_TOKEN,
         "num_additional_image_tokens": 1}, indent=2))
+    return out
+
+
+# Gemma 3: a SigLIP tower, an average-pooling projector, a Gemma 3 language model with
+# sliding-window and global layers in turn; the chat template marks an image with
+# `<start_of_image>`, which the processor expands to "\n\n<start_of_image>", the soft image
+# tokens and "<end_of_image>\n\n".
+GEMMA_BOI, GEMMA_EOI, GEMMA_IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+GEMMA_SPECIAL = ("<bos>", "<start_of_turn>", "<end_of_turn>", GEMMA_BOI, GEMMA_EOI,
+                 GEMMA_IMAGE)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA_PATCH = 14
+NORM_NOISE = 0.5
+EMBED_SCALE = 0.1  # a smaller token embedding: the layers, not the last token, decide the next
+
+
+def write_random_gemma3(out: Path, *, image_size: int = 56, image_tokens: int = 4,
+                        hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                        intermediate: int = 128, sliding_window: int = 16,
+                        vision_hidden: int = 32, vision_layers: int = 2, vision_heads: int = 2,
+                        vocab: int = 512, context: int = 512, seed: int = 0,
+                        dtype: str = "float32") -> Path:
+    """A random-weight Gemma 3 (vision) directory. `image_tokens`: positions an image takes
+    (a square number; the tower's (image_size / 14)^2 patches are average-pooled to it).
+    Layers 0, 2, ... attend over the last `sliding_window` tokens, 1, 3, ... over all."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import gemma3
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_tokenizer(out, vocab, GEMMA_TEMPLATE, extra_special=GEMMA_SPECIAL)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in GEMMA_SPECIAL}
+    assert all(i is not None for i in ids.values())
+    eos = ids["<end_of_turn>"]
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+        "eos_token": "<end_of_turn>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "boi_token": GEMMA_BOI, "eoi_token": GEMMA_EOI, "image_token": GEMMA_IMAGE,
+        "extra_special_tokens": {"boi_token": GEMMA_BOI, "eoi_token": GEMMA_EOI,
+                                 "image_token": GEMMA_IMAGE},
+        "chat_template": GEMMA_TEMPLATE}))
+    head_dim = hidden // heads
+    text = {"model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": intermediate, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "query_pre_attn_scalar": head_dim, "rms_norm_eps": 1e-6, "vocab_size": real_vocab,
+            "rope_global_base_freq": 1_000_000.0, "rope_local_base_freq": 10000.0,
+            "sliding_window": sliding_window, "sliding_window_pattern": 2,
+            "mm_tokens_per_image": image_tokens, "max_position_embeddings": context}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": vision_hidden,
+              "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
+              "num_attention_heads": vision_heads, "image_size": image_size,
+              "patch_size": GEMMA_PATCH, "num_channels": 3, "layer_norm_eps": 1e-6,
+              "vision_use_head": False}
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": text, "vision_config": vision, "image_token_index":
+              ids[GEMMA_IMAGE], "boi_token_index": ids[GEMMA_BOI],
+              "eoi_token_index": ids[GEMMA_EOI], "mm_tokens_per_image": image_tokens,
+              "vocab_size": real_vocab, "eos_token_id": [eos], "pad_token_id": 0}
+    mx.random.seed(seed)
+    cfg = gemma3.ModelConfig.from_dict(config)
+    cfg.text_config = gemma3.TextConfig.from_dict(text)
+    cfg.vision_config = gemma3.VisionConfig.from_dict(vision)
+    model = gemma3.Model(cfg)
+    weights = dict(tree_flatten(model.parameters()))
+    # Random norms and projector (their initial ones and zeros would make the image a
+    # constant), and as in random_model.py, a damped EOS row so greedy answers run long.
+    for k, v in list(weights.items()):
+        if k.endswith("norm.weight") or "mm_input_projection" in k:
+            weights[k] = mx.random.normal(v.shape) * NORM_NOISE
+    emb = "language_model.model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
+    key = "language_model.lm_head.weight"
+    head = weights[key]
+    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "do_resize": True, "size": {"height": image_size, "width": image_size},
+        "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": None,
+        "do_pan_and_scan": None, "image_seq_length": image_tokens}, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma3Processor", "image_seq_length": image_tokens}, indent=2))
     return out
 
 

@@ -15,9 +15,16 @@ looks those ids up in its `ImageTable` and feeds the image's features (the visio
 projector, run on the MLX thread, only for positions a cache did not cover) in their place.
 
 Families: those whose image features replace the image token's embeddings one for one and
-whose language model numbers positions in one dimension (`SUPPORTED`). Families with 3-D
-rotary positions (Qwen2-VL and later) or images tiled into a variable number of tokens are not
-served yet: the engine refuses to load them with a message saying so.
+whose language model numbers positions in one dimension (`SUPPORTED`):
+- llava: the chat template's `<image>` is the image token, repeated once per position;
+- gemma3: the template's `<start_of_image>` becomes what Gemma 3's processor makes of it
+  ("\n\n<start_of_image>", the image's soft tokens, "<end_of_image>\n\n"); its language
+  model's sliding-window layers get mlx-lm's `RotatingKVCache` (`VisionLM.make_cache`), so the
+  caches treat them as they treat a text Gemma 3's. Attention over an image's tokens is
+  causal, as in mlx-vlm's own generation (Hugging Face's Gemma 3 lets an image's tokens see
+  each other both ways; mlx-vlm does not, and mlxd answers as mlx-vlm does).
+Families with 3-D rotary positions (Qwen2-VL and later) or images tiled into a variable number
+of tokens are not served yet: the engine refuses to load them with a message saying so.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
-SUPPORTED = frozenset({"llava"})
+SUPPORTED = frozenset({"llava", "gemma3"})
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
@@ -195,6 +202,24 @@ class VisionLM(nn.Module):
     def layers(self) -> list[Any]:
         return list(self.vlm.language_model.layers)
 
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's caches for the language model's layers: plain KV, or a sliding window
+        where the model's own `make_cache` (mlx-vlm's cache classes) has one."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        own = getattr(self.vlm.language_model, "make_cache", None)
+        if own is None:
+            return [KVCache() for _ in self.layers]
+        caches: list[Any] = []
+        for c in own():
+            kind = type(c).__name__
+            if kind == "KVCache":
+                caches.append(KVCache())
+            elif kind == "RotatingKVCache":
+                caches.append(RotatingKVCache(max_size=c.max_size, keep=c.keep))
+            else:
+                raise ValueError(f"a language model cache of kind {kind} is not served")
+        return caches
+
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         lm = self.vlm.language_model
         embeds = self.images.embed(inputs, lm.model.embed_tokens)
@@ -207,10 +232,14 @@ class VisionParts:
     """What admission needs to turn images into prompt tokens."""
     image_processor: Any  # pixel values for the vision tower (off the MLX thread)
     image_token: str  # the text that marks an image in a rendered prompt ("<image>")
-    image_token_id: int
+    image_token_id: int  # the id of each of an image's positions in the processor's output
     tokens_per_image: int
     images: ImageTable
     model_type: str
+    # Families whose processor expands the marker in the prompt's text (gemma3): the text
+    # that replaces each marker, holding the image token `tokens_per_image` times. None: the
+    # marker is the image token (llava), one id in the tokenized prompt per image.
+    expansion: str | None = None
 
 
 def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, VisionParts]:
@@ -244,11 +273,19 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
         if image_token_id < 0:
             image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
+        expansion: str | None = None
+        marker = image_token
+        if model_type == "gemma3":  # the template writes <start_of_image>; see the docstring
+            marker = str(processor.boi_token)
+            expansion = str(processor.full_image_sequence)
         # The processor's own expansion of one image marker says how many positions an image
         # takes (fixed for these families: the processor resizes to one size).
         probe = Image.new("RGB", (32, 32), (127, 127, 127))
-        out = processor(images=[probe], text=[image_token])
+        out = processor(images=[probe], text=[marker])
         n = int((np.array(out["input_ids"]) == image_token_id).sum())
+        if expansion is not None and expansion.count(image_token) != n:
+            raise ModelLoadError(f"{model_dir.name}: its processor's image text holds "
+                                 f"{expansion.count(image_token)} image tokens, not {n}")
     except ModelLoadError:
         raise
     except Exception as e:
@@ -258,7 +295,8 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
 
     def encode(pixel_values: np.ndarray) -> mx.array:
         ids = mx.array([[image_token_id] * n])
-        got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values))
+        got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values),
+                                       mask=mx.ones(ids.shape, dtype=mx.int32))
         return got.inputs_embeds[0]
 
     def preprocess(image: ImageInput) -> np.ndarray:
@@ -267,7 +305,8 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         return np.asarray(values, dtype=np.float32)
 
     table = ImageTable(encode, preprocess)
-    parts = VisionParts(image_processor, image_token, image_token_id, n, table, model_type)
+    parts = VisionParts(image_processor, marker, image_token_id, n, table, model_type,
+                        expansion)
     config = {**config.get("text_config", {}), **{k: v for k, v in config.items()
                                                   if not isinstance(v, dict)}}
     return VisionLM(vlm, table), tokenizer, config, parts

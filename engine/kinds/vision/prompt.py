@@ -52,22 +52,32 @@ class VisionAdmission:
             raise ClientError("images go with chat messages or a text prompt, not with token "
                               "ids or fill-in-the-middle", "invalid_request")
         admission.check_prompt_size(msg, model.context_length, model.max_token_bytes)
-        marked = admission.prompt_tokens(tok, self._with_markers(msg, tok))
+        marked = self._marked_tokens(msg, tok)
+        # An image is one image token in `marked` (llava) or `tokens_per_image` in a row (a
+        # family whose processor expands the marker's text: gemma3).
+        span = 1 if parts.expansion is None else parts.tokens_per_image
         marks = sum(1 for t in marked if t == parts.image_token_id)
-        if marks != len(msg.images):
-            raise ClientError(f"the prompt holds {marks} image markers ({parts.image_token!r}) "
-                              f"for {len(msg.images)} images", "invalid_request")
+        if marks != span * len(msg.images):
+            raise ClientError(f"the prompt holds {marks / span:g} image markers "
+                              f"({parts.image_token!r}) for {len(msg.images)} images",
+                              "invalid_request")
         for i, img in enumerate(msg.images):
             _check(i, img)
         ids = iter([image_token_ids(img.key, parts.tokens_per_image) for img in msg.images])
         prompt: list[int] = []
         ends: list[int] = []  # where each image's tokens end
-        for t in marked:
+        at = 0
+        while at < len(marked):
+            t = marked[at]
             if t == parts.image_token_id:
+                if marked[at:at + span] != [t] * span:
+                    raise ClientError("the prompt splits an image's tokens", "invalid_request")
                 prompt.extend(next(ids))
                 ends.append(len(prompt))
+                at += span
             else:
                 prompt.append(t)
+                at += 1
         if prompt[-1] >= VIRTUAL_BASE:
             raise ClientError("the prompt ends with an image: add text after it",
                               "invalid_request")
@@ -104,6 +114,27 @@ class VisionAdmission:
                              logprobs=p.logprobs, group=msg.prefill_group,
                              group_size=msg.group_size)
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
+
+    def _marked_tokens(self, msg: Generate, tok: Any) -> list[int]:
+        """The prompt's tokens, each image's positions held by the image token."""
+        marked = self._with_markers(msg, tok)
+        expansion = self.parts.expansion
+        if expansion is None:
+            return admission.prompt_tokens(tok, marked)
+        # As the family's processor does: the rendered text's markers replaced by the image
+        # text, then tokenized whole (its newlines may merge with the text around them).
+        if marked.messages is not None:
+            extra: dict[str, Any] = {"tools": marked.tools} if marked.tools else {}
+            try:
+                text = tok.apply_chat_template(marked.messages, tokenize=False,
+                                               **admission.template_flags(marked), **extra)
+            except Exception as e:  # template errors are the client's messages
+                raise ClientError(f"the chat template rejected the messages: {e}",
+                                  "invalid_messages") from e
+        else:
+            text = marked.prompt or ""
+        return list(tok.encode(str(text).replace(self.parts.image_token, expansion),
+                               add_special_tokens=False))
 
     def _with_markers(self, msg: Generate, tok: Any) -> Generate:
         """The request as text: each image part becomes the processor's image marker (inside
