@@ -184,8 +184,9 @@ def test_gemma3_loads_with_its_image_text_and_sliding_window_caches(gemma3):
     from mlxd.engine.kinds.vision.model import load_vision
     model, _, _, parts = load_vision(gemma3, "float32")
     assert parts.image_token == "<start_of_image>" and parts.tokens_per_image == IMAGE_TOKENS
-    assert parts.expansion == ("\n\n<start_of_image>" + GEMMA_IMAGE * IMAGE_TOKENS
-                               + "<end_of_image>\n\n")
+    assert parts.layout is not None and parts.layout(640, 480) == (
+        "\n\n<start_of_image>" + GEMMA_IMAGE * IMAGE_TOKENS + "<end_of_image>\n\n",
+        IMAGE_TOKENS)
     caches = make_prompt_cache(model)
     assert [type(c) for c in caches] == [RotatingKVCache, KVCache]
     assert caches[0].max_size == 16
