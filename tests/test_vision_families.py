@@ -96,19 +96,19 @@ def reference(family, vlm):
         detokenizer.finalize()
         return str(detokenizer.text)
 
-    def generate(pixels: np.ndarray, max_tokens: int = TOKENS,
+    def generate(*pictures: np.ndarray, max_tokens: int = TOKENS,
                  history: list | None = None) -> tuple[str, list[int]]:
-        messages = [{"role": "user", "content": [{"type": "image"},
+        messages = [{"role": "user", "content": [*[{"type": "image"} for _ in pictures],
                                                  {"type": "text", "text": QUESTION}]},
                     *(history or [])]
         prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out = [r.token for r in stream_generate(model, processor, prompt,
-                                                image=[Image.fromarray(pixels)],
+        images = [Image.fromarray(p) for p in pictures]
+        out = [r.token for r in stream_generate(model, processor, prompt, image=images,
                                                 max_tokens=max_tokens, temperature=0.0)]
         out = out[:max_tokens]
         if eos in out:
             out = out[:out.index(eos)]
-        ids = processor(images=[Image.fromarray(pixels)], text=[prompt])["input_ids"]
+        ids = processor(images=images, text=[prompt])["input_ids"]
         return text_of(out), np.array(ids)[0].tolist()
     return generate
 
@@ -185,6 +185,32 @@ def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference, family
     code, got = chat(daemon, {"model": model_name, "max_tokens": 4, "temperature": 0,
                               "messages": [{"role": "user", "content": QUESTION}]})
     assert code == 200 and got["usage"]["completion_tokens"] == 4, got
+
+
+def test_two_images_in_one_request_and_image_rows_batched_with_a_text_row(
+        daemon, reference, family, model_name):
+    """Two images in one turn (for Mistral 3 of two shapes) answer as mlx-vlm does with both;
+    requests with images and one without, sent together, each answer as they do alone."""
+    import concurrent.futures
+    a, b = picture(3), picture(4, size=(100, 30) if family == "mistral3" else (64, 48))
+    want, ids = reference(a, b)
+    body = openai_body(model_name)
+    body["messages"][0]["content"] = [
+        *[{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png(p))}}
+          for p in (a, b)], {"type": "text", "text": QUESTION}]
+    code, got = chat(daemon, body)
+    assert code == 200 and got["choices"][0]["message"]["content"] == want, got
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    text = {"model": model_name, "max_tokens": TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about Paris."}]}
+    code, alone = chat(daemon, text)
+    assert code == 200, alone
+    bodies = [openai_body(model_name, b64(png(p))) for p in (a, b)] + [text]
+    wants = [reference(a)[0], reference(b)[0], alone["choices"][0]["message"]["content"]]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda body: chat(daemon, body), bodies))
+    for (code, got), expected in zip(results, wants, strict=True):
+        assert code == 200 and got["choices"][0]["message"]["content"] == expected, got
 
 
 def test_the_same_image_next_turn_is_a_cache_hit_and_a_changed_pixel_a_miss(
