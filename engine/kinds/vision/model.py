@@ -22,9 +22,17 @@ whose language model numbers positions in one dimension (`SUPPORTED`):
   model's sliding-window layers get mlx-lm's `RotatingKVCache` (`VisionLM.make_cache`), so the
   caches treat them as they treat a text Gemma 3's. Attention over an image's tokens is
   causal, as in mlx-vlm's own generation (Hugging Face's Gemma 3 lets an image's tokens see
-  each other both ways; mlx-vlm does not, and mlxd answers as mlx-vlm does).
-Families with 3-D rotary positions (Qwen2-VL and later) or images tiled into a variable number
-of tokens are not served yet: the engine refuses to load them with a message saying so.
+  each other both ways; mlx-vlm does not, and mlxd answers as mlx-vlm does). Pan-and-scan
+  (extra crops of an image) is not applied;
+- mistral3 (Pixtral's tower, a mistral language model): an image's positions follow its size;
+  the template's `[IMG]` becomes the processor's rows of `[IMG]` (one per merged patch of the
+  resized image), `[IMG_BREAK]` between rows and `[IMG_END]` after (`_pixtral_layout`), and
+  the tower is told the image's size.
+Where the processor rewrites the marker (gemma3, mistral3), admission does so in the rendered
+text and tokenizes the result, as the processor does, and each image token there takes the
+image's next id. Families with 3-D rotary positions (Qwen2-VL and later) or images tiled into
+a variable number of tiles (llava-next, idefics3) are not served yet: the engine refuses to
+load them with a message saying so.
 """
 
 from __future__ import annotations
