@@ -129,6 +129,7 @@ def write_random_gemma3(out: Path, *, image_size: int = 56, image_tokens: int = 
     ids = {t: tok.token_to_id(t) for t in GEMMA_SPECIAL}
     assert all(i is not None for i in ids.values())
     eos = ids["<end_of_turn>"]
+    assert eos is not None
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
         "eos_token": "<end_of_turn>", "pad_token": "<|endoftext|>", "unk_token": None,
@@ -230,6 +231,7 @@ def write_random_mistral3(out: Path, *, longest_edge: int = 112, hidden: int = 6
     ids = {t: tok.token_to_id(t) for t in MISTRAL_SPECIAL}
     assert all(i is not None for i in ids.values())
     eos = ids["</s>"]
+    assert eos is not None
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "pad_token": "<|endoftext|>", "unk_token": None, "add_bos_token": False,
