@@ -261,13 +261,25 @@ def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, family, model_
     assert engine_pid(daemon) == pid  # the same engine process served throughout
 
 
-def test_kill_9_mid_stream_resumes_with_identical_text(daemon, model_name):
+def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_images(
+        daemon, reference, family, vlm, model_name):
     body = openai_body(model_name, b64(png(picture(2))), max_tokens=24)
     want, _ = stream_chat(daemon, body)
+    code, got = chat(daemon, openai_body(model_name))  # served before the kill: cached
+    assert code == 200, got
+    with daemon.unix_http() as u:  # what is cached is durable on SSD
+        assert u.post("/admin/cache/flush").status_code == 200
     pid = engine_pid(daemon)
     text, usage = stream_chat(daemon, body, kill_after=6)
     assert text == want
     assert usage.get("resumes") == 1 and engine_pid(daemon) != pid, usage
+    # The new engine's RAM tier is empty: that image's prompt comes back from SSD blocks (for
+    # Gemma 3, with its sliding-window layers' snapshot).
+    _, ids = reference(IMAGE)
+    code, got = chat(daemon, openai_body(model_name))
+    assert code == 200, got
+    end_of_image = len(ids) - ids[::-1].index(image_id(vlm, family))
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, got
 
 
 def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
