@@ -304,3 +304,16 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
         assert parts.layout(640, 480) == ("[IMG_BREAK]".join(["[IMG]" * 4] * 3) + "[IMG_END]",
                                           12)
         assert [type(c) for c in caches] == [KVCache, KVCache]
+        # Ministral 3's language model scales attention by one position for the whole batch:
+        # refused at load, not served wrong.
+        import json
+        import shutil
+
+        from mlxd.engine.load.loader import ModelLoadError
+        other = vlm.parent / "tiny-ministral3"
+        shutil.copytree(vlm, other, dirs_exist_ok=True)
+        config = json.loads((other / "config.json").read_text())
+        config["text_config"]["model_type"] = "ministral3"
+        (other / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelLoadError, match="ministral3 language model is not served"):
+            load_vision(other, "float32")
