@@ -251,9 +251,6 @@ class VisionParts:
     # (llava), one id in the tokenized prompt per image, `tokens_per_image` positions.
     layout: Callable[[int, int], tuple[str, int]] | None = None
 
-    def positions(self, width: int, height: int) -> int:
-        return self.tokens_per_image if self.layout is None else self.layout(width, height)[1]
-
 
 def _pixtral_layout(processor: Any, image_processor: Any) -> Callable[[int, int],
                                                                         tuple[str, int]]:
