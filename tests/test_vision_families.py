@@ -235,6 +235,23 @@ def test_the_same_image_next_turn_is_a_cache_hit_and_a_changed_pixel_a_miss(
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] <= before_image, third
 
 
+def test_the_same_image_with_another_question_reuses_the_image(daemon, reference, family, vlm,
+                                                                model_name):
+    """Not a continuation: another question about an image asked about before. The prompts
+    part after the image; for Gemma 3, whose window layers can restore only where a snapshot
+    was taken, the first request left one at the end of its image."""
+    pixels = picture(5)
+    code, first = chat(daemon, openai_body(model_name, b64(png(pixels))))
+    assert code == 200, first
+    body = openai_body(model_name, b64(png(pixels)))
+    body["messages"][0]["content"][1]["text"] = "Which animal is this?"
+    code, second = chat(daemon, body)
+    assert code == 200, second
+    _, ids = reference(pixels)
+    end_of_image = len(ids) - ids[::-1].index(image_id(vlm, family))
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, second
+
+
 def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, family, model_name):
     pid = engine_pid(daemon)
     cases = {

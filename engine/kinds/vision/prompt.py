@@ -119,7 +119,7 @@ class VisionAdmission:
                                        parts.image_token_id),
                              restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
-                             group_size=msg.group_size)
+                             group_size=msg.group_size, snapshot_at=tuple(ends))
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
 
     def _marked_tokens(self, msg: Generate, tok: Any,
