@@ -6,10 +6,13 @@ directory the test writes:
   rotating caches, snapshotted by the prefix cache;
 - Mistral 3 (Pixtral): a tower at the image's own resolution, so an image's positions depend
   on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after.
-For each: every dialect's greedy answer equals mlx-vlm's own generation for the same image and
-prompt (mlx-vlm's processor and `stream_generate`); the same image in the next turn is a cache
-hit covering it and a changed pixel a miss; bad images are 400s that leave the engine serving;
-a kill -9 of the engine mid-stream resumes with identical text."""
+For each: every dialect's greedy answer (OpenAI, Anthropic, Ollama chat and generate) equals
+mlx-vlm's own generation for the same image and prompt (mlx-vlm's processor and
+`stream_generate`), with two images too, and with image rows batched beside a text row; the
+same image in the next turn is a cache hit covering it, and so is another question about it,
+and a changed pixel a miss; bad images are 400s that leave the engine serving; a kill -9 of
+the engine mid-stream resumes with identical text, and the restarted engine finds an image's
+prefix on the SSD tier."""
 
 from __future__ import annotations
 
@@ -169,6 +172,11 @@ def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference, family
             "messages": [{"role": "user", "content": QUESTION, "images": [IMAGE_B64]}]})
         assert r.status_code == 200, r.text
         assert r.json()["message"]["content"] == want
+        r = c.post("/api/generate", json={
+            "model": model_name, "stream": False, "prompt": QUESTION, "images": [IMAGE_B64],
+            "options": {"temperature": 0, "num_predict": TOKENS}})
+        assert r.status_code == 200, r.text
+        assert r.json()["response"] == want
         r = c.post("/api/show", json={"model": model_name})
         assert "vision" in r.json()["capabilities"], r.text
     # Another image (for Mistral 3 of another shape, so another number of positions).
