@@ -6,7 +6,12 @@ turn 2 (the same image and turn 1's answer, plus a question: the image is cached
 with one pixel changed (a miss again). Then batching: N requests with different images sent
 at once against the same N one after the other (vision rows share the text batch).
 
-    python benchmarks/vision_cache.py [--rounds 5] [--concurrency 4] [--out FILE]
+    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3] [--rounds 5]
+        [--concurrency 4] [--out FILE]
+
+`--family gemma3`: a random-weight Gemma 3 (a 224-pixel image: 256 soft tokens; sliding
+window 512 in every other layer); `--family mistral3`: a random-weight Mistral 3 (images fit
+into 448 pixels: the 400 x 300 images here take 11 x 15 = 165 positions, plus row breaks).
 """
 
 from __future__ import annotations
@@ -28,10 +33,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.random_vlm import image_tokens, write_random_vlm  # shared with the tests
+from support.random_vlm import (  # shared with the tests
+    image_tokens,
+    mistral3_image_tokens,
+    write_random_gemma3,
+    write_random_mistral3,
+    write_random_vlm,
+)
 from throughput import Server, free_port, save
 
 MODEL = "bench-llava"
+MODEL_NAME = [MODEL]  # the family's model directory's name, once written
 IMAGE_SIZE = 336
 QUESTION = "Describe this picture in detail."
 
@@ -54,8 +66,8 @@ def turn(image: str) -> dict:
 
 async def ask(base: str, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, dict]:
     """(seconds to the first text, the answer, usage) of one streamed chat."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL_NAME[0], "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first: float | None = None
     text: list[str] = []
@@ -83,11 +95,22 @@ def cached(usage: dict) -> int:
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     heads = max(4, args.hidden // 128)
-    model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, hidden=args.hidden,
-                             layers=args.layers, heads=heads, kv_heads=heads // 2,
-                             intermediate=args.hidden * 2, vision_hidden=args.vision_hidden,
-                             vision_layers=args.vision_layers, vision_heads=args.vision_heads,
-                             context=4096, dtype=args.model_dtype)
+    sizes: dict[str, Any] = {
+        "hidden": args.hidden, "layers": args.layers, "heads": heads, "kv_heads": heads // 2,
+        "intermediate": args.hidden * 2, "vision_hidden": args.vision_hidden,
+        "vision_layers": args.vision_layers, "vision_heads": args.vision_heads,
+        "context": 4096, "dtype": args.model_dtype}
+    MODEL_NAME[0] = f"bench-{args.family}"
+    if args.family == "gemma3":
+        model = write_random_gemma3(work / MODEL_NAME[0], image_size=224, image_tokens=256,
+                                    sliding_window=512, **sizes)
+        positions = 256
+    elif args.family == "mistral3":
+        model = write_random_mistral3(work / MODEL_NAME[0], longest_edge=448, **sizes)
+        positions = mistral3_image_tokens(400, 300, 448)
+    else:
+        model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
+        positions = image_tokens(IMAGE_SIZE)
     port = free_port()
     argv = [sys.executable, "-m", "mlxd.cli.main", "serve", str(model), "--isolate",
             "--port", str(port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-bv-", dir="/tmp"),
@@ -139,7 +162,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                                               "changed_s")}
     return {"rows": rows, "median": med, "ratio": med["second_s"] / med["first_s"],
             "changed_ratio": med["changed_s"] / med["first_s"],
-            "image_tokens": image_tokens(IMAGE_SIZE), "concurrency": n,
+            "image_tokens": positions, "family": args.family, "concurrency": n,
             "sequential_s": sequential, "together_s": together,
             "sequential_hit_s": sequential_hit, "together_hit_s": together_hit,
             "batch_tokens": args.batch_tokens}
@@ -148,7 +171,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> str:
     m = r["median"]
     return "\n".join([f"`python benchmarks/vision_cache.py {' '.join(sys.argv[1:])}`", "",
-        f"# Vision prefix cache ({r['image_tokens']} image tokens, {len(r['rows'])} rounds, "
+        f"# Vision prefix cache ({r['family']}: {r['image_tokens']} image tokens, "
+        f"{len(r['rows'])} rounds, "
         "medians)", "",
         "| turn | time to first text | vs first turn |", "|---|---|---|",
         f"| first turn (miss) | {m['first_s']:.3f} s | 1.00x |",
@@ -166,6 +190,7 @@ def report(r: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=["llava", "gemma3", "mistral3"], default="llava")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)

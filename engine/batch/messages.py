@@ -31,6 +31,10 @@ class AddRequest:
     logprobs: int = -1  # top alternatives to report per token (-1: no log-probabilities)
     group: str = ""  # n > 1: the answers to one prompt share one prefill (`PrefillGroup`)
     group_size: int = 1
+    # More positions at which a model with state layers (sliding windows, recurrent states)
+    # snapshots them while prefilling, so that another prompt sharing the head up to there
+    # restores it (a vision prompt: where each image ends).
+    snapshot_at: tuple[int, ...] = ()
 
 
 @dataclass

@@ -422,7 +422,8 @@ class Runner:
         """Into the batch, from the best prefix at hand: `shared` (a prefill group's layers
         and its tokens), the SSD tier's restored blocks or the RAM tier's, if of `floor`
         tokens or more (default: the `min_cached_tokens` setting). A model with state layers
-        stops at the prompt's snapshot points on the way (`snapshot_points.py`)."""
+        stops at the prompt's snapshot points on the way (`snapshot_points.py`), and at those
+        its admission asked for (`AddRequest.snapshot_at`)."""
         prompt = add.prompt
         floor = self._min_cached if floor is None else floor
         cache, cached = None, 0
@@ -458,7 +459,8 @@ class Runner:
         points: list[int] = []
         if self.codec.has_state and self.cache.max_bytes and self.segmented:
             points = sorted({*snapshot_points(cached, len(prompt)),
-                             *(p for p in extra_points if cached < p < len(prompt) - 1)})
+                             *(p for p in (*extra_points, *add.snapshot_at)
+                               if cached < p < len(prompt) - 1)})
         self.clock.inserted(add.request_id)
         rows: list[Any] = [segments(prompt, cached, points) if points else prompt[cached:]]
         insert = self._gen.insert_segments if points else self._gen.insert

@@ -65,6 +65,8 @@ def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layer
     model = llava.Model(cfg)
     weights = dict(tree_flatten(model.parameters()))
     # As in random_model.py: a damped EOS row, so greedy answers run to max_tokens.
+    emb = "language_model.model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
     key = "language_model.lm_head.weight"
     head = weights[key]
     weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
@@ -82,6 +84,196 @@ def write_random_vlm(out: Path, *, image_size: int = 56, hidden: int = 64, layer
         "processor_class": "LlavaProcessor", "patch_size": PATCH,
         "vision_feature_select_strategy": "default", "image_token": IMAGE_TOKEN,
         "num_additional_image_tokens": 1}, indent=2))
+    return out
+
+
+# Gemma 3: a SigLIP tower, an average-pooling projector, a Gemma 3 language model with
+# sliding-window and global layers in turn; the chat template marks an image with
+# `<start_of_image>`, which the processor expands to "\n\n<start_of_image>", the soft image
+# tokens and "<end_of_image>\n\n".
+GEMMA_BOI, GEMMA_EOI, GEMMA_IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+GEMMA_SPECIAL = ("<bos>", "<start_of_turn>", "<end_of_turn>", GEMMA_BOI, GEMMA_EOI,
+                 GEMMA_IMAGE)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA_PATCH = 14
+NORM_NOISE = 0.5
+EMBED_SCALE = 0.1  # a smaller token embedding: the layers, not the last token, decide the next
+
+
+def write_random_gemma3(out: Path, *, image_size: int = 56, image_tokens: int = 4,
+                        hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                        intermediate: int = 128, sliding_window: int = 16,
+                        vision_hidden: int = 32, vision_layers: int = 2, vision_heads: int = 2,
+                        vocab: int = 512, context: int = 512, seed: int = 0,
+                        dtype: str = "float32") -> Path:
+    """A random-weight Gemma 3 (vision) directory. `image_tokens`: positions an image takes
+    (a square number; the tower's (image_size / 14)^2 patches are average-pooled to it).
+    Layers 0, 2, ... attend over the last `sliding_window` tokens, 1, 3, ... over all."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import gemma3
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_tokenizer(out, vocab, GEMMA_TEMPLATE, extra_special=GEMMA_SPECIAL)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in GEMMA_SPECIAL}
+    assert all(i is not None for i in ids.values())
+    eos = ids["<end_of_turn>"]
+    assert eos is not None
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+        "eos_token": "<end_of_turn>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "boi_token": GEMMA_BOI, "eoi_token": GEMMA_EOI, "image_token": GEMMA_IMAGE,
+        "extra_special_tokens": {"boi_token": GEMMA_BOI, "eoi_token": GEMMA_EOI,
+                                 "image_token": GEMMA_IMAGE},
+        "chat_template": GEMMA_TEMPLATE}))
+    head_dim = hidden // heads
+    text = {"model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": intermediate, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "query_pre_attn_scalar": head_dim, "rms_norm_eps": 1e-6, "vocab_size": real_vocab,
+            "rope_global_base_freq": 1_000_000.0, "rope_local_base_freq": 10000.0,
+            "sliding_window": sliding_window, "sliding_window_pattern": 2,
+            "mm_tokens_per_image": image_tokens, "max_position_embeddings": context}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": vision_hidden,
+              "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
+              "num_attention_heads": vision_heads, "image_size": image_size,
+              "patch_size": GEMMA_PATCH, "num_channels": 3, "layer_norm_eps": 1e-6,
+              "vision_use_head": False}
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": text, "vision_config": vision, "image_token_index":
+              ids[GEMMA_IMAGE], "boi_token_index": ids[GEMMA_BOI],
+              "eoi_token_index": ids[GEMMA_EOI], "mm_tokens_per_image": image_tokens,
+              "vocab_size": real_vocab, "eos_token_id": [eos], "pad_token_id": 0}
+    mx.random.seed(seed)
+    cfg = gemma3.ModelConfig.from_dict(config)
+    cfg.text_config = gemma3.TextConfig.from_dict(text)
+    cfg.vision_config = gemma3.VisionConfig.from_dict(vision)
+    model = gemma3.Model(cfg)
+    weights = dict(tree_flatten(model.parameters()))
+    # Random norms and projector (their initial ones and zeros would make the image a
+    # constant), and as in random_model.py, a damped EOS row so greedy answers run long.
+    for k, v in list(weights.items()):
+        if k.endswith("norm.weight") or "mm_input_projection" in k:
+            weights[k] = mx.random.normal(v.shape) * NORM_NOISE
+    emb = "language_model.model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
+    key = "language_model.lm_head.weight"
+    head = weights[key]
+    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "do_resize": True, "size": {"height": image_size, "width": image_size},
+        "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": None,
+        "do_pan_and_scan": None, "image_seq_length": image_tokens}, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma3Processor", "image_seq_length": image_tokens}, indent=2))
+    return out
+
+
+# Mistral 3 (Mistral Small 3.1 / 3.2): a Pixtral tower at the image's own resolution (up to
+# `longest_edge`, rounded up to whole 2 x 2 merges of 14-pixel patches), a patch merger and
+# projector, a Mistral language model; the chat template marks an image with `[IMG]`, which the
+# processor expands into a row of `[IMG]` per merged-patch row, `[IMG_BREAK]` between rows and
+# `[IMG_END]` after: an image's positions depend on its size.
+MISTRAL_IMAGE, MISTRAL_BREAK, MISTRAL_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
+MISTRAL_SPECIAL = ("<s>", "</s>", "[INST]", "[/INST]", MISTRAL_IMAGE, MISTRAL_BREAK, MISTRAL_END)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ '[INST]' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '[IMG]' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '[/INST]' }}{% endif %}{% endfor %}")
+MISTRAL_PATCH, MISTRAL_MERGE = 14, 2
+
+
+def mistral3_image_tokens(width: int, height: int, longest_edge: int = 112) -> int:
+    """Positions an image of this size takes (the [IMG] tokens; breaks and the end aside)."""
+    unit = MISTRAL_PATCH * MISTRAL_MERGE
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = int(height // ratio), int(width // ratio)
+    return ((height - 1) // unit + 1) * ((width - 1) // unit + 1)
+
+
+def write_random_mistral3(out: Path, *, longest_edge: int = 112, hidden: int = 64,
+                          layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                          intermediate: int = 128, vision_hidden: int = 32,
+                          vision_layers: int = 2, vision_heads: int = 2, vocab: int = 512,
+                          context: int = 512, seed: int = 0, dtype: str = "float32") -> Path:
+    """A random-weight Mistral 3 directory; images are resized to fit `longest_edge` pixels."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import mistral3
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_tokenizer(out, vocab, MISTRAL_TEMPLATE, extra_special=MISTRAL_SPECIAL)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in MISTRAL_SPECIAL}
+    assert all(i is not None for i in ids.values())
+    eos = ids["</s>"]
+    assert eos is not None
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "add_bos_token": False,
+        "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "chat_template": MISTRAL_TEMPLATE}))
+    text = {"model_type": "mistral", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": intermediate, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "rms_norm_eps": 1e-5,
+            "vocab_size": real_vocab, "rope_theta": 1_000_000.0,
+            "max_position_embeddings": context, "tie_word_embeddings": False}
+    vision = {"model_type": "pixtral", "hidden_size": vision_hidden,
+              "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
+              "num_attention_heads": vision_heads, "head_dim": vision_hidden // vision_heads,
+              "image_size": longest_edge, "patch_size": MISTRAL_PATCH, "num_channels": 3,
+              "rope_theta": 10000.0}
+    config = {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+              "text_config": text, "vision_config": vision,
+              "image_token_index": ids[MISTRAL_IMAGE], "spatial_merge_size": MISTRAL_MERGE,
+              "vision_feature_layer": -1, "multimodal_projector_bias": False,
+              "projector_hidden_act": "gelu", "vocab_size": real_vocab, "eos_token_id": eos}
+    mx.random.seed(seed)
+    cfg = mistral3.ModelConfig.from_dict(config)
+    cfg.text_config = mistral3.TextConfig.from_dict(text)
+    cfg.vision_config = mistral3.VisionConfig.from_dict(vision)
+    model = mistral3.Model(cfg)
+    weights = dict(tree_flatten(model.parameters()))
+    key = "language_model.lm_head.weight"
+    head = weights[key]
+    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "do_resize": True, "size": {"longest_edge": longest_edge},
+        "patch_size": {"height": MISTRAL_PATCH, "width": MISTRAL_PATCH}, "resample": 3,
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True}, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": MISTRAL_PATCH,
+        "spatial_merge_size": MISTRAL_MERGE, "image_token": MISTRAL_IMAGE,
+        "image_break_token": MISTRAL_BREAK, "image_end_token": MISTRAL_END}, indent=2))
     return out
 
 

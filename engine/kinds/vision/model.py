@@ -15,9 +15,24 @@ looks those ids up in its `ImageTable` and feeds the image's features (the visio
 projector, run on the MLX thread, only for positions a cache did not cover) in their place.
 
 Families: those whose image features replace the image token's embeddings one for one and
-whose language model numbers positions in one dimension (`SUPPORTED`). Families with 3-D
-rotary positions (Qwen2-VL and later) or images tiled into a variable number of tokens are not
-served yet: the engine refuses to load them with a message saying so.
+whose language model numbers positions in one dimension (`SUPPORTED`):
+- llava: the chat template's `<image>` is the image token, repeated once per position;
+- gemma3: the template's `<start_of_image>` becomes what Gemma 3's processor makes of it
+  ("\n\n<start_of_image>", the image's soft tokens, "<end_of_image>\n\n"); its language
+  model's sliding-window layers get mlx-lm's `RotatingKVCache` (`VisionLM.make_cache`), so the
+  caches treat them as they treat a text Gemma 3's. Attention over an image's tokens is
+  causal, as in mlx-vlm's own generation (Hugging Face's Gemma 3 lets an image's tokens see
+  each other both ways; mlx-vlm does not, and mlxd answers as mlx-vlm does). Pan-and-scan
+  (extra crops of an image) is not applied;
+- mistral3 (Pixtral's tower, a mistral language model): an image's positions follow its size;
+  the template's `[IMG]` becomes the processor's rows of `[IMG]` (one per merged patch of the
+  resized image), `[IMG_BREAK]` between rows and `[IMG_END]` after (`_pixtral_layout`), and
+  the tower is told the image's size.
+Where the processor rewrites the marker (gemma3, mistral3), admission does so in the rendered
+text and tokenizes the result, as the processor does, and each image token there takes the
+image's next id. Families with 3-D rotary positions (Qwen2-VL and later) or images tiled into
+a variable number of tiles (llava-next, idefics3) are not served yet: the engine refuses to
+load them with a message saying so.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +56,7 @@ from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
-SUPPORTED = frozenset({"llava"})
+SUPPORTED = frozenset({"llava", "gemma3", "mistral3"})
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
@@ -195,6 +211,24 @@ class VisionLM(nn.Module):
     def layers(self) -> list[Any]:
         return list(self.vlm.language_model.layers)
 
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's caches for the language model's layers: plain KV, or a sliding window
+        where the model's own `make_cache` (mlx-vlm's cache classes) has one."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        own = getattr(self.vlm.language_model, "make_cache", None)
+        if own is None:
+            return [KVCache() for _ in self.layers]
+        caches: list[Any] = []
+        for c in own():
+            kind = type(c).__name__
+            if kind == "KVCache":
+                caches.append(KVCache())
+            elif kind == "RotatingKVCache":
+                caches.append(RotatingKVCache(max_size=c.max_size, keep=c.keep))
+            else:
+                raise ValueError(f"a language model cache of kind {kind} is not served")
+        return caches
+
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         lm = self.vlm.language_model
         embeds = self.images.embed(inputs, lm.model.embed_tokens)
@@ -207,10 +241,39 @@ class VisionParts:
     """What admission needs to turn images into prompt tokens."""
     image_processor: Any  # pixel values for the vision tower (off the MLX thread)
     image_token: str  # the text that marks an image in a rendered prompt ("<image>")
-    image_token_id: int
-    tokens_per_image: int
+    image_token_id: int  # the id of each of an image's positions in the processor's output
+    tokens_per_image: int  # what the processor gave a 32 x 32 image
     images: ImageTable
     model_type: str
+    # Families whose processor replaces the marker in the prompt's text (gemma3, mistral3):
+    # (width, height) -> (the text in place of that image's marker, which holds the image
+    # token once per position; the image's positions). None: the marker is the image token
+    # (llava), one id in the tokenized prompt per image, `tokens_per_image` positions.
+    layout: Callable[[int, int], tuple[str, int]] | None = None
+
+
+def _pixtral_layout(processor: Any, image_processor: Any) -> Callable[[int, int],
+                                                                        tuple[str, int]]:
+    """Mistral 3's (Pixtral's) variable resolution, as its processor lays an image out: the
+    image resized to fit the longest edge and rounded up to whole merged patches, then a row
+    of image tokens per merged-patch row, `[IMG_BREAK]` between rows, `[IMG_END]` after."""
+    from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
+    unit = int(processor.patch_size) * int(processor.spatial_merge_size)
+    size = image_processor.size
+    if isinstance(size, dict) and size.get("longest_edge") is not None:
+        box = (int(size["longest_edge"]),) * 2
+    elif isinstance(size, dict):
+        box = (int(size["height"]), int(size["width"]))
+    else:
+        box = (int(size),) * 2
+    token, brk, end = processor.image_token, processor.image_break_token, processor.image_end_token
+
+    def layout(width: int, height: int) -> tuple[str, int]:
+        h, w = (get_resize_output_image_size((height, width), box, unit)
+                if image_processor.do_resize else (height, width))
+        rows, cols = h // unit, w // unit
+        return brk.join([token * cols] * rows) + end, rows * cols
+    return layout
 
 
 def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, VisionParts]:
@@ -231,6 +294,14 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         raise ModelLoadError(f"{model_dir.name} is a {model_type or 'unknown'} vision model; "
                              f"mlxd serves vision models of the families "
                              f"{', '.join(sorted(SUPPORTED))}")
+    if model_type == "mistral3" and config.get("text_config", {}).get("model_type") not in (
+            None, "mistral", "llama"):
+        raise ModelLoadError(f"{model_dir.name}: a mistral3 vision model with a "
+                             f"{config['text_config']['model_type']} language model is not "
+                             "served (Mistral Small 3.1 / 3.2's mistral one is)")
+    layout: Callable[[int, int], tuple[str, int]] | None = None
+    options: dict[str, Any] = {}  # the image processor's options, as the processor sets them
+    unit = 0  # mistral3: pixels per merged patch (its image's positions follow from its size)
     try:
         vlm = load_model(model_dir)
         _cast_for_device(vlm, dtype)
@@ -244,11 +315,25 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
         if image_token_id < 0:
             image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
-        # The processor's own expansion of one image marker says how many positions an image
-        # takes (fixed for these families: the processor resizes to one size).
+        marker = image_token
+        if model_type == "gemma3":  # the template writes <start_of_image>; see the docstring
+            marker = str(processor.boi_token)
+            text = str(processor.full_image_sequence)
+            layout = lambda width, height: (text, text.count(image_token))  # noqa: E731
+            # One view per image: pan-and-scan (extra crops, more tokens) is not applied.
+            options = {"do_pan_and_scan": False}
+        elif model_type == "mistral3":
+            layout = _pixtral_layout(processor, image_processor)
+            unit = int(processor.patch_size) * int(processor.spatial_merge_size)
+            options = {"patch_size": unit}
+        # The processor's own expansion of one image marker: how many positions an image takes
+        # (and, where the family lays images out itself, that it agrees).
         probe = Image.new("RGB", (32, 32), (127, 127, 127))
-        out = processor(images=[probe], text=[image_token])
+        out = processor(images=[probe], text=[marker])
         n = int((np.array(out["input_ids"]) == image_token_id).sum())
+        if layout is not None and layout(32, 32)[1] != n:
+            raise ModelLoadError(f"{model_dir.name}: its processor gives a 32 x 32 image {n} "
+                                 f"image tokens, not {layout(32, 32)[1]}")
     except ModelLoadError:
         raise
     except Exception as e:
@@ -257,17 +342,24 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         raise ModelLoadError(f"{model_dir.name}: its processor gives an image no image tokens")
 
     def encode(pixel_values: np.ndarray) -> mx.array:
-        ids = mx.array([[image_token_id] * n])
-        got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values))
+        extra: dict[str, Any] = {}
+        count = n
+        if unit:  # the pixels' size (one image: no padding) says how many positions
+            h, w = pixel_values.shape[-2:]
+            extra["image_sizes"] = [(h, w)]
+            count = (h // unit) * (w // unit)
+        ids = mx.array([[image_token_id] * count])
+        got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values),
+                                       mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
         return got.inputs_embeds[0]
 
     def preprocess(image: ImageInput) -> np.ndarray:
         pil = Image.frombytes("RGB", (image.width, image.height), image.pixels)
-        values = image_processor(images=[pil], return_tensors="np")["pixel_values"]
+        values = image_processor(images=[pil], return_tensors="np", **options)["pixel_values"]
         return np.asarray(values, dtype=np.float32)
 
     table = ImageTable(encode, preprocess)
-    parts = VisionParts(image_processor, image_token, image_token_id, n, table, model_type)
+    parts = VisionParts(image_processor, marker, image_token_id, n, table, model_type, layout)
     config = {**config.get("text_config", {}), **{k: v for k, v in config.items()
                                                   if not isinstance(v, dict)}}
     return VisionLM(vlm, table), tokenizer, config, parts

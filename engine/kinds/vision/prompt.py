@@ -52,22 +52,39 @@ class VisionAdmission:
             raise ClientError("images go with chat messages or a text prompt, not with token "
                               "ids or fill-in-the-middle", "invalid_request")
         admission.check_prompt_size(msg, model.context_length, model.max_token_bytes)
-        marked = admission.prompt_tokens(tok, self._with_markers(msg, tok))
-        marks = sum(1 for t in marked if t == parts.image_token_id)
-        if marks != len(msg.images):
-            raise ClientError(f"the prompt holds {marks} image markers ({parts.image_token!r}) "
-                              f"for {len(msg.images)} images", "invalid_request")
         for i, img in enumerate(msg.images):
             _check(i, img)
-        ids = iter([image_token_ids(img.key, parts.tokens_per_image) for img in msg.images])
+        layouts = ([parts.layout(img.width, img.height) for img in msg.images]
+                   if parts.layout is not None else None)
+        marked = self._marked_tokens(msg, tok, layouts)
+        # An image is one image token in `marked` (llava: the marker) or one per position (a
+        # family whose processor lays the image out in the prompt's text: gemma3, mistral3).
+        sizes = [parts.tokens_per_image] * len(msg.images) if layouts is None \
+            else [n for _, n in layouts]
+        marks = sum(1 for t in marked if t == parts.image_token_id)
+        if layouts is None and marks != len(msg.images):
+            raise ClientError(f"the prompt holds {marks} image markers ({parts.image_token!r}) "
+                              f"for {len(msg.images)} images", "invalid_request")
+        if layouts is not None and marks != sum(sizes):  # image tokens typed into the text
+            raise ClientError(f"the prompt holds {marks} image tokens where its images take "
+                              f"{sum(sizes)}", "invalid_request")
+        ids = [image_token_ids(img.key, n) for img, n in zip(msg.images, sizes, strict=True)]
         prompt: list[int] = []
         ends: list[int] = []  # where each image's tokens end
+        k = j = 0  # image k's j-th position comes next
         for t in marked:
-            if t == parts.image_token_id:
-                prompt.extend(next(ids))
-                ends.append(len(prompt))
-            else:
+            if t != parts.image_token_id:
                 prompt.append(t)
+            elif layouts is None:
+                prompt.extend(ids[k])
+                ends.append(len(prompt))
+                k += 1
+            else:
+                prompt.append(ids[k][j])
+                j += 1
+                if j == len(ids[k]):
+                    ends.append(len(prompt))
+                    k, j = k + 1, 0
         if prompt[-1] >= VIRTUAL_BASE:
             raise ClientError("the prompt ends with an image: add text after it",
                               "invalid_request")
@@ -92,9 +109,9 @@ class VisionAdmission:
         # An image a cache covers needs no pixel values: the processor runs only for the rest.
         restored = lookup.restore(prompt)
         cached = max(lookup.peek(prompt), restored.tokens if restored is not None else 0)
-        for img, end in zip(msg.images, ends, strict=True):
+        for img, n, end in zip(msg.images, sizes, ends, strict=True):
             values = None if end <= cached else parts.images.preprocess(img)
-            parts.images.register(img, parts.tokens_per_image, values)
+            parts.images.register(img, n, values)
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
                              _real_ids(admission.processors(msg, model.grammar_tokenizer,
@@ -102,8 +119,34 @@ class VisionAdmission:
                                        parts.image_token_id),
                              restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
-                             group_size=msg.group_size)
+                             group_size=msg.group_size, snapshot_at=tuple(ends))
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
+
+    def _marked_tokens(self, msg: Generate, tok: Any,
+                       layouts: list[tuple[str, int]] | None) -> list[int]:
+        """The prompt's tokens, each image's positions held by the image token."""
+        marked = self._with_markers(msg, tok)
+        if layouts is None:
+            return admission.prompt_tokens(tok, marked)
+        # As the family's processor does: each marker in the rendered text replaced by its
+        # image's text, then the whole tokenized (its newlines may merge with the text around).
+        if marked.messages is not None:
+            extra: dict[str, Any] = {"tools": marked.tools} if marked.tools else {}
+            try:
+                text = str(tok.apply_chat_template(marked.messages, tokenize=False,
+                                                   **admission.template_flags(marked), **extra))
+            except Exception as e:  # template errors are the client's messages
+                raise ClientError(f"the chat template rejected the messages: {e}",
+                                  "invalid_messages") from e
+        else:
+            text = marked.prompt or ""
+        pieces = text.split(self.parts.image_token)
+        if len(pieces) != len(layouts) + 1:
+            raise ClientError(f"the prompt holds {len(pieces) - 1} image markers "
+                              f"({self.parts.image_token!r}) for {len(layouts)} images",
+                              "invalid_request")
+        text = pieces[0] + "".join(t + p for (t, _), p in zip(layouts, pieces[1:], strict=True))
+        return list(tok.encode(text, add_special_tokens=False))
 
     def _with_markers(self, msg: Generate, tok: Any) -> Generate:
         """The request as text: each image part becomes the processor's image marker (inside

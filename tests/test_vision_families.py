@@ -1,0 +1,344 @@
+"""Vision families beyond LLaVA, through a real daemon (--isolate), each a random-weight model
+directory the test writes:
+- Gemma 3: a SigLIP tower pooled to a fixed number of soft tokens, which its processor wraps in
+  newlines, `<start_of_image>` and `<end_of_image>`; a language model of sliding-window (16
+  tokens, shorter than the prompts) and global layers, whose window layers are mlx-lm's
+  rotating caches, snapshotted by the prefix cache;
+- Mistral 3 (Pixtral): a tower at the image's own resolution, so an image's positions depend
+  on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after.
+For each: every dialect's greedy answer (OpenAI, Anthropic, Ollama chat and generate) equals
+mlx-vlm's own generation for the same image and prompt (mlx-vlm's processor and
+`stream_generate`), with two images too, and with image rows batched beside a text row; the
+same image in the next turn is a cache hit covering it, and so is another question about it,
+and a changed pixel a miss; bad images are 400s that leave the engine serving; a kill -9 of
+the engine mid-stream resumes with identical text, and the restarted engine finds an image's
+prefix on the SSD tier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import start_daemon, stop_and_check
+from support.harness import engine_pid, stream_chat
+from support.random_vlm import (
+    GEMMA_IMAGE,
+    MISTRAL_IMAGE,
+    mistral3_image_tokens,
+    write_random_gemma3,
+    write_random_mistral3,
+)
+from test_vision import b64, picture, png, png_bomb
+
+QUESTION = "What is in this picture?"
+TOKENS = 12
+IMAGE_TOKENS = 16  # Gemma 3's soft tokens per image: the tower's 4 x 4 patches, unpooled
+SLOW = {"MLXD_FAULTS": "engine.step=delay@1#<2"}  # time to aim a kill mid-stream
+
+IMAGE = picture()
+IMAGE_B64 = b64(png(IMAGE))
+
+
+@dataclass(frozen=True)
+class Family:
+    write: Callable[[Path], Path]
+    image_token: str  # the processor's image token (one per position)
+    marker: str  # what the chat template writes for an image
+    eos: str
+
+
+FAMILIES = {
+    "gemma3": Family(lambda p: write_random_gemma3(p, image_size=56, image_tokens=IMAGE_TOKENS,
+                                                   sliding_window=16),
+                     GEMMA_IMAGE, "<start_of_image>", "<end_of_turn>"),
+    "mistral3": Family(lambda p: write_random_mistral3(p, longest_edge=112), MISTRAL_IMAGE,
+                       "[IMG]", "</s>"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def vlm(family, tmp_path_factory) -> Path:
+    return FAMILIES[family].write(tmp_path_factory.mktemp("models") / f"tiny-{family}")
+
+
+@pytest.fixture(scope="module")
+def model_name(vlm) -> str:
+    return vlm.name
+
+
+@pytest.fixture(scope="module")
+def reference(family, vlm):
+    """mlx-vlm's own load, processor and greedy `stream_generate` on the prompt the chat
+    template makes of the user turn [image, question] (+ history): (text, prompt ids). The
+    tokens are mlx-vlm's; their text is what mlx-lm's streaming detokenizer makes of them, as
+    mlxd's is for any model (it drops a leading space of the first token, where mlx-vlm's
+    stream keeps it)."""
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm import load, stream_generate
+    from PIL import Image
+    model, loaded = load(str(vlm))
+    processor: Any = loaded
+    tok = processor.tokenizer
+    eos = tok.convert_tokens_to_ids(FAMILIES[family].eos)
+    detokenizer = load_tokenizer(vlm).detokenizer
+
+    def text_of(tokens: list[int]) -> str:
+        detokenizer.reset()
+        for t in tokens:
+            detokenizer.add_token(t)
+        detokenizer.finalize()
+        return str(detokenizer.text)
+
+    def generate(*pictures: np.ndarray, max_tokens: int = TOKENS,
+                 history: list | None = None) -> tuple[str, list[int]]:
+        messages = [{"role": "user", "content": [*[{"type": "image"} for _ in pictures],
+                                                 {"type": "text", "text": QUESTION}]},
+                    *(history or [])]
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        images = [Image.fromarray(p) for p in pictures]
+        out = [r.token for r in stream_generate(model, processor, prompt, image=images,
+                                                max_tokens=max_tokens, temperature=0.0)]
+        out = out[:max_tokens]
+        if eos in out:
+            out = out[:out.index(eos)]
+        ids = processor(images=images, text=[prompt])["input_ids"]
+        return text_of(out), np.array(ids)[0].tolist()
+    return generate
+
+
+@pytest.fixture(scope="module")
+def daemon(vlm):
+    d = start_daemon(vlm, "--restart-backoff", "0.1", isolate=True, env=SLOW)
+    yield d
+    stop_and_check(d)
+
+
+def image_id(vlm: Path, family: str) -> int:
+    from tokenizers import Tokenizer
+    got = Tokenizer.from_file(str(vlm / "tokenizer.json")).token_to_id(
+        FAMILIES[family].image_token)
+    assert got is not None
+    return int(got)
+
+
+def openai_body(model: str, image_b64: str = IMAGE_B64, history: list | None = None,
+                **kw) -> dict:
+    turn = {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image_b64}},
+        {"type": "text", "text": QUESTION}]}
+    return {"model": model, "messages": [turn, *(history or [])], "max_tokens": TOKENS,
+            "temperature": 0, **kw}
+
+
+def chat(d, body: dict) -> tuple[int, dict]:
+    with d.http() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        return r.status_code, r.json()
+
+
+def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference, family, vlm,
+                                                       model_name):
+    want, ids = reference(IMAGE)
+    positions = IMAGE_TOKENS if family == "gemma3" else mistral3_image_tokens(64, 48)
+    assert ids.count(image_id(vlm, family)) == positions
+    if family == "gemma3":
+        assert len(ids) > 32  # twice the sliding window
+    code, got = chat(daemon, openai_body(model_name))
+    assert code == 200, got
+    assert got["choices"][0]["message"]["content"] == want
+    assert got["usage"]["prompt_tokens"] == len(ids)  # the processor's layout, exactly
+    with daemon.http() as c:
+        r = c.post("/v1/messages", json={
+            "model": model_name, "max_tokens": TOKENS, "temperature": 0, "messages": [
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": IMAGE_B64}},
+                    {"type": "text", "text": QUESTION}]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["text"] == want
+        r = c.post("/api/chat", json={
+            "model": model_name, "stream": False, "options": {"temperature": 0,
+                                                              "num_predict": TOKENS},
+            "messages": [{"role": "user", "content": QUESTION, "images": [IMAGE_B64]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["message"]["content"] == want
+        r = c.post("/api/generate", json={
+            "model": model_name, "stream": False, "prompt": QUESTION, "images": [IMAGE_B64],
+            "options": {"temperature": 0, "num_predict": TOKENS}})
+        assert r.status_code == 200, r.text
+        assert r.json()["response"] == want
+        r = c.post("/api/show", json={"model": model_name})
+        assert "vision" in r.json()["capabilities"], r.text
+    # Another image (for Mistral 3 of another shape, so another number of positions).
+    other_pixels = picture(1, size=(100, 30) if family == "mistral3" else (64, 48))
+    other, other_ids = reference(other_pixels)
+    assert other != want  # the image matters to the answer
+    code, got = chat(daemon, openai_body(model_name, b64(png(other_pixels))))
+    assert code == 200 and got["choices"][0]["message"]["content"] == other, got
+    assert got["usage"]["prompt_tokens"] == len(other_ids)
+    if family == "mistral3":
+        assert other_ids.count(image_id(vlm, family)) == mistral3_image_tokens(100, 30) != \
+            positions
+    # A text-only request to the vision model is served as a text model's.
+    code, got = chat(daemon, {"model": model_name, "max_tokens": 4, "temperature": 0,
+                              "messages": [{"role": "user", "content": QUESTION}]})
+    assert code == 200 and got["usage"]["completion_tokens"] == 4, got
+
+
+def test_two_images_in_one_request_and_image_rows_batched_with_a_text_row(
+        daemon, reference, family, model_name):
+    """Two images in one turn (for Mistral 3 of two shapes) answer as mlx-vlm does with both;
+    requests with images and one without, sent together, each answer as they do alone."""
+    import concurrent.futures
+    a, b = picture(3), picture(4, size=(100, 30) if family == "mistral3" else (64, 48))
+    want, ids = reference(a, b)
+    body = openai_body(model_name)
+    body["messages"][0]["content"] = [
+        *[{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png(p))}}
+          for p in (a, b)], {"type": "text", "text": QUESTION}]
+    code, got = chat(daemon, body)
+    assert code == 200 and got["choices"][0]["message"]["content"] == want, got
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    text = {"model": model_name, "max_tokens": TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about Paris."}]}
+    code, alone = chat(daemon, text)
+    assert code == 200, alone
+    bodies = [openai_body(model_name, b64(png(p))) for p in (a, b)] + [text]
+    wants = [reference(a)[0], reference(b)[0], alone["choices"][0]["message"]["content"]]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda body: chat(daemon, body), bodies))
+    for (code, got), expected in zip(results, wants, strict=True):
+        assert code == 200 and got["choices"][0]["message"]["content"] == expected, got
+
+
+def test_the_same_image_next_turn_is_a_cache_hit_and_a_changed_pixel_a_miss(
+        daemon, reference, family, vlm, model_name):
+    code, first = chat(daemon, openai_body(model_name))
+    assert code == 200, first
+    answer = first["choices"][0]["message"]["content"]
+    history = [{"role": "assistant", "content": answer},
+               {"role": "user", "content": "And what colour is it?"}]
+    code, second = chat(daemon, openai_body(model_name, history=history))
+    assert code == 200, second
+    want, ids = reference(IMAGE, history=history)
+    assert second["choices"][0]["message"]["content"] == want  # restored state answers alike
+    image = image_id(vlm, family)
+    end_of_image = len(ids) - ids[::-1].index(image)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, second
+    before_image = ids.index(image)
+    changed = IMAGE.copy()
+    changed[10, 20, 1] ^= 1  # one pixel, one channel, one bit
+    code, third = chat(daemon, openai_body(model_name, b64(png(changed)), history=history))
+    assert code == 200, third
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] <= before_image, third
+
+
+def test_the_same_image_with_another_question_reuses_the_image(daemon, reference, family, vlm,
+                                                                model_name):
+    """Not a continuation: another question about an image asked about before. The prompts
+    part after the image; for Gemma 3, whose window layers can restore only where a snapshot
+    was taken, the first request left one at the end of its image."""
+    pixels = picture(5)
+    code, first = chat(daemon, openai_body(model_name, b64(png(pixels))))
+    assert code == 200, first
+    body = openai_body(model_name, b64(png(pixels)))
+    body["messages"][0]["content"][1]["text"] = "Which animal is this?"
+    code, second = chat(daemon, body)
+    assert code == 200, second
+    _, ids = reference(pixels)
+    end_of_image = len(ids) - ids[::-1].index(image_id(vlm, family))
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, second
+
+
+def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, family, model_name):
+    pid = engine_pid(daemon)
+    cases = {
+        "invalid_image/bad base64": openai_body(model_name, "not base64 at all!!"),
+        "invalid_image/not an image": openai_body(model_name,
+                                                  b64(b"GIF89a but then nothing of the sort")),
+        "image_too_large/png bomb": openai_body(model_name, b64(png_bomb())),
+    }
+    for name, body in cases.items():
+        code, got = chat(daemon, body)
+        assert code == 400, (name, got)
+        assert got["error"]["code"] == name.split("/")[0], got
+    # The family's image marker typed into the text: more markers than images, a 400 from the
+    # engine; its image token typed in: more image positions than the images take.
+    typed_in = {FAMILIES[family].image_token: "image tokens",
+                FAMILIES[family].marker: "image markers"}  # mistral3: one and the same
+    for typed, says in typed_in.items():
+        body = openai_body(model_name)
+        body["messages"][0]["content"][1]["text"] = typed + QUESTION
+        code, got = chat(daemon, body)
+        assert code == 400 and says in got["error"]["message"], (typed, got)
+    code, got = chat(daemon, openai_body(model_name))
+    assert code == 200, got
+    assert engine_pid(daemon) == pid  # the same engine process served throughout
+
+
+def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_images(
+        daemon, reference, family, vlm, model_name):
+    body = openai_body(model_name, b64(png(picture(2))), max_tokens=24)
+    want, _ = stream_chat(daemon, body)
+    code, got = chat(daemon, openai_body(model_name))  # served before the kill: cached
+    assert code == 200, got
+    with daemon.unix_http() as u:  # what is cached is durable on SSD
+        assert u.post("/admin/cache/flush").status_code == 200
+    pid = engine_pid(daemon)
+    text, usage = stream_chat(daemon, body, kill_after=6)
+    assert text == want
+    assert usage.get("resumes") == 1 and engine_pid(daemon) != pid, usage
+    # The new engine's RAM tier is empty: that image's prompt comes back from SSD blocks (for
+    # Gemma 3, with its sliding-window layers' snapshot).
+    _, ids = reference(IMAGE)
+    code, got = chat(daemon, openai_body(model_name))
+    assert code == 200, got
+    end_of_image = len(ids) - ids[::-1].index(image_id(vlm, family))
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, got
+
+
+def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
+    """What the engine makes of the directory: the processor's image text per image size, and
+    for Gemma 3 mlx-lm's rotating caches for the sliding-window layers (so that a row's memory
+    is bounded by the window, and the caches' tiers snapshot them)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    from mlxd.engine.kinds.vision.model import load_vision
+    model, _, _, parts = load_vision(vlm, "float32")
+    assert parts.layout is not None and parts.image_token == FAMILIES[family].marker
+    caches = make_prompt_cache(model)
+    if family == "gemma3":
+        assert parts.layout(640, 480) == (
+            "\n\n<start_of_image>" + GEMMA_IMAGE * IMAGE_TOKENS + "<end_of_image>\n\n",
+            IMAGE_TOKENS)
+        assert [type(c) for c in caches] == [RotatingKVCache, KVCache]
+        assert caches[0].max_size == 16
+    else:  # 64 x 48 pixels: 2 rows of 3 merged patches (28 pixels); 640 x 480: 112 x 84
+        assert parts.layout(64, 48) == ("[IMG]" * 3 + "[IMG_BREAK]" + "[IMG]" * 3 + "[IMG_END]",
+                                        6)
+        assert parts.layout(640, 480) == ("[IMG_BREAK]".join(["[IMG]" * 4] * 3) + "[IMG_END]",
+                                          12)
+        assert [type(c) for c in caches] == [KVCache, KVCache]
+        # Ministral 3's language model scales attention by one position for the whole batch:
+        # refused at load, not served wrong.
+        import json
+        import shutil
+
+        from mlxd.engine.load.loader import ModelLoadError
+        other = vlm.parent / "tiny-ministral3"
+        shutil.copytree(vlm, other, dirs_exist_ok=True)
+        config = json.loads((other / "config.json").read_text())
+        config["text_config"]["model_type"] = "ministral3"
+        (other / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelLoadError, match="ministral3 language model is not served"):
+            load_vision(other, "float32")
