@@ -1,6 +1,7 @@
-"""Every model family cached, through real `--isolate` daemons: plain KV (llama), sliding
-windows (gemma3_text, gpt_oss), gated-delta and convolution hybrids (qwen3_next, lfm2) and a
-pure recurrent model (mamba2), each a tiny random-weight model directory.
+"""Every model family with state beyond plain KV cached, through real `--isolate` daemons:
+sliding windows (gemma3_text, gpt_oss), gated-delta and convolution hybrids (qwen3_next, lfm2)
+and a pure recurrent model (mamba2), each a tiny random-weight model directory (plain KV, the
+llama family, is what test_ssd_tier.py, test_resume.py and test_runner_cache.py run).
 
 For each: the same prompt twice and a conversation extended after the model's answer hit the
 RAM tier; a prompt differing in one middle token never reuses a state past the difference;
@@ -30,7 +31,7 @@ from mlxd.cli.client import format_status
 from support.harness import Daemon
 from support.random_model import write_random_model
 
-FAMILIES = ["llama", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "mamba2"]
+FAMILIES = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "mamba2"]
 BLOCK = 16
 ANSWER = 12
 
