@@ -7,21 +7,6 @@ import pytest
 from support.harness import Daemon, leftovers
 from support.random_model import write_random_model
 
-# The README's command runs files whole on two workers (`--dist loadfile`), in collection order:
-# the longest files go first, so that the last file a worker starts is a short one and neither
-# worker idles through another's long tail. (Longest at the last full run, with --durations.)
-LONG_FILES = ("test_cache_families.py", "test_resume.py", "test_hardening.py",
-              "test_supervision.py", "test_long_prefill.py", "test_model_pool.py",
-              "test_stream_keepalive.py", "test_default_model.py", "test_ssd_failing_disk.py",
-              "test_vision_families.py", "test_chaos.py", "test_crash_loop.py",
-              "test_kv_quant.py", "test_agent_cache.py", "test_distributed.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: a file's
-    # own order is kept
-
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
