@@ -21,6 +21,7 @@ import pytest
 from conftest import start_daemon, stop_and_check
 from support.harness import engine_pid, stream_chat
 from support.random_vlm import IMAGE_TOKEN, image_tokens, write_random_vlm
+from support.vision_dialects import other_dialect_answers
 
 MODEL = "tiny-llava"
 QUESTION = "What is in this picture?"
@@ -115,28 +116,7 @@ def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference):
     assert code == 200, got
     assert got["choices"][0]["message"]["content"] == want
     assert got["usage"]["prompt_tokens"] > image_tokens(IMAGE_SIZE)
-    with daemon.http() as c:
-        r = c.post("/v1/messages", json={
-            "model": MODEL, "max_tokens": TOKENS, "temperature": 0, "messages": [
-                {"role": "user", "content": [
-                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                 "data": IMAGE_B64}},
-                    {"type": "text", "text": QUESTION}]}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["content"][0]["text"] == want
-        r = c.post("/api/chat", json={
-            "model": MODEL, "stream": False, "options": {"temperature": 0,
-                                                         "num_predict": TOKENS},
-            "messages": [{"role": "user", "content": QUESTION, "images": [IMAGE_B64]}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["message"]["content"] == want
-        r = c.post("/api/generate", json={
-            "model": MODEL, "stream": False, "prompt": QUESTION, "images": [IMAGE_B64],
-            "options": {"temperature": 0, "num_predict": TOKENS}})
-        assert r.status_code == 200, r.text
-        assert r.json()["response"] == want
-        r = c.post("/api/show", json={"model": MODEL})  # Ollama clients look for "vision"
-        assert "vision" in r.json()["capabilities"], r.text
+    assert other_dialect_answers(daemon, MODEL, IMAGE_B64, QUESTION, TOKENS) == [want] * 3
     assert reference(picture(1)) != want  # the image matters to the answer
 
 

@@ -33,6 +33,7 @@ from support.random_vlm import (
     write_random_gemma3,
     write_random_mistral3,
 )
+from support.vision_dialects import other_dialect_answers
 from test_vision import b64, picture, png, png_bomb
 
 QUESTION = "What is in this picture?"
@@ -157,28 +158,7 @@ def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference, family
     assert code == 200, got
     assert got["choices"][0]["message"]["content"] == want
     assert got["usage"]["prompt_tokens"] == len(ids)  # the processor's layout, exactly
-    with daemon.http() as c:
-        r = c.post("/v1/messages", json={
-            "model": model_name, "max_tokens": TOKENS, "temperature": 0, "messages": [
-                {"role": "user", "content": [
-                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                 "data": IMAGE_B64}},
-                    {"type": "text", "text": QUESTION}]}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["content"][0]["text"] == want
-        r = c.post("/api/chat", json={
-            "model": model_name, "stream": False, "options": {"temperature": 0,
-                                                              "num_predict": TOKENS},
-            "messages": [{"role": "user", "content": QUESTION, "images": [IMAGE_B64]}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["message"]["content"] == want
-        r = c.post("/api/generate", json={
-            "model": model_name, "stream": False, "prompt": QUESTION, "images": [IMAGE_B64],
-            "options": {"temperature": 0, "num_predict": TOKENS}})
-        assert r.status_code == 200, r.text
-        assert r.json()["response"] == want
-        r = c.post("/api/show", json={"model": model_name})
-        assert "vision" in r.json()["capabilities"], r.text
+    assert other_dialect_answers(daemon, model_name, IMAGE_B64, QUESTION, TOKENS) == [want] * 3
     # Another image (for Mistral 3 of another shape, so another number of positions).
     other_pixels = picture(1, size=(100, 30) if family == "mistral3" else (64, 48))
     other, other_ids = reference(other_pixels)
