@@ -430,7 +430,7 @@ def test_ollama_metadata_and_capabilities(coder):
 
 def test_ollama_metadata_of_a_plain_model(daemon):
     c = ollama.Client(host=daemon.url)
-    assert c.show(MODEL).capabilities == ["completion"]
+    assert c.show(MODEL).capabilities == ["completion", "tools"]  # the default tool prompt
     (running,) = c.ps().models
     assert running.expires_at is not None and running.expires_at.year == 9999  # no pool
 

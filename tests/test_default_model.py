@@ -73,8 +73,8 @@ def _ollama_metadata_of_the_default_model(d, cache_dir) -> None:
     assert shown.modelinfo and shown.modelinfo["general.context_length"] > 2000
     (model_dir,) = (cache_dir / "models").iterdir()
     vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
-    assert shown.capabilities == ["completion", "insert"] if "<fim_prefix>" in vocab \
-        else ["completion"]
+    assert shown.capabilities == ["completion", "tools", "insert"] if "<fim_prefix>" in vocab \
+        else ["completion", "tools"]  # tools through the default tool prompt
     (running,) = c.ps().models
     assert running.size == listed.size
     assert running.expires_at is not None and running.expires_at.year == 9999

@@ -119,12 +119,14 @@ def test_a_function_tool_round_trip(daemon):
     call_item: ResponseFunctionToolCallParam = {
         "type": "function_call", "call_id": call.call_id, "name": call.name,
         "arguments": call.arguments}
-    # The conversation continues from the stored response...
+    # The conversation continues from the stored response... (tool_choice none: offered
+    # freely, the tools would go to the tiny model in the default tool prompt, which is longer
+    # than its 256-token context)
     chained = api.responses.create(model=MODEL, previous_response_id=first.id, input=[answer],
-                                   tools=[WEATHER], max_output_tokens=4)
+                                   tools=[WEATHER], tool_choice="none", max_output_tokens=4)
     # ...exactly as when the client sends it all again.
-    resent = api.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=4,
-                                  input=[question, call_item, answer])
+    resent = api.responses.create(model=MODEL, tools=[WEATHER], tool_choice="none",
+                                  max_output_tokens=4, input=[question, call_item, answer])
     assert chained.output_text == resent.output_text
     assert chained.usage is not None and resent.usage is not None and first.usage is not None
     assert chained.usage.input_tokens == resent.usage.input_tokens > first.usage.input_tokens

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlxd.engine.admit import default_tools
 from mlxd.engine.admit.piece_tokens import PieceTokenizer
 from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.kv.prefix_cache import RestoredPrefix
@@ -88,7 +89,8 @@ def _prepare(msg: Generate, model: LoadedModel,
     restored = restore(prompt)
     request = AddRequest(rid, prompt, max_tokens,
                          make_request_sampler(p, start_position=len(resumed)),
-                         processors(msg, model.grammar_tokenizer, resumed, max_tokens),
+                         processors(msg, model.grammar_tokenizer, resumed, max_tokens,
+                                    default_tool_grammar(tok, msg)),
                          restored=restored, received_at=received_at,
                          logprobs=p.logprobs, group=msg.prefill_group,
                          group_size=msg.group_size)
@@ -158,24 +160,41 @@ def prompt_tokens(tok: Any, msg: Generate, pieces: PieceTokenizer | None = None)
     elif msg.prompt_token_ids is not None:
         prompt = list(msg.prompt_token_ids)
     elif msg.messages is not None:
-        extra: dict[str, Any] = {"tools": msg.tools} if msg.tools else {}
         by_parts = pieces is not None and pieces.on
-        try:
-            rendered = tok.apply_chat_template(msg.messages, tokenize=not by_parts,
-                                               **template_flags(msg), **extra)
-        except Exception as e:  # template errors are the client's messages
-            raise ClientError(f"the chat template rejected the messages: {e}",
-                              "invalid_messages") from e
+        rendered = render_chat(tok, msg, tokenize=not by_parts)
         ids = (pieces.checked(rendered) if pieces is not None and by_parts
                and isinstance(rendered, str) else None)
         if ids is not None:
             return ids
-        prompt = list(tok.apply_chat_template(msg.messages, tokenize=True, **template_flags(msg),
-                                              **extra) if isinstance(rendered, str)
+        prompt = list(render_chat(tok, msg, tokenize=True) if isinstance(rendered, str)
                       else rendered)
     else:
         prompt = list(tok.encode(msg.prompt or ""))
     return prompt
+
+
+def render_chat(tok: Any, msg: Generate, tokenize: bool) -> Any:
+    """The chat template applied to the request's messages; tools in the template's own format,
+    or, for a template without one, in the default tool prompt (`default_tools`), in the
+    system message or, where the template refuses a system role, in the first user turn."""
+    assert msg.messages is not None
+    if default_tools.applies(tok, msg.tools, msg.messages, msg.grammar):
+        assert msg.tools is not None
+        variants = [default_tools.with_tool_prompt(msg.messages, msg.tools, fold)
+                    for fold in (False, True)]
+        extra: dict[str, Any] = {}
+    else:
+        variants = [msg.messages]
+        extra = {"tools": msg.tools} if msg.tools else {}
+    for i, messages in enumerate(variants):
+        try:
+            return tok.apply_chat_template(messages, tokenize=tokenize, **template_flags(msg),
+                                           **extra)
+        except Exception as e:  # template errors are the client's messages
+            if i == len(variants) - 1:
+                raise ClientError(f"the chat template rejected the messages: {e}",
+                                  "invalid_messages") from e
+    raise AssertionError("unreachable")
 
 
 def checked_prompt(tok: Any, msg: Generate, prompt: list[int]) -> list[int]:
@@ -248,8 +267,8 @@ def capabilities(tok: Any) -> list[str]:
     """What the model can do, in Ollama's words."""
     template = str(getattr(tok, "chat_template", None) or "")
     out = ["completion"]
-    if tok.has_tool_calling and "tools" in template:
-        out.append("tools")
+    if default_tools.has_chat_template(tok):
+        out.append("tools")  # in the template's own format, or the default tool prompt's
     if THINK_CLOSE in template:
         out.append("thinking")
     if fim_tokens(tok) is not None:
@@ -283,22 +302,39 @@ def think_splitter(tok: Any, msg: Generate, prompt: list[int]) -> ThinkSplitter 
 
 
 def tool_splitter(tok: Any, msg: Generate) -> ToolCallSplitter | None:
-    """Free generation with tools, on a model mlx-lm knows a tool-call format for (a forced
-    call is constrained JSON instead and needs no parsing)."""
-    if not msg.tools or msg.grammar is not None or not tok.has_tool_calling:
+    """Free generation with tools: calls in the format mlx-lm knows for the model, or in the
+    default tool prompt's (a forced call is constrained JSON instead and needs no parsing)."""
+    if not msg.tools or msg.grammar is not None:
         return None
-    return ToolCallSplitter(tok.tool_call_start, tok.tool_call_end, tok.tool_parser, msg.tools)
+    if default_tools.native(tok):
+        return ToolCallSplitter(tok.tool_call_start, tok.tool_call_end, tok.tool_parser,
+                                msg.tools)
+    if default_tools.applies(tok, msg.tools, msg.messages, msg.grammar):
+        return ToolCallSplitter(default_tools.TOOL_CALL_START, default_tools.TOOL_CALL_END,
+                                default_tools.parse_tool_call, msg.tools)
+    return None
+
+
+def default_tool_grammar(tok: Any, msg: Generate) -> str | None:
+    """The text-or-call grammar of a free chat request with tools on a model without a tool
+    format (`default_tools`); None where the request has its own constraint or needs none."""
+    if not default_tools.applies(tok, msg.tools, msg.messages, msg.grammar):
+        return None
+    assert msg.tools is not None
+    return default_tools.text_or_call_grammar(msg.tools, tok)
 
 
 def processors(msg: Generate, grammar_tokenizer: Any, resumed: list[int],
-               max_tokens: int | None = None) -> list:
-    """`max_tokens`: the row's budget, within which a JSON schema's document is closed."""
+               max_tokens: int | None = None, grammar: str | None = None) -> list:
+    """`max_tokens`: the row's budget, within which a JSON schema's document is closed;
+    `grammar`: the engine's own constraint where the request has none (`default_tool_grammar`)."""
     from mlxd.engine.admit.sampling import make_request_processors
     out = make_request_processors(msg.sampling)
-    if msg.grammar is not None:
+    grammar = msg.grammar if msg.grammar is not None else grammar
+    if grammar is not None:
         from mlxd.engine.grammar.processor import ConstraintError, GrammarProcessor
         try:
-            out.append(GrammarProcessor(grammar_tokenizer, msg.grammar, replay=resumed,
+            out.append(GrammarProcessor(grammar_tokenizer, grammar, replay=resumed,
                                         max_tokens=max_tokens))
         except (ConstraintError, ValueError) as e:
             raise ClientError(f"the output constraint cannot be used: {e}",

@@ -30,9 +30,11 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def write_tokenizer(out: Path, vocab_size: int, chat_template: str = CHATML,
-                    extra_special: tuple[str, ...] = ()) -> int:
+                    extra_special: tuple[str, ...] = (), extra_tokens: tuple[str, ...] = ()
+                    ) -> int:
     """Train a small byte-level BPE on a fixed corpus; return the real vocabulary size.
-    `extra_special`: more special tokens (fill-in-the-middle markers, say)."""
+    `extra_special`: more special tokens (fill-in-the-middle markers, say); `extra_tokens`:
+    added tokens that are text, not special (as Qwen's `<tool_call>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -42,6 +44,8 @@ def write_tokenizer(out: Path, vocab_size: int, chat_template: str = CHATML,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer=trainer)
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
@@ -164,7 +168,8 @@ def write_random_model(out: Path, *, family: str = "llama", hidden: int = 64,
                        layers: int | None = None, heads: int = 4, kv_heads: int = 2,
                        intermediate: int = 128, vocab: int = 512, context: int = 512,
                        dtype: str = "float32", seed: int = 0, chat_template: str = CHATML,
-                       extra_special: tuple[str, ...] = ()) -> Path:
+                       extra_special: tuple[str, ...] = (),
+                       extra_tokens: tuple[str, ...] = ()) -> Path:
     """`family`: the mlx-lm model type (see FAMILIES); `layers` defaults to 2 for llama and to
     4 for the others (the hybrids need at least 2: one layer of each kind)."""
     import mlx.core as mx
@@ -174,7 +179,7 @@ def write_random_model(out: Path, *, family: str = "llama", hidden: int = 64,
     if family not in ("llama", "mamba2") and layers < 2:
         raise ValueError(f"{family} needs at least 2 layers, one of each kind")
     out.mkdir(parents=True, exist_ok=True)
-    real_vocab = write_tokenizer(out, vocab, chat_template, extra_special)
+    real_vocab = write_tokenizer(out, vocab, chat_template, extra_special, extra_tokens)
     from tokenizers import Tokenizer
     eos = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("<|im_end|>")
     assert eos is not None, "the tokenizer lacks <|im_end|>"

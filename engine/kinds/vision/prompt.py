@@ -114,8 +114,9 @@ class VisionAdmission:
             parts.images.register(img, n, values)
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
-                             _real_ids(admission.processors(msg, model.grammar_tokenizer,
-                                                            resumed, max_tokens),
+                             _real_ids(admission.processors(
+                                 msg, model.grammar_tokenizer, resumed, max_tokens,
+                                 admission.default_tool_grammar(tok, msg)),
                                        parts.image_token_id),
                              restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
@@ -131,13 +132,7 @@ class VisionAdmission:
         # As the family's processor does: each marker in the rendered text replaced by its
         # image's text, then the whole tokenized (its newlines may merge with the text around).
         if marked.messages is not None:
-            extra: dict[str, Any] = {"tools": marked.tools} if marked.tools else {}
-            try:
-                text = str(tok.apply_chat_template(marked.messages, tokenize=False,
-                                                   **admission.template_flags(marked), **extra))
-            except Exception as e:  # template errors are the client's messages
-                raise ClientError(f"the chat template rejected the messages: {e}",
-                                  "invalid_messages") from e
+            text = str(admission.render_chat(tok, marked, tokenize=False))
         else:
             text = marked.prompt or ""
         pieces = text.split(self.parts.image_token)
