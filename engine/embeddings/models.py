@@ -29,8 +29,8 @@ SENTENCE_TRANSFORMERS_FILES = ("config_sentence_transformers.json", "modules.jso
 
 MAX_STEP_INPUTS = 64  # inputs embedded in one forward pass at most
 MAX_STEP_TOKENS = 32768  # padded tokens (inputs x the longest of them) in one forward pass
-NO_EMBEDDINGS = ("embedding models need the packages mlx-embeddings and mlx-vlm, installed "
-                 "without their dependencies: pip install --no-deps mlx-embeddings mlx-vlm")
+NO_EMBEDDINGS = ("embedding models need the packages mlx-embeddings and mlx-vlm: install "
+                 "mlxd's embeddings extra (pip install -e '.[embeddings]' in mlxd's checkout)")
 
 
 def model_use(model_dir: Path) -> ModelUse:

@@ -71,7 +71,8 @@ async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInp
     try:
         import PIL  # noqa: F401
     except ImportError:
-        raise APIError(501, "images need Pillow in mlxd's environment: pip install pillow",
+        raise APIError(501, "images need Pillow in mlxd's environment: install mlxd's vision "
+                       "extra (pip install -e '.[vision]' in mlxd's checkout)",
                        type="server_error", code="images_unavailable") from None
     loop = asyncio.get_running_loop()
     return [await loop.run_in_executor(None, _decode_ref, ref, raw)

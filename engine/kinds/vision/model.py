@@ -286,8 +286,8 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         from PIL import Image
     except ImportError as e:
         raise ModelLoadError(f"{model_dir.name} is a vision model: serving it needs mlx-vlm "
-                             "and Pillow (pip install --no-deps mlx-vlm; pip install pillow): "
-                             f"{e}") from e
+                             "and Pillow: install mlxd's vision extra (pip install -e "
+                             f"'.[vision]' in mlxd's checkout): {e}") from e
     config = json.loads((model_dir / "config.json").read_text())
     model_type = str(config.get("model_type", ""))
     if model_type not in SUPPORTED:
