@@ -9,8 +9,8 @@ sockets, so that only decoding is compared).
    process's CPU time, which other load on the machine disturbs less), acceptance and tokens
    per speculative step.
 2. N concurrent streams (default 8): aggregate decode tok/s (first token to last) with
-   speculation on (`auto`) against plain; speculation drafts for a row decoding alone only,
-   so this measures its cost.
+   speculation (`auto`, and `forced` when asked for in `--modes`) against plain: every row
+   drafts on its own and one verify pass takes all rows' drafts.
 
 Drafting is prompt lookup unless `--draft-model` names a model (then that model drafts).
 Rounds alternate plain and speculative; the median round is kept.
@@ -173,7 +173,7 @@ def run(model: Any, prompts: list[list[int]], max_tokens: int, spec: Any,
     if spec is not None:
         c = spec.counters
         out.update(spec_steps=c.steps, drafted=c.drafted, accepted=c.accepted,
-                   spec_tokens=c.tokens, skipped=c.skipped)
+                   spec_tokens=c.tokens, skipped=c.skipped, batched=c.batched)
     return out
 
 
@@ -196,7 +196,7 @@ def forward_cost(model: Any, prompt: list[int], n: int, reps: int = 5) -> float:
 def speculator(args: argparse.Namespace, draft: Any, forced: bool) -> Any:
     from mlxd.engine.speculative.step import Speculator
     spec = Speculator(args.num_draft_tokens, draft, args.prefill_step)
-    spec.policy.judge = not forced
+    spec.policy.judge = spec.rows_policy.judge = not forced
     return spec
 
 
@@ -278,14 +278,16 @@ def main() -> None:
         prompts = [tok.apply_chat_template(prompt_messages(NAMES[i % len(NAMES)]),
                                            add_generation_prompt=True)
                    for i in range(args.streams)]
-        many: dict[str, list[dict[str, Any]]] = {"plain": [], "auto": []}
+        many: dict[str, list[dict[str, Any]]] = {"plain": [], **{m: [] for m in modes}}
         for _ in range(args.rounds):
             for m in many:
-                spec = None if m == "plain" else speculator(args, draft, False)
+                spec = None if m == "plain" else speculator(args, draft, m == "forced")
                 res = run(model, prompts, args.stream_tokens, spec, args.prefill_step)
                 many[m].append(res)
                 print(f"  {args.streams} streams {m}: {res['decode_tok_s']:.2f} tok/s decoding "
-                      f"({res['total_tok_s']:.2f} with the prefill)", flush=True)
+                      f"({res['total_tok_s']:.2f} with the prefill), "
+                      f"{res.get('spec_steps', 0)} speculative steps "
+                      f"({res.get('batched', 0)} over several rows)", flush=True)
         base_many = median_round(many["plain"], "decode_tok_s")
         for m, rounds in many.items():
             res = median_round(rounds, "decode_tok_s")
@@ -294,8 +296,11 @@ def main() -> None:
                          "ratio": round(res["decode_tok_s"] / base_many["decode_tok_s"], 3),
                          "cpu_ratio": round(res["decode_tok_cpu_s"]
                                             / base_many["decode_tok_cpu_s"], 3),
-                         "spec_steps": res.get("spec_steps", 0), "acceptance": None,
-                         "tokens_per_step": None,
+                         "spec_steps": res.get("spec_steps", 0),
+                         "acceptance": round(res["accepted"] / res["drafted"], 3)
+                         if res.get("drafted") else None,
+                         "tokens_per_step": round(res["spec_tokens"] / res["spec_steps"], 2)
+                         if res.get("spec_steps") else None,
                          "same_text_as_plain": res["texts"] == base_many["texts"]})
 
     lines = [f"Speculative decoding, {args.shape or args.model}, drafts by {drafter}, "

@@ -191,6 +191,68 @@ class RunningBatch:
         return out
 
 
+    def advance_rows(self, rows: list[tuple[list[int], list[Any], Any]], fed: int,
+                     next_tokens: mx.array) -> list[Any]:
+        """Every row was fed `fed` tokens in one forward pass (its pending token, its drafts,
+        filler up to the longest row's drafts); row i produced `rows[i][0]` (its pending token
+        and the drafts accepted) with the log-probabilities `rows[i][1]`, and `next_tokens[i]`
+        (log-probabilities `rows[i][2]`) is fed next. Account them as that many plain steps
+        would, row by row (token count, stop matcher, finish), and drop each row's positions
+        past what it produced: the count all rows share is trimmed, the rest of each row is
+        moved to its left padding by mlx-lm's own right-padding roll (`prepare` + `finalize`,
+        as a prefill of prompts of different lengths ends). Plain KV layers only
+        (`BatchKVCache`). mlx-lm's responses, in order; finished rows leave the batch."""
+        gen, b = self.gen, self._b
+        kept: list[list[int]] = []
+        finishes: list[str | None] = []
+        for i, (tokens, _, _) in enumerate(rows):
+            finish = None
+            produced = 0
+            for t in tokens:
+                produced += 1
+                b._num_tokens[i] += 1
+                if b._num_tokens[i] >= b.max_tokens[i]:
+                    finish = "length"
+                if b._matchers[i].advance(t):
+                    finish = "stop"
+                if finish is not None:
+                    break
+            kept.append(tokens[:produced])
+            finishes.append(finish)
+        drop = [fed - len(t) for t in kept]
+        shared = min(drop)
+        extra = [d - shared for d in drop]
+        for c in b.prompt_cache:
+            if shared:
+                c.trim(shared)
+            if any(extra):
+                c.prepare(right_padding=extra)
+                c.finalize()
+        response = type(b).Response
+        out: list[Any] = []
+        keep: list[int] = []
+        for i, (tokens, finish) in enumerate(zip(kept, finishes, strict=True)):
+            b.tokens[i].extend(tokens)
+            logprobs = rows[i][1]
+            uid = b.uids[i]
+            out += [response(uid, t, lp, None, None, None)
+                    for t, lp in zip(tokens[:-1], logprobs, strict=False)]
+            if finish is not None:
+                out.append(response(uid, tokens[-1], logprobs[len(tokens) - 1], finish,
+                                    b.extract_cache(i), b.tokens[i]))
+            else:
+                out.append(response(uid, tokens[-1], logprobs[len(tokens) - 1], None, None,
+                                    None))
+                keep.append(i)
+        gen._counters.generation_tokens += sum(len(t) for t in kept)
+        gen._counters.generation_steps += 1
+        b._next_tokens = next_tokens
+        b._next_logprobs = [r[2] for r in rows]
+        if len(keep) < len(rows):
+            b.filter(keep)
+        return out
+
+
 def running_batch(gen: Any) -> RunningBatch | None:
     """The generator's decoding rows, or None when it is not shaped as this module knows."""
     batch = getattr(gen, "_generation_batch", None)
@@ -207,6 +269,12 @@ def decoding_rows(gen: Any) -> int:
 def prompts_waiting(gen: Any) -> int:
     """Prompts being prefilled or waiting to be (the next step takes up to its batch size)."""
     return min(len(gen._prompt_batch) + len(gen._unprocessed_sequences), gen.prefill_batch_size)
+
+
+def decoding_only(gen: Any) -> bool:
+    """Rows decoding, and no prompt waiting or being prefilled."""
+    return (len(gen._generation_batch) > 0 and len(gen._prompt_batch) == 0
+            and not gen._unprocessed_sequences)
 
 
 def decoding_alone(gen: Any) -> bool:

@@ -203,10 +203,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     embed_steps: int = 0  # forward passes that embedded them (up to 64 inputs each)
     embed_peak_batch: int = 0  # most inputs embedded in one forward pass
     bursts: int = 0  # requests reaching an idle engine together, prefilled as one batch
-    # Speculative decoding (rows decoding alone): steps that verified drafts in one forward
-    # pass, tokens drafted and accepted, tokens those steps produced, lone-row steps run plain
-    # because drafting did not pay lately, lone-row steps that waited for their last token and
-    # found no draft; and the ratios (accepted / drafted, tokens / step).
+    # Speculative decoding (a row decoding alone, or several rows in one verify pass): steps
+    # that verified drafts in one forward pass, tokens drafted and accepted, tokens those steps
+    # produced, steps run plain because drafting did not pay lately, steps that waited for
+    # their last tokens and found no draft; and the ratios (accepted / drafted, tokens / step).
     spec_mode: str = ""  # "ngram" | "draft" | "" (off)
     spec_steps: int = 0
     spec_drafted: int = 0
@@ -214,6 +214,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_tokens: int = 0
     spec_skipped: int = 0
     spec_missed: int = 0
+    spec_batched: int = 0  # of spec_steps, those that verified several rows' drafts at once
     spec_acceptance: float = 0.0
     spec_tokens_per_step: float = 0.0
     # `--batch auto`: the KV bytes this engine's budget allows, and its share of the machine's

@@ -88,8 +88,11 @@ def test_tool_choice_required_and_named(daemon):
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER)
     assert deltas[-1].finish_reason == "tool_calls"
-    # the call and its result go back in as history
-    back = oai(daemon).chat.completions.create(model=MODEL, max_tokens=4, tools=TOOLS, messages=[
+    # the call and its result go back in as history (tool_choice none: offered freely, the
+    # tools would go to this template-without-tools model in the default tool prompt, longer
+    # than its 256-token context; tests/test_default_tools.py covers that path)
+    back = oai(daemon).chat.completions.create(model=MODEL, max_tokens=4, tools=TOOLS,
+                                               tool_choice="none", messages=[
         *ASK, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
              "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
@@ -166,7 +169,8 @@ def test_anthropic_tool_use(daemon):
         final = s.get_final_message()
     assert "content_block_start" in kinds and final.stop_reason == "tool_use"
     assert tool_use_of(final.content[0]).input == block.input  # greedy: the same call
-    answered = c.messages.create(model=MODEL, max_tokens=4, tools=tools, messages=[
+    answered = c.messages.create(model=MODEL, max_tokens=4, tools=tools,
+                                 tool_choice={"type": "none"}, messages=[
         *ASK_ANTHROPIC, {"role": "assistant", "content": [{"type": "tool_use", "id": block.id,
                                                  "name": "get_weather", "input": block.input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,

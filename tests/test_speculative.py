@@ -182,6 +182,7 @@ def seeded():
 def forced(num_draft, draft=None):
     spec = Speculator(num_draft, draft)
     spec.policy.judge = False  # always draft: the tests are about the tokens, not the pay
+    spec.rows_policy.judge = False
     return spec
 
 
@@ -241,6 +242,68 @@ def test_a_request_joining_a_speculating_row_waits_no_longer_than_with_plain_ste
     assert len(got["a"]) == 90 and len(got["b"]) == 12
 
 
+ROW_PROMPTS = [CODE, "Hello, how are you today? I am fine, thank you for asking. " * 3,
+               "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1000 " * 2,
+               "The quick brown fox jumps over the lazy dog. " * 5]
+
+
+def several_rows(tok, seeded_rows=(1, 3)):
+    """Four rows of different prompt lengths (different left padding) and budgets (they
+    finish at different steps, some inside a speculative step), greedy and seeded mixed."""
+    return [AddRequest(f"r{i}", tok.encode(p), 30 + 7 * i,
+                       seeded() if i in seeded_rows else greedy(), [])
+            for i, p in enumerate(ROW_PROMPTS)]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft=target", "draft=other"])
+def test_several_rows_speculate_in_one_pass_with_the_tokens_of_plain_decoding(models, drafter):
+    """Each row drafts on its own and keeps its own accepted count (all with the target as its
+    own draft; few and different per row with another model: rows cut back by different
+    counts), in one verify pass; every row's tokens are plain decoding's, greedy and seeded."""
+    target, other, tok = models
+    draft = {"ngram": None, "draft=target": target, "draft=other": other}[drafter]
+    plain, _ = drive(target, None, several_rows(tok))
+    spec = forced(4, draft)
+    got, _ = drive(target, spec, several_rows(tok))
+    assert got == plain
+    assert [len(got[f"r{i}"]) for i in range(4)] == [30, 37, 44, 51]
+    c = spec.counters
+    assert c.batched > 0 and c.tokens > c.steps
+    if drafter == "draft=target":
+        assert c.accepted == c.drafted
+    elif drafter == "draft=other":
+        assert c.accepted / c.drafted < 0.3
+
+
+def test_rows_finishing_together_in_a_plain_step_are_served(models):
+    """As mlxd runs it (drafting judged, so the first steps are plain and timed): rows that
+    all finish in one plain step leave an empty batch behind, and the step's timing must
+    not divide by it."""
+    target, _, tok = models
+    prompt = tok.encode(CODE)
+    got, _ = drive(target, Speculator(4), [AddRequest("a", prompt, 3, greedy(), []),
+                                           AddRequest("b", prompt, 3, greedy(), [])])
+    assert len(got["a"]) == len(got["b"]) == 3
+
+
+def test_a_resumed_row_continues_its_seeded_draws_beside_speculating_rows(models):
+    """A row resumed as after an engine death (its delivered tokens appended to the prompt,
+    its sampler continuing at their count) next to other speculating rows gives the tokens
+    the uninterrupted row gave."""
+    target, _, tok = models
+    whole, _ = drive(target, forced(4, target), several_rows(tok))
+    cut = 12
+    prompt = tok.encode(ROW_PROMPTS[1]) + whole["r1"][:cut]
+    resumed = AddRequest("r1", prompt, 37 - cut,
+                         make_request_sampler(SamplingParams(temperature=0.8, seed=7),
+                                              start_position=cut), [])
+    others = [r for r in several_rows(tok) if r.request_id != "r1"]
+    spec = forced(4, target)
+    got, _ = drive(target, spec, [resumed, *others])
+    assert got["r1"] == whole["r1"][cut:]
+    assert spec.counters.batched > 0
+
+
 def test_rows_asking_for_logprobs_or_with_penalties_are_decoded_plain(models):
     target, _, tok = models
     prompt = tok.encode(CODE)
@@ -250,6 +313,10 @@ def test_rows_asking_for_logprobs_or_with_penalties_are_decoded_plain(models):
     procs = make_request_processors(SamplingParams(repetition_penalty=1.3))
     drive(target, spec, [AddRequest("b", prompt, 20, greedy(), procs)])
     assert spec.counters.steps == 0
+    # nor does a batch holding such a row speculate
+    drive(target, spec, [AddRequest("c", prompt, 20, greedy(), []),
+                         AddRequest("d", prompt, 20, greedy(), [], logprobs=2)])
+    assert spec.counters.batched == 0
 
 
 # ------------------------------------------------------------------ a daemon

@@ -66,6 +66,7 @@ class SpecCounters:
     tokens: int = 0  # tokens those steps produced (accepted + one the target adds per step)
     skipped: int = 0  # lone-row steps run plain because drafting did not pay lately
     missed: int = 0  # lone-row steps that waited for their unfed token and found no draft
+    batched: int = 0  # of `steps`, those that verified several rows at once
 
 
 EMA = 0.3  # weight of a new timing in the running means
@@ -131,17 +132,21 @@ class SpecPolicy:
             self.pause = self.backoff
             self.backoff = _longer(self.backoff)
 
-    def record_spec(self, seconds: float, drafted: int, accepted: int, produced: int) -> None:
+    def record_spec(self, seconds: float, drafted: int, accepted: int, produced: int,
+                    rows: int = 1) -> None:
+        """A speculative step over `rows` rows (their plain steps' time per row-token is
+        `plain_s`)."""
         c = self.counters
         c.steps += 1
+        c.batched += rows > 1
         c.drafted += drafted
         c.accepted += accepted
         c.tokens += produced
-        self.accept_len = _ema(self.accept_len, float(accepted))
+        self.accept_len = _ema(self.accept_len, accepted / rows)
         self.spec_s = _ema(self.spec_s, seconds / max(1, produced))
         if not self.judge or self.plain_s is None:
             return
-        if (drafted + 1) * self.plain_s < seconds:
+        if (drafted + rows) * self.plain_s < seconds:
             # even had every draft been accepted, this step cost more than plain steps for
             # as many tokens: the forward pass costs as much per token however many it takes
             # (a CPU's matmul), and no acceptance rate can make drafting pay

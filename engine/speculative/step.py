@@ -1,6 +1,7 @@
-"""Speculative decoding, the MLX part: a step of mlx-lm's BatchGenerator that, for a row
-decoding alone, drafts tokens (prompt lookup or a draft model) and verifies them in one
-forward pass of the target, in the spirit of mlx-lm's `speculative_generate_step`.
+"""Speculative decoding, the MLX part: a step of mlx-lm's BatchGenerator that drafts tokens
+(prompt lookup or a draft model) and verifies them in one forward pass of the target, in the
+spirit of mlx-lm's `speculative_generate_step`: for a row decoding alone, and for several rows
+decoding together (each with its own drafts and its own accepted count, one verify pass).
 
 It works on the generator's own state rather than beside it, through mlx-lm's one door
 (`mlx_lm_internals.RunningBatch`): the lone row's KV cache (a `BatchKVCache` of one row,
@@ -24,12 +25,13 @@ from collections.abc import Callable, Container
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine.mlx_lm_internals import (
     RunningBatch,
     decoding_alone,
+    decoding_only,
     device_async_eval,
     device_eval,
     running_batch,
@@ -134,16 +136,27 @@ def sampler_position(sampler: Callable[..., Any]) -> list[int] | None:
 
 
 class Speculator:
-    """The runner's step: `next(gen, exclude)` in place of `gen.next()`."""
+    """The runner's step: `next(gen, exclude)` in place of `gen.next()`. A row decoding alone
+    speculates on its own (`_speculate`, any cache kind); several rows decoding together
+    speculate in one verify pass (`_speculate_rows`, plain KV layers), each row with its own
+    drafter and its own accepted count. Each case has its own policy: a token of a lone row
+    and a token of a batch cost differently."""
 
     def __init__(self, num_draft: int, draft_model: Any = None, prefill_step: int = 512) -> None:
         self.mode = "draft" if draft_model is not None else "ngram"
         self.policy = SpecPolicy(num_draft, adaptive=draft_model is not None)
-        self.drafter: NgramDrafter | DraftModelDrafter = (
-            DraftModelDrafter(draft_model, prefill_step) if draft_model is not None
-            else NgramDrafter())
-        self._prev = ""  # this or the previous step: "spec", "lone" (plain, one row), "miss"
-        # (waited for the unfed token, no draft) or "other"
+        self.rows_policy = SpecPolicy(num_draft, adaptive=draft_model is not None,
+                                      counters=self.policy.counters)
+        self._draft_model, self._prefill_step = draft_model, prefill_step
+        self.drafter = self._new_drafter()
+        self._row_drafters: dict[int, NgramDrafter | DraftModelDrafter] = {}
+        self._prev = ""  # this or the previous step: "spec", "lone" (plain, one row), "rows"
+        # (plain, several rows that could have speculated), "miss" (waited for the unfed
+        # token, no draft) or "other"
+
+    def _new_drafter(self) -> NgramDrafter | DraftModelDrafter:
+        return (DraftModelDrafter(self._draft_model, self._prefill_step)
+                if self._draft_model is not None else NgramDrafter())
 
     @property
     def counters(self) -> SpecCounters:
@@ -156,13 +169,22 @@ class Speculator:
             if out is not None:
                 self._prev = "spec"
                 return [], out
+        rows = None if batch is not None else self._rows(gen, exclude)
+        if rows is not None:
+            out = self._speculate_rows(gen, rows)
+            if out is not None:
+                self._prev = "spec"
+                return [], out
         alone = decoding_alone(gen)
+        n = 0 if rows is None else len(rows)  # before the step: finished rows leave the batch
         t0 = time.perf_counter()
         result = gen.next()
+        dt = time.perf_counter() - t0
         if alone:
-            dt = time.perf_counter() - t0
             self.policy.record_plain(dt if self._prev == "lone" else None)
-        self._prev = "lone" if alone else "other"
+        elif n:
+            self.rows_policy.record_plain(dt / n if self._prev == "rows" else None)
+        self._prev = "lone" if alone else "rows" if rows is not None else "other"
         return result
 
     def _lone_row(self, gen: Any, exclude: Container[int]) -> RunningBatch | None:
@@ -177,6 +199,100 @@ class Speculator:
         if sampler is not greedy_sampler and sampler_position(sampler) is None:
             return None
         return batch
+
+    def _rows(self, gen: Any, exclude: Container[int]) -> RunningBatch | None:
+        """Several rows decoding, nothing prefilling, every row one that may speculate, every
+        layer plain KV (whose rows `advance_rows` cuts back each to its own length)."""
+        if not decoding_only(gen):
+            return None
+        batch = running_batch(gen)
+        if batch is None or len(batch) < 2 or any(batch.processors):
+            return None
+        if any(u in exclude for u in batch.uids):
+            return None
+        if not all(type(c) is BatchKVCache for c in batch.cache):
+            return None
+        for i in range(len(batch)):
+            sampler = batch.sampler(i)
+            if sampler is not greedy_sampler and sampler_position(sampler) is None:
+                return None
+        return batch
+
+    def _row_drafter(self, uid: int) -> NgramDrafter | DraftModelDrafter:
+        drafter = self._row_drafters.get(uid)
+        if drafter is None:
+            drafter = self._row_drafters[uid] = self._new_drafter()
+        return drafter
+
+    def _speculate_rows(self, gen: Any, batch: RunningBatch) -> list[Any] | None:
+        """Each row drafts on its own; one forward pass of the target verifies every row's
+        drafts (rows with fewer, or none, filled up to the longest: their extra positions are
+        dropped as rejected drafts are); each row keeps what its own sampler confirms."""
+        uids = batch.uids
+        for gone in [u for u in self._row_drafters if u not in uids]:
+            del self._row_drafters[gone]
+        remaining = [batch.remaining(i) for i in range(len(batch))]
+        k = self.rows_policy.draft_len(max(remaining))
+        if k <= 0:
+            return None
+        drafters = [self._row_drafter(u) for u in uids]
+        if self.mode == "ngram" and not any(
+                cast(NgramDrafter, d).likely((id(gen), u), batch.history(i))
+                for i, (d, u) in enumerate(zip(drafters, uids, strict=True))):
+            return None
+        with mx.stream(gen.stream):
+            device_eval(batch.pending)  # the previous step's work ends here, not in our timing
+            t0 = time.perf_counter()
+            lasts = cast(list[int], batch.pending.tolist())
+            drafts: list[list[int]] = []
+            positions: list[tuple[list[int] | None, int]] = []
+            for i, (drafter, uid) in enumerate(zip(drafters, uids, strict=True)):
+                sampler = batch.sampler(i)
+                position = None if sampler is greedy_sampler else sampler_position(sampler)
+                draw, start = _drawer(sampler, position)
+                room = min(k, remaining[i] - 1)
+                got = drafter.propose((id(gen), uid), batch.history(i), lasts[i], room,
+                                      draw)[:room] if room > 0 else []
+                if position is not None:
+                    position[0] = start
+                drafts.append(got)
+                positions.append((position, start))
+            width = max(len(d) for d in drafts)
+            if width == 0:
+                self.rows_policy.record_miss()
+                self._prev = "miss"
+                return None
+            fed = [[last, *d, *[last] * (width - len(d))] for last, d in zip(lasts, drafts,
+                                                                             strict=True)]
+            logits = batch.model(mx.array(fed, dtype=mx.uint32), cache=batch.cache)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            greedy = mx.argmax(logprobs, axis=-1)
+            picks: list[Any] = []
+            for i, (position, _) in enumerate(positions):
+                n = len(drafts[i]) + 1
+                picks.append(greedy[i, :n] if position is None else mx.concatenate(
+                    [batch.sampler(i)(logprobs[i, j:j + 1]) for j in range(n)]))
+            device_eval(picks, logprobs)
+            rows: list[tuple[list[int], list[Any], Any]] = []
+            nexts: list[int] = []
+            accepted_total = 0
+            for i, (pick, (position, start)) in enumerate(zip(picks, positions, strict=True)):
+                sampled = cast(list[int], pick.tolist())
+                n = accepted(drafts[i], sampled)
+                accepted_total += n
+                if position is not None:
+                    position[0] = start + n + 1  # the draws past the accepted ones never happened
+                rows.append(([lasts[i], *drafts[i][:n]],
+                             [batch.pending_logprobs(i), *(logprobs[i, j] for j in range(n))],
+                             logprobs[i, n]))
+                nexts.append(sampled[n])
+            out = batch.advance_rows(rows, width + 1,
+                                     mx.array(nexts, dtype=batch.pending.dtype))
+        catch_up = sum(getattr(d, "catch_up_s", 0.0) for d in drafters)
+        self.rows_policy.record_spec(time.perf_counter() - t0 - catch_up,
+                                     sum(len(d) for d in drafts), accepted_total, len(out),
+                                     rows=len(rows))
+        return out
 
     def _speculate(self, gen: Any, batch: RunningBatch) -> list[Any] | None:
         k = self.policy.draft_len(batch.remaining(0))

@@ -44,7 +44,7 @@ def engine_stats(runner: Runner, ssd: SsdTier | None) -> EngineStats:
         sc = spec.counters
         st.spec_mode, st.spec_steps, st.spec_drafted = spec.mode, sc.steps, sc.drafted
         st.spec_accepted, st.spec_tokens, st.spec_skipped = sc.accepted, sc.tokens, sc.skipped
-        st.spec_missed = sc.missed
+        st.spec_missed, st.spec_batched = sc.missed, sc.batched
         st.spec_acceptance = round(sc.accepted / sc.drafted, 4) if sc.drafted else 0.0
         st.spec_tokens_per_step = round(sc.tokens / sc.steps, 3) if sc.steps else 0.0
     if ssd is not None:
