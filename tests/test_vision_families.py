@@ -390,7 +390,7 @@ def test_idefics3_answers_as_mlx_vlm_through_the_vision_model(tmp_path):
     logits = model(mx.array([ids]), cache=cache)
     got: list[int] = []
     for _ in range(TOKENS):
-        token = int(mx.argmax(logits[0, -1]).item())
+        token = int(np.array(mx.argmax(logits[0, -1])))
         got.append(token)
         logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)
     vlm, processor = load(str(d))
