@@ -270,7 +270,7 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
         calls.append("preprocess")
         return np.full((1, 2), img.pixels[0], dtype=np.float32)
 
-    def encode(values: np.ndarray) -> mx.array:
+    def encode(values: np.ndarray, grid: Any) -> mx.array:
         calls.append("encode")
         return mx.array(values[0])[:, None] * mx.ones((2, 3))  # 2 tokens of hidden size 3
 

@@ -7,7 +7,11 @@ directory the test writes:
 - Mistral 3 (Pixtral): a tower at the image's own resolution, so an image's positions depend
   on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after;
 - SmolVLM (Idefics3's scheme): an image resized and cut into tiles plus a global view, each
-  tile's positions after `<fake_token_around_image><row_R_col_C>`; a request's tiles bounded.
+  tile's positions after `<fake_token_around_image><row_R_col_C>`; a request's tiles bounded;
+- Qwen2.5-VL: an image's positions follow its grid of merged patches in three rotary
+  dimensions, and the text after it resumes past the grid: every row's positions come from
+  its tokens, so a row restored from a cached prefix through an image, or resumed after a
+  kill, continues where mlx-vlm's own generation does.
 For each: every dialect's greedy answer (OpenAI, Anthropic, Ollama chat and generate) equals
 mlx-vlm's own generation for the same image and prompt (mlx-vlm's processor and
 `stream_generate`), with two images too, and with image rows batched beside a text row; the
@@ -31,12 +35,15 @@ from support.harness import engine_pid, stream_chat
 from support.random_vlm import (
     GEMMA_IMAGE,
     MISTRAL_IMAGE,
+    QWEN_IMAGE,
     SMOL_EOS,
     SMOL_IMAGE,
     mistral3_image_tokens,
+    qwen2_5_vl_grid,
     smolvlm_tiles,
     write_random_gemma3,
     write_random_mistral3,
+    write_random_qwen2_5_vl,
     write_random_smolvlm,
 )
 from support.vision_dialects import other_dialect_answers
@@ -55,6 +62,11 @@ IMAGE_B64 = b64(png(IMAGE))
 def smolvlm_positions(width: int, height: int) -> int:
     rows, cols = smolvlm_tiles(width, height)
     return (rows * cols + 1) * TILE_TOKENS
+
+
+def qwen_positions(width: int, height: int) -> int:
+    rows, cols = qwen2_5_vl_grid(width, height)
+    return rows * cols
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,8 @@ FAMILIES = {
                        "[IMG]", "</s>", mistral3_image_tokens, (100, 30)),
     "smolvlm": Family(lambda p: write_random_smolvlm(p, longest_edge=168, tile=56), SMOL_IMAGE,
                       SMOL_IMAGE, SMOL_EOS, smolvlm_positions, (100, 30)),
+    "qwen2_5_vl": Family(write_random_qwen2_5_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
+                         qwen_positions, (100, 30)),
 }
 
 
@@ -334,6 +348,10 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
         assert parts.tiles is not None and parts.tiles(64, 48) == 10
         assert parts.layout(100, 30)[1] == 4 * TILE_TOKENS  # 1 x 3 tiles and the global view
         assert [type(c) for c in caches] == [KVCache, KVCache]
+    elif family == "qwen2_5_vl":  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels)
+        assert parts.layout(64, 48) == (QWEN_IMAGE * 20, 20)
+        assert parts.grid is not None and parts.grid(64, 48) == (1, 4, 5)
+        assert [type(c) for c in caches] == [KVCache, KVCache]
     elif family == "gemma3":
         assert parts.layout(640, 480) == (
             "\n\n<start_of_image>" + GEMMA_IMAGE * IMAGE_TOKENS + "<end_of_image>\n\n",
@@ -402,3 +420,68 @@ def test_idefics3_answers_as_mlx_vlm_through_the_vision_model(tmp_path):
     assert len(theirs) == len(ids)
     assert [t for t in theirs.tolist() if t != parts.image_token_id] == \
         [t for t in ids if t < (1 << 30)]
+
+
+def test_qwen2_5_vl_positions_survive_a_cached_prefix(tmp_path):
+    """The logits (not only the greedy tokens, which a tiny random model may not change) of a
+    Qwen2.5-VL row equal mlx-vlm's own forward pass of the whole prompt, however the row's
+    cache was filled: in one pass, restored to the middle of the image and continued, or
+    restored past the image; and a decode step after it (the rope delta). Positions as if the
+    text were 1-D do not: the check sees them."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+
+    from mlxd.engine.kinds.vision.model import load_vision
+    from mlxd.protocol.messages import ImageInput, image_key
+    d = write_random_qwen2_5_vl(tmp_path / "tiny-qwen2_5_vl")
+    model, tok, _, parts = load_vision(d, "float32")
+    positions = model.positions
+    assert positions is not None and parts.grid is not None and parts.layout is not None
+    width, height = 100, 30
+    pixels = picture(7, size=(width, height))
+    frames, rows, cols = parts.grid(width, height)
+    assert (rows, cols) == qwen2_5_vl_grid(width, height) == (3, 8)  # positions: 8 - 24
+    text, n = parts.layout(width, height)
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    real = list(tok.encode(prompt.replace(QWEN_IMAGE, text), add_special_tokens=False))
+    image = ImageInput(width, height, pixels.tobytes(),
+                       image_key(width, height, pixels.tobytes()))
+    values = parts.images.preprocess(image)
+    virtual = iter(parts.images.register(image, n, values, (frames, rows, cols)))
+    ids = [next(virtual) if t == parts.image_token_id else t for t in real]
+    first_image = real.index(parts.image_token_id)
+
+    vlm = load_model(d)
+    grid = mx.array([[frames, rows * 2, cols * 2]])
+
+    def theirs(tokens: list[int]) -> np.ndarray:  # mlx-vlm's pass over the whole sequence
+        out = vlm(mx.array([tokens]), pixel_values=mx.array(values), image_grid_thw=grid)
+        return np.array(out.logits[0, -1])
+
+    def ours(splits: list[int], then: int | None = None) -> np.ndarray:
+        cache, row = make_prompt_cache(model), list[int]()
+        for a, b in zip([0, *splits], [*splits, len(ids)], strict=True):
+            positions.set_row_tokens([row], [len(row)])
+            row += ids[a:b]
+            logits = model(mx.array([ids[a:b]]), cache=cache)
+            positions.clear()
+        if then is not None:
+            positions.set_row_tokens([row], [len(row)])
+            logits = model(mx.array([[then]], dtype=mx.uint32), cache=cache)
+            positions.clear()
+        return np.array(logits[0, -1])
+    want = theirs(real)
+    for splits in ([], [first_image + 5], [first_image + n + 2]):
+        np.testing.assert_allclose(ours(splits), want, rtol=1e-4, atol=1e-4)
+    token = int(np.argmax(want))
+    np.testing.assert_allclose(ours([first_image + 5], then=token), theirs([*real, token]),
+                               rtol=1e-4, atol=1e-4)
+    flat = positions._locate
+    positions._locate = lambda t: None  # every token a text token: 1-D positions
+    try:
+        assert not np.allclose(ours([]), want, rtol=1e-4, atol=1e-4)
+    finally:
+        positions._locate = flat

@@ -13,7 +13,9 @@ load error, never a wrong prompt.
   `image_seq_len` positions after `<fake_token_around_image><row_R_col_C>`, a newline after each
   row, then the whole image resized to one tile (the global view) between
   `<fake_token_around_image><global-img>` and `<fake_token_around_image>`; an image that fits
-  one tile is the global view alone."""
+  one tile is the global view alone;
+- qwen2_5_vl: the image token once per merged patch of the image resized by Qwen's rule (its
+  grid also gives the image's 3-D positions: positions.py)."""
 
 from __future__ import annotations
 
@@ -147,3 +149,28 @@ def _as_dict(size: Any) -> dict:
         return size
     return {k: getattr(size, k) for k in ("longest_edge", "height", "width")
             if getattr(size, k, None) is not None}
+
+
+def qwen_grid(image_processor: Any) -> Callable[[int, int], tuple[int, int, int]]:
+    """Qwen2-VL's and Qwen2.5-VL's image grid in merged patches (frames, rows, columns): the
+    image resized by the processor's own size rule (whole `patch_size * merge_size` units,
+    between its `min_pixels` and `max_pixels`; an aspect ratio over 200 is its ValueError),
+    one frame for a still image."""
+    merge = int(image_processor.merge_size)
+    unit = int(image_processor.patch_size) * merge
+
+    def grid(width: int, height: int) -> tuple[int, int, int]:
+        h, w = image_processor._resolved_size(height, width)
+        return 1, h // unit, w // unit
+    return grid
+
+
+def repeated_layout(image_token: str, grid: Callable[[int, int], tuple[int, int, int]]
+                    ) -> Layout:
+    """The image token once per merged patch in place of the template's one (Qwen: between
+    the template's own `<|vision_start|>` and `<|vision_end|>`)."""
+    def layout(width: int, height: int) -> tuple[str, int]:
+        frames, rows, cols = grid(width, height)
+        n = frames * rows * cols
+        return image_token * n, n
+    return layout

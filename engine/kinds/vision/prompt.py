@@ -122,7 +122,8 @@ class VisionAdmission:
         cached = max(lookup.peek(prompt), restored.tokens if restored is not None else 0)
         for img, n, end in zip(msg.images, sizes, ends, strict=True):
             values = None if end <= cached else parts.images.preprocess(img)
-            parts.images.register(img, n, values)
+            parts.images.register(img, n, values, parts.grid(img.width, img.height)
+                                  if parts.grid is not None else None)
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
                              _real_ids(admission.processors(
