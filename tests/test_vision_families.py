@@ -260,7 +260,12 @@ def test_the_same_image_with_another_question_reuses_the_image(daemon, reference
                                                                 model_name):
     """Not a continuation: another question about an image asked about before. The prompts
     part after the image; for Gemma 3, whose window layers can restore only where a snapshot
-    was taken, the first request left one at the end of its image."""
+    was taken, the first request left one at the end of its image. (Run for the families with
+    a snapshot to take or a layout of their own to restore through, Gemma 3 and Mistral 3:
+    for the others, whose layers are all plain KV, the next-turn test shows the same hit, and
+    Qwen2.5-VL's positions after a restored image are checked at the logits below.)"""
+    if family in ("smolvlm", "qwen2_5_vl"):
+        pytest.skip("the next-turn cache hit covers a plain-KV family (suite time)")
     pixels = picture(5)
     code, first = chat(daemon, openai_body(model_name, b64(png(pixels))))
     assert code == 200, first
