@@ -122,8 +122,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     elif args.family == "qwen2_5_vl":
         model = write_random_qwen2_5_vl(work / MODEL_NAME[0], min_pixels=56 * 56,
                                         max_pixels=448 * 448, **sizes)
-        rows, cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
-        positions = rows * cols
+        grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
+        positions = grid_rows * grid_cols
     else:
         model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
         positions = image_tokens(IMAGE_SIZE)
