@@ -280,6 +280,8 @@ class VisionLM(nn.Module):
             rows = self.positions(*inputs.shape[:2])
             if rows is not None:
                 extra["position_ids"] = mx.array(rows)
+            elif embeds is not None:  # never 1-D positions for an image's tokens
+                raise RuntimeError("a forward pass with image tokens and no rows' positions")
             else:  # a pass outside the generator (no images): positions from the offset on
                 offset = cache[0].offset if cache else 0
                 if isinstance(offset, mx.array):
