@@ -6,12 +6,17 @@ turn 2 (the same image and turn 1's answer, plus a question: the image is cached
 with one pixel changed (a miss again). Then batching: N requests with different images sent
 at once against the same N one after the other (vision rows share the text batch).
 
-    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3] [--rounds 5]
+    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl]
+        [--rounds 5]
         [--concurrency 4] [--out FILE]
 
 `--family gemma3`: a random-weight Gemma 3 (a 224-pixel image: 256 soft tokens; sliding
 window 512 in every other layer); `--family mistral3`: a random-weight Mistral 3 (images fit
-into 448 pixels: the 400 x 300 images here take 11 x 15 = 165 positions, plus row breaks).
+into 448 pixels: the 400 x 300 images here take 11 x 15 = 165 positions, plus row breaks);
+`--family smolvlm`: a random-weight SmolVLM (images resized to 448 pixels and cut into 224-pixel
+tiles of 64 positions: 2 x 2 tiles and the global view, 320 positions); `--family qwen2_5_vl`:
+a random-weight Qwen2.5-VL (at most 448 x 448 pixels: a 400 x 300 image takes 11 x 14 = 154
+positions, with 3-D rotary positions).
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.random_vlm import (  # shared with the tests
     image_tokens,
     mistral3_image_tokens,
+    qwen2_5_vl_grid,
     write_random_gemma3,
     write_random_mistral3,
+    write_random_qwen2_5_vl,
+    write_random_smolvlm,
     write_random_vlm,
 )
 from throughput import Server, free_port, save
@@ -108,6 +116,14 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     elif args.family == "mistral3":
         model = write_random_mistral3(work / MODEL_NAME[0], longest_edge=448, **sizes)
         positions = mistral3_image_tokens(400, 300, 448)
+    elif args.family == "smolvlm":
+        model = write_random_smolvlm(work / MODEL_NAME[0], longest_edge=448, tile=224, **sizes)
+        positions = 5 * 64
+    elif args.family == "qwen2_5_vl":
+        model = write_random_qwen2_5_vl(work / MODEL_NAME[0], min_pixels=56 * 56,
+                                        max_pixels=448 * 448, **sizes)
+        grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
+        positions = grid_rows * grid_cols
     else:
         model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
         positions = image_tokens(IMAGE_SIZE)
@@ -190,7 +206,8 @@ def report(r: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", choices=["llava", "gemma3", "mistral3"], default="llava")
+    ap.add_argument("--family", choices=["llava", "gemma3", "mistral3", "smolvlm",
+                                          "qwen2_5_vl"], default="llava")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)

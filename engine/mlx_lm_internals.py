@@ -8,9 +8,10 @@ module, loudly, instead of five, silently:
 - the rows a `BatchGenerator` is decoding (its `GenerationBatch`: the tokens sampled but not
   yet fed, token counts, stop matchers, logits processors, the model it calls), read and
   advanced as its own steps would (`RunningBatch`): speculative steps, grammar masks;
-- hooks around the generator's forward passes (`hook_forward_passes`: LoRA rows), its device
-  waits (`on_device_wait`: the step hand-off) and its step boundaries (`observe_steps`: the
-  stage clock), made by wrapping two of its methods and giving `mlx_lm.generate` an `mx`
+- hooks around the generator's forward passes (`hook_forward_passes`: LoRA rows;
+  `hook_row_tokens`: rows' token lists, for a vision model's positions), its device waits
+  (`on_device_wait`: the step hand-off) and its step boundaries (`observe_steps`: the stage
+  clock), made by wrapping two of its methods and giving `mlx_lm.generate` an `mx`
   module whose `eval` / `async_eval` run the hooks first;
 - private helpers: a config's model classes, a repo id's download, the cache base class, the
   Hugging Face tokenizer inside mlx-lm's wrapper.
@@ -331,6 +332,16 @@ class ForwardRows(Protocol):
     def clear(self) -> None: ...
 
 
+class ForwardRowTokens(Protocol):
+    """Told, before a batch's forward passes, each row's token list (the list object mlx-lm
+    keeps: by the passes, it holds every token the row's cache will hold after them) and
+    where the row's fed tokens start in it; cleared after them."""
+
+    def set_row_tokens(self, tokens: list[list[int]], starts: list[int]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
 class StepObserver(Protocol):
     """Told of a generator step's boundaries (the stage clock)."""
 
@@ -352,6 +363,7 @@ _observer: StepObserver | None = None
 _in_step = False
 _shim: types.ModuleType | None = None
 _rows_of: Callable[[Any], ForwardRows | None] | None = None
+_row_tokens_of: Callable[[Any], ForwardRowTokens | None] | None = None
 _wrapped_forward = False
 _wrapped_next = False
 
@@ -413,22 +425,32 @@ def _install_step_wrap() -> None:
 
     def prompt_with_rows(self: Any, tokens: list[list[int]]) -> Any:
         rows = _rows_of(self.model) if _rows_of is not None else None
-        if rows is None or not tokens:
+        listed = _row_tokens_of(self.model) if _row_tokens_of is not None else None
+        if (rows is None and listed is None) or not tokens:
             return prompt(self, tokens)
-        # mlx-lm adds the chunk to self.tokens before its forward passes; the first token
-        # of a row is its first cached one or the first of this chunk
-        rows.set_rows([t[0] if t else (c[0] if c else -1)
-                       for t, c in zip(self.tokens, tokens, strict=True)])
+        # mlx-lm adds the chunk to self.tokens (in place) before its forward passes; the
+        # first token of a row is its first cached one or the first of this chunk
+        if rows is not None:
+            rows.set_rows([t[0] if t else (c[0] if c else -1)
+                           for t, c in zip(self.tokens, tokens, strict=True)])
+        if listed is not None:
+            listed.set_row_tokens(self.tokens, [len(t) for t in self.tokens])
         try:
             return prompt(self, tokens)
         finally:
-            rows.clear()
+            if rows is not None:
+                rows.clear()
+            if listed is not None:
+                listed.clear()
 
     def step_with_hooks(self: Any) -> Any:
         global _in_step
         rows = _rows_of(self.model) if _rows_of is not None else None
+        listed = _row_tokens_of(self.model) if _row_tokens_of is not None else None
         if rows is not None:
             rows.set_rows(_first_tokens(self.tokens, self._next_tokens))
+        if listed is not None:  # a row's list holds its cached tokens: the fed one is next
+            listed.set_row_tokens(self.tokens, [len(t) for t in self.tokens])
         _in_step = True
         try:
             return step(self)
@@ -436,6 +458,8 @@ def _install_step_wrap() -> None:
             _in_step = False
             if rows is not None:
                 rows.clear()
+            if listed is not None:
+                listed.clear()
             if _observer is not None:
                 _observer.step_read_back()
 
@@ -461,6 +485,15 @@ def hook_forward_passes(rows_of: Callable[[Any], ForwardRows | None]) -> None:
     outside the generator (probes, embeddings) are not hooked."""
     global _rows_of
     _rows_of = rows_of
+    _install_step_wrap()
+
+
+def hook_row_tokens(row_tokens_of: Callable[[Any], ForwardRowTokens | None]) -> None:
+    """Before every forward pass of a batch, tell `row_tokens_of(model)`, where it returns
+    one, each row's token list and where its fed tokens start (a vision model whose positions
+    follow its images: Qwen2.5-VL). Passes made outside the generator are not hooked."""
+    global _row_tokens_of
+    _row_tokens_of = row_tokens_of
     _install_step_wrap()
 
 

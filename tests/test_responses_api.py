@@ -193,6 +193,8 @@ def test_input_items_are_listed_as_the_sdk_pages_them(daemon):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
      "input[0].call_id"),

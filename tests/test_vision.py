@@ -120,6 +120,51 @@ def test_each_dialect_gives_the_text_mlx_vlm_generates(daemon, reference):
     assert reference(picture(1)) != want  # the image matters to the answer
 
 
+def test_responses_input_image_gives_the_chat_answer(daemon, vlm):
+    """The Responses API through the openai SDK (`client.responses.create`): an
+    `input_image` part (a data URL, as the SDK sends it) answers as chat's `image_url` does;
+    a `previous_response_id` turn sends the image again and hits the cache through it; bad
+    images are 400s in the Responses API's error format."""
+    import openai
+    from tokenizers import Tokenizer
+    api = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+
+    def ask(url: str, **kw: Any) -> Any:
+        return api.responses.create(model=MODEL, temperature=0, max_output_tokens=TOKENS,
+                                    input=[{"role": "user", "content": [
+                                        {"type": "input_image", "image_url": url,
+                                         "detail": "auto"},
+                                        {"type": "input_text", "text": QUESTION}]}], **kw)
+    code, chat_answer = chat(daemon, openai_body(b64(png(picture(6)))))
+    assert code == 200, chat_answer
+    first = ask("data:image/png;base64," + b64(png(picture(6))))
+    assert first.output_text == chat_answer["choices"][0]["message"]["content"]
+    assert first.usage is not None
+    assert first.usage.input_tokens == chat_answer["usage"]["prompt_tokens"]
+    second = api.responses.create(model=MODEL, temperature=0, max_output_tokens=4,
+                                  previous_response_id=first.id,
+                                  input="And what colour is it?")
+    before_image = len(Tokenizer.from_file(str(vlm / "tokenizer.json"))
+                       .encode("<|im_start|>user\n").ids)
+    assert second.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens >= \
+        before_image + image_tokens(IMAGE_SIZE), second.usage
+    cases = {"invalid_image": "data:image/png;base64," + b64(b"GIF89a nothing of the sort"),
+             "image_too_large": "data:image/png;base64," + b64(png_bomb())}
+    for code_name, url in cases.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(url)
+        assert e.value.code == code_name, e.value.body
+        assert e.value.param == "input[0].content[0].image_url", e.value.body
+    with daemon.http() as c:
+        r = c.post("/v1/responses", json={"model": MODEL, "input": [{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-123"}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[0].content[0].file_id", r.text
+    assert ask("data:image/png;base64," + b64(png(picture(6)))).output_text == \
+        first.output_text  # and the engine serves on
+
+
 def test_the_same_image_next_turn_is_a_cache_hit_and_a_changed_pixel_a_miss(daemon, vlm):
     from tokenizers import Tokenizer
     before_image = len(Tokenizer.from_file(str(vlm / "tokenizer.json"))
@@ -225,7 +270,7 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
         calls.append("preprocess")
         return np.full((1, 2), img.pixels[0], dtype=np.float32)
 
-    def encode(values: np.ndarray) -> mx.array:
+    def encode(values: np.ndarray, grid: Any) -> mx.array:
         calls.append("encode")
         return mx.array(values[0])[:, None] * mx.ones((2, 3))  # 2 tokens of hidden size 3
 

@@ -29,7 +29,7 @@ from mlxd.proxy.state import ProxyState
 
 # Engine error codes that mean the client's request was at fault.
 CLIENT_ERROR_CODES = {"context_length_exceeded", "empty_prompt", "invalid_messages",
-                      "invalid_token", "invalid_request"}
+                      "invalid_token", "invalid_request", "image_too_large"}
 
 
 log = logging.getLogger("mlxd.proxy")

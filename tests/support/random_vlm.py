@@ -277,6 +277,228 @@ def write_random_mistral3(out: Path, *, longest_edge: int = 112, hidden: int = 6
     return out
 
 
+# SmolVLM / Idefics3: a SigLIP tower that sees an image as square tiles of `tile` pixels (the
+# image resized to `longest_edge`, then to whole tiles) plus the whole image resized to one tile
+# (the global view); a pixel shuffle and a linear connector make each tile `tile_tokens`
+# positions; a Llama language model. The chat template marks an image with `<image>`, which the
+# processor expands into, per tile, `<fake_token_around_image><row_R_col_C>` and its `<image>`
+# tokens, a newline after each row of tiles, then the global view between
+# `<fake_token_around_image><global-img>` and `<fake_token_around_image>`.
+SMOL_IMAGE, SMOL_FAKE, SMOL_GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
+SMOL_EOS = "<end_of_utterance>"
+SMOL_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}"
+    "{% else %}{{ ': ' }}{% endif %}{% for line in message['content'] %}"
+    "{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
+    "{% endif %}")
+SMOL_PATCH = 14
+
+
+def smolvlm_tiles(width: int, height: int, longest_edge: int = 168, tile: int = 56
+                  ) -> tuple[int, int]:
+    """(rows, columns) of tiles the processor cuts an image of this size into (the global
+    view aside); (0, 0): not split (the image fits one tile)."""
+    import math
+    if width >= height:  # the longest edge resized to `longest_edge` (up or down)
+        w, h = longest_edge, int(longest_edge / (width / height))
+        h += h % 2
+    else:
+        h, w = longest_edge, int(longest_edge * (width / height))
+        w += w % 2
+    h, w = max(h, 1), max(w, 1)
+    ratio = w / h  # then both edges to whole tiles
+    if w >= h:
+        w = math.ceil(w / tile) * tile
+        h = math.ceil(int(w / ratio) / tile) * tile
+    else:
+        h = math.ceil(h / tile) * tile
+        w = math.ceil(int(h * ratio) / tile) * tile
+    if h > tile or w > tile:
+        return math.ceil(h / tile), math.ceil(w / tile)
+    return 0, 0
+
+
+def write_random_smolvlm(out: Path, *, model_type: str = "smolvlm", longest_edge: int = 168,
+                         tile: int = 56, scale_factor: int = 2, hidden: int = 64,
+                         layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                         intermediate: int = 128, vision_hidden: int = 32,
+                         vision_layers: int = 2, vision_heads: int = 2, vocab: int = 512,
+                         context: int = 1024, seed: int = 0, dtype: str = "float32") -> Path:
+    """A random-weight SmolVLM (or, `model_type="idefics3"`, Idefics3) directory: images
+    resized to `longest_edge` pixels and cut into tiles of `tile` pixels, each tile
+    (tile / 14 / scale_factor)^2 positions."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import idefics3, smolvlm
+    from tokenizers import Tokenizer
+
+    family = smolvlm if model_type == "smolvlm" else idefics3
+    most = -(-longest_edge // tile)
+    rows_cols = tuple(f"<row_{r}_col_{c}>" for r in range(1, most + 1)
+                      for c in range(1, most + 1))
+    special = (SMOL_EOS, SMOL_FAKE, SMOL_IMAGE, SMOL_GLOBAL, *rows_cols)
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_tokenizer(out, vocab, SMOL_TEMPLATE, extra_special=special)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in special}
+    assert all(i is not None for i in ids.values())
+    eos = ids[SMOL_EOS]
+    assert eos is not None
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+        "eos_token": SMOL_EOS, "pad_token": "<|endoftext|>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "fake_image_token": SMOL_FAKE, "image_token": SMOL_IMAGE,
+        "global_image_token": SMOL_GLOBAL, "end_of_utterance_token": SMOL_EOS,
+        "chat_template": SMOL_TEMPLATE}))
+    text = {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": intermediate, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "vocab_size": real_vocab,
+            "rope_theta": 100000.0, "max_position_embeddings": context,
+            "tie_word_embeddings": False}
+    vision = {"model_type": "smolvlm_vision" if model_type == "smolvlm" else "idefics3",
+              "hidden_size": vision_hidden, "num_hidden_layers": vision_layers,
+              "intermediate_size": vision_hidden * 2, "num_attention_heads": vision_heads,
+              "image_size": tile, "patch_size": SMOL_PATCH, "num_channels": 3,
+              "layer_norm_eps": 1e-6}
+    config = {"model_type": model_type, "architectures": [
+                  "SmolVLMForConditionalGeneration" if model_type == "smolvlm"
+                  else "Idefics3ForConditionalGeneration"],
+              "text_config": text, "vision_config": vision, "image_token_id": ids[SMOL_IMAGE],
+              "scale_factor": scale_factor, "vocab_size": real_vocab, "eos_token_id": [eos]}
+    mx.random.seed(seed)
+    cfg = family.ModelConfig.from_dict(config)
+    cfg.text_config = family.TextConfig.from_dict(text)
+    cfg.vision_config = family.VisionConfig.from_dict(vision)
+    model = family.Model(cfg)
+    weights = dict(tree_flatten(model.parameters()))
+    for k, v in list(weights.items()):  # random norms: their ones would flatten the tiles
+        if k.endswith("norm.weight"):
+            weights[k] = mx.random.normal(v.shape) * NORM_NOISE + 1
+    emb = "language_model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
+    key = "language_model.lm_head.weight"
+    head = weights[key]
+    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    processor = "SmolVLMProcessor" if model_type == "smolvlm" else "Idefics3Processor"
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": processor.replace("Processor", "ImageProcessor"),
+        "processor_class": processor, "do_resize": True,
+        "size": {"longest_edge": longest_edge}, "max_image_size": {"longest_edge": tile},
+        "do_image_splitting": True, "do_pad": True, "resample": 1, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}, indent=2))
+    tile_tokens = (tile // SMOL_PATCH) ** 2 // scale_factor ** 2
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": processor, "image_seq_len": tile_tokens}, indent=2))
+    return out
+
+
+# Qwen2.5-VL: a windowed ViT over 14-pixel patches of the image resized to whole 28-pixel
+# units (Qwen's smart resize, between `min_pixels` and `max_pixels`), 2 x 2 patches merged into
+# one position; a Qwen2 language model with 3-D rotary positions (time, row, column: an image's
+# positions follow its grid, the text after it resumes past the grid's largest side). The chat
+# template writes `<|vision_start|><|image_pad|><|vision_end|>` for an image; the processor
+# repeats `<|image_pad|>` once per merged patch.
+QWEN_START, QWEN_IMAGE, QWEN_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+QWEN_SPECIAL = (QWEN_START, QWEN_IMAGE, QWEN_END, "<|video_pad|>", "<|vision_pad|>")
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def qwen2_5_vl_grid(width: int, height: int, min_pixels: int = 112 * 112,
+                    max_pixels: int = 168 * 168) -> tuple[int, int]:
+    """(rows, columns) of merged 28-pixel patches an image of this size takes."""
+    import math
+    h, w = round(height / 28) * 28, round(width / 28) * 28
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(28, math.floor(height / beta / 28) * 28)
+        w = max(28, math.floor(width / beta / 28) * 28)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / 28) * 28, math.ceil(width * beta / 28) * 28
+    return h // 28, w // 28
+
+
+def write_random_qwen2_5_vl(out: Path, *, min_pixels: int = 112 * 112, max_pixels: int = 168 * 168,
+                            hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                            intermediate: int = 128, vision_hidden: int = 32,
+                            vision_layers: int = 2, vision_heads: int = 2, vocab: int = 512,
+                            context: int = 1024, seed: int = 0, dtype: str = "float32") -> Path:
+    """A random-weight Qwen2.5-VL directory; images resized to between `min_pixels` and
+    `max_pixels` (whole 28-pixel units)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import qwen2_5_vl
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_tokenizer(out, vocab, QWEN_TEMPLATE, extra_special=QWEN_SPECIAL)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in (*QWEN_SPECIAL, "<|im_end|>")}
+    assert all(i is not None for i in ids.values())
+    eos = ids["<|im_end|>"]
+    assert eos is not None
+    head_dim = hidden // heads
+    half = head_dim // 2  # the rotary frequencies split over time, rows, columns
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    config = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+              "hidden_size": hidden, "num_hidden_layers": layers,
+              "intermediate_size": intermediate, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6, "vocab_size": real_vocab,
+              "rope_theta": 1_000_000.0, "max_position_embeddings": context,
+              "tie_word_embeddings": False,
+              "rope_scaling": {"type": "mrope", "mrope_section": section},
+              "image_token_id": ids[QWEN_IMAGE], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids[QWEN_START], "vision_end_token_id": ids[QWEN_END],
+              "vision_token_id": ids["<|vision_pad|>"], "eos_token_id": eos,
+              "vision_config": {"model_type": "qwen2_5_vl", "depth": vision_layers,
+                                "hidden_size": vision_hidden,
+                                "intermediate_size": vision_hidden * 2,
+                                "out_hidden_size": hidden, "num_heads": vision_heads,
+                                "patch_size": 14, "spatial_patch_size": 14,
+                                "spatial_merge_size": 2, "temporal_patch_size": 2,
+                                "window_size": 56, "fullatt_block_indexes": [vision_layers - 1],
+                                "in_channels": 3}}
+    mx.random.seed(seed)
+    cfg = qwen2_5_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    cfg.text_config = qwen2_5_vl.TextConfig.from_dict(cfg.text_config)
+    cfg.vision_config = qwen2_5_vl.VisionConfig.from_dict(config["vision_config"])
+    model = qwen2_5_vl.Model(cfg)
+    weights = dict(tree_flatten(model.parameters()))
+    emb = "language_model.model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
+    key = "language_model.lm_head.weight"
+    head = weights[key]
+    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD, "do_convert_rgb": True}, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

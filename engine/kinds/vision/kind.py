@@ -36,6 +36,9 @@ class VisionKind(SingleProcessKind):
             raise AdapterError("LoRA adapters apply to text models served by one engine "
                                "(not to a sharded or a vision model)")
         model, tokenizer, config, parts = load_vision(model_dir, self.launch.settings.dtype)
+        if model.positions is not None:  # its rows' positions follow their tokens' images
+            from mlxd.engine.mlx_lm_internals import hook_row_tokens
+            hook_row_tokens(lambda m: getattr(m, "positions", None))
         self.admission = VisionAdmission(parts)
         return Weights(model, tokenizer, config)
 

@@ -14,8 +14,8 @@ are built from token ids alone, hit on the same image and never on another one. 
 looks those ids up in its `ImageTable` and feeds the image's features (the vision tower and
 projector, run on the MLX thread, only for positions a cache did not cover) in their place.
 
-Families: those whose image features replace the image token's embeddings one for one and
-whose language model numbers positions in one dimension (`SUPPORTED`):
+Families: those whose image features replace the image token's embeddings one for one
+(`SUPPORTED`):
 - llava: the chat template's `<image>` is the image token, repeated once per position;
 - gemma3: the template's `<start_of_image>` becomes what Gemma 3's processor makes of it
   ("\n\n<start_of_image>", the image's soft tokens, "<end_of_image>\n\n"); its language
@@ -26,13 +26,23 @@ whose language model numbers positions in one dimension (`SUPPORTED`):
   (extra crops of an image) is not applied;
 - mistral3 (Pixtral's tower, a mistral language model): an image's positions follow its size;
   the template's `[IMG]` becomes the processor's rows of `[IMG]` (one per merged patch of the
-  resized image), `[IMG_BREAK]` between rows and `[IMG_END]` after (`_pixtral_layout`), and
-  the tower is told the image's size.
-Where the processor rewrites the marker (gemma3, mistral3), admission does so in the rendered
-text and tokenizes the result, as the processor does, and each image token there takes the
-image's next id. Families with 3-D rotary positions (Qwen2-VL and later) or images tiled into
-a variable number of tiles (llava-next, idefics3) are not served yet: the engine refuses to
-load them with a message saying so.
+  resized image), `[IMG_BREAK]` between rows and `[IMG_END]` after, and the tower is told the
+  image's size;
+- idefics3, smolvlm (a SigLIP tower, a pixel-shuffle connector, a llama language model): the
+  template's `<image>` becomes the processor's tiles (the image cut into rows x columns of
+  tiles, each after `<fake_token_around_image><row_R_col_C>`, then the whole image as one more
+  tile, the global view); the tower runs over an image's tiles at once and each tile's
+  features fill its positions in order. A request's tiles are bounded (`prompt.MAX_TILES`).
+- qwen2_5_vl (a windowed ViT, a Qwen2 language model with 3-D rotary positions): the
+  template's `<|image_pad|>` becomes one per merged patch of the image as Qwen's processor
+  resizes it; the language model is given each row's positions (`positions.py`: from the
+  row's tokens and its images' grids, before every forward pass), and the tower the image's
+  grid.
+Where the processor rewrites the marker (all but llava), admission does so in the rendered
+text (`layouts.py`) and tokenizes the result, as the processor does, and each image token
+there takes the image's next id. Other families (Qwen2-VL, untested; Qwen3-VL, whose tower
+also adds features inside the language model; llava-next's tiling) are refused at load with a
+message naming the supported families.
 """
 
 from __future__ import annotations
@@ -52,11 +62,23 @@ import mlx.nn as nn
 import numpy as np
 from blake3 import blake3
 
+from mlxd.engine.kinds.vision.layouts import (
+    Layout,
+    Tiling,
+    gemma3_layout,
+    pixtral_layout,
+    qwen_grid,
+    repeated_layout,
+    tiled_layout,
+)
+from mlxd.engine.kinds.vision.positions import RowPositions
 from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
-SUPPORTED = frozenset({"llava", "gemma3", "mistral3"})
+SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_5_vl"})
+TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
+POSITIONAL = frozenset({"qwen2_5_vl"})  # 3-D rotary positions that follow an image's grid
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
@@ -93,6 +115,7 @@ class _Image:
     ids: list[int]
     used: float
     nbytes: int
+    grid: tuple[int, int, int] | None = None  # positional families: (frames, rows, columns)
 
 
 class ImageTable:
@@ -103,7 +126,8 @@ class ImageTable:
 
     def __init__(self, encode: Any, preprocess: Any,
                  max_bytes: int = IMAGE_TABLE_BYTES) -> None:
-        self._encode = encode  # pixel_values (numpy) -> features (tokens, hidden); MLX thread
+        # (pixel_values (numpy), grid or None) -> features (tokens, hidden); MLX thread
+        self._encode = encode
         self.preprocess = preprocess  # ImageInput -> pixel_values (numpy); the processor
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -112,8 +136,10 @@ class ImageTable:
         self._bytes = 0
         self.encoded = 0  # images the vision tower ran for (a figure for tests and stats)
 
-    def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None) -> list[int]:
-        """The image's token ids; `pixel_values` None: not computed (a cache covers it)."""
+    def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None,
+                 grid: tuple[int, int, int] | None = None) -> list[int]:
+        """The image's token ids; `pixel_values` None: not computed (a cache covers it);
+        `grid`: the image's merged-patch grid, for a family whose positions follow it."""
         key = image.key
         ids = image_token_ids(key, n)
         with self._lock:
@@ -135,7 +161,8 @@ class ImageTable:
                 self._where[vid] = (key, i)
             nbytes = len(image.pixels) + (pixel_values.nbytes if pixel_values is not None
                                           else 0)
-            self._images[key] = _Image(image, pixel_values, None, ids, time.monotonic(), nbytes)
+            self._images[key] = _Image(image, pixel_values, None, ids, time.monotonic(), nbytes,
+                                       grid)
             self._bytes += nbytes
             self._evict()
         return ids
@@ -150,6 +177,19 @@ class ImageTable:
             self._bytes -= img.nbytes
             for vid in img.ids:
                 self._where.pop(vid, None)
+
+    def locate(self, token: int) -> tuple[int, tuple[int, int, int]] | None:
+        """An image token's index in its image and the image's grid (`positions.Locate`);
+        None for a text token. An image token of no known image, or of an image without a
+        grid, is an error (the table keeps a running row's images: see IMAGE_TTL_S)."""
+        if token < VIRTUAL_BASE:
+            return None
+        with self._lock:
+            where = self._where.get(token)
+            img = self._images.get(where[0]) if where is not None else None
+            if where is None or img is None or img.grid is None:
+                raise RuntimeError("an image token of a prompt names no known image")
+            return where[1], img.grid
 
     def embed(self, inputs: mx.array, embed_tokens: Any) -> mx.array | None:
         """On the MLX thread: the input embeddings of `inputs` (batch, length) with image
@@ -189,7 +229,7 @@ class ImageTable:
             if img.pixel_values is None:  # a cache covered it at admission, not any more
                 assert img.image is not None
                 img.pixel_values = self.preprocess(img.image)
-            feats = self._encode(img.pixel_values)
+            feats = self._encode(img.pixel_values, img.grid)
             mx.eval(feats)
             self.encoded += 1
             self._bytes += feats.nbytes - img.nbytes
@@ -202,10 +242,12 @@ class VisionLM(nn.Module):
     """What the runner drives: mlx-vlm's language model, fed image features for image token
     ids. `layers` and the call are what mlx-lm's generator and cache helpers use."""
 
-    def __init__(self, vlm: Any, images: ImageTable) -> None:
+    def __init__(self, vlm: Any, images: ImageTable, positional: bool = False) -> None:
         super().__init__()
         self.vlm = vlm
         self.images = images
+        # 3-D rotary positions (Qwen2.5-VL): each row's, from its tokens (positions.py)
+        self.positions = RowPositions(images.locate) if positional else None
 
     @property
     def layers(self) -> list[Any]:
@@ -231,8 +273,22 @@ class VisionLM(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         lm = self.vlm.language_model
-        embeds = self.images.embed(inputs, lm.model.embed_tokens)
-        out = lm(inputs, inputs_embeds=embeds, cache=cache)
+        # the token embedding: under `model` (llava, gemma3, mistral3) or the LM's own (idefics3)
+        embeds = self.images.embed(inputs, getattr(lm, "model", lm).embed_tokens)
+        extra: dict[str, Any] = {}
+        if self.positions is not None:
+            rows = self.positions(*inputs.shape[:2])
+            if rows is not None:
+                extra["position_ids"] = mx.array(rows)
+            elif embeds is not None:  # never 1-D positions for an image's tokens
+                raise RuntimeError("a forward pass with image tokens and no rows' positions")
+            else:  # a pass outside the generator (no images): positions from the offset on
+                offset = cache[0].offset if cache else 0
+                if isinstance(offset, mx.array):
+                    offset = offset.reshape(-1, 1)
+                extra["position_ids"] = mx.broadcast_to(
+                    mx.arange(inputs.shape[1])[None] + offset, (3, *inputs.shape[:2]))
+        out = lm(inputs, inputs_embeds=embeds, cache=cache, **extra)
         return out.logits if hasattr(out, "logits") else out
 
 
@@ -250,30 +306,12 @@ class VisionParts:
     # token once per position; the image's positions). None: the marker is the image token
     # (llava), one id in the tokenized prompt per image, `tokens_per_image` positions.
     layout: Callable[[int, int], tuple[str, int]] | None = None
-
-
-def _pixtral_layout(processor: Any, image_processor: Any) -> Callable[[int, int],
-                                                                        tuple[str, int]]:
-    """Mistral 3's (Pixtral's) variable resolution, as its processor lays an image out: the
-    image resized to fit the longest edge and rounded up to whole merged patches, then a row
-    of image tokens per merged-patch row, `[IMG_BREAK]` between rows, `[IMG_END]` after."""
-    from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
-    unit = int(processor.patch_size) * int(processor.spatial_merge_size)
-    size = image_processor.size
-    if isinstance(size, dict) and size.get("longest_edge") is not None:
-        box = (int(size["longest_edge"]),) * 2
-    elif isinstance(size, dict):
-        box = (int(size["height"]), int(size["width"]))
-    else:
-        box = (int(size),) * 2
-    token, brk, end = processor.image_token, processor.image_break_token, processor.image_end_token
-
-    def layout(width: int, height: int) -> tuple[str, int]:
-        h, w = (get_resize_output_image_size((height, width), box, unit)
-                if image_processor.do_resize else (height, width))
-        rows, cols = h // unit, w // unit
-        return brk.join([token * cols] * rows) + end, rows * cols
-    return layout
+    # Tiling families (idefics3, smolvlm): (width, height) -> the tiles the tower sees for the
+    # image (the global view included), which a request's budget (MAX_TILES) bounds.
+    tiles: Callable[[int, int], int] | None = None
+    # Positional families (qwen2_5_vl): (width, height) -> the image's merged-patch grid
+    # (frames, rows, columns), which its positions follow (positions.py).
+    grid: Callable[[int, int], tuple[int, int, int]] | None = None
 
 
 def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, VisionParts]:
@@ -299,9 +337,12 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         raise ModelLoadError(f"{model_dir.name}: a mistral3 vision model with a "
                              f"{config['text_config']['model_type']} language model is not "
                              "served (Mistral Small 3.1 / 3.2's mistral one is)")
-    layout: Callable[[int, int], tuple[str, int]] | None = None
+    layout: Layout | None = None
+    tiling: Tiling | None = None
     options: dict[str, Any] = {}  # the image processor's options, as the processor sets them
     unit = 0  # mistral3: pixels per merged patch (its image's positions follow from its size)
+    per_tile = 0  # idefics3, smolvlm: positions per tile
+    grid: Callable[[int, int], tuple[int, int, int]] | None = None  # qwen2_5_vl
     try:
         vlm = load_model(model_dir)
         _cast_for_device(vlm, dtype)
@@ -316,24 +357,41 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         if image_token_id < 0:
             image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
         marker = image_token
+        probes = [(32, 32)]
         if model_type == "gemma3":  # the template writes <start_of_image>; see the docstring
             marker = str(processor.boi_token)
-            text = str(processor.full_image_sequence)
-            layout = lambda width, height: (text, text.count(image_token))  # noqa: E731
-            # One view per image: pan-and-scan (extra crops, more tokens) is not applied.
+            layout = gemma3_layout(processor, image_token)
             options = {"do_pan_and_scan": False}
         elif model_type == "mistral3":
-            layout = _pixtral_layout(processor, image_processor)
+            layout = pixtral_layout(processor, image_processor)
             unit = int(processor.patch_size) * int(processor.spatial_merge_size)
             options = {"patch_size": unit}
+        elif model_type in TILED:
+            tiling = Tiling.of(image_processor)
+            layout = tiled_layout(processor, tiling)
+            per_tile = int(processor.image_seq_len)
+            probes += [(100, 30), (30, 100), (tiling.tile, tiling.tile)]
+        elif model_type in POSITIONAL:
+            grid = qwen_grid(image_processor)
+            layout = repeated_layout(image_token, grid)
+            probes += [(100, 30), (30, 100), (300, 200)]
         # The processor's own expansion of one image marker: how many positions an image takes
-        # (and, where the family lays images out itself, that it agrees).
-        probe = Image.new("RGB", (32, 32), (127, 127, 127))
-        out = processor(images=[probe], text=[marker])
-        n = int((np.array(out["input_ids"]) == image_token_id).sum())
-        if layout is not None and layout(32, 32)[1] != n:
-            raise ModelLoadError(f"{model_dir.name}: its processor gives a 32 x 32 image {n} "
-                                 f"image tokens, not {layout(32, 32)[1]}")
+        # (and, where the family lays images out itself, that it agrees, for each probe size).
+        n = 0
+        for width, height in probes:
+            probe = Image.new("RGB", (width, height), (127, 127, 127))
+            out = processor(images=[probe], text=[marker])
+            theirs = np.array(out["input_ids"])[0].tolist()
+            got = theirs.count(image_token_id)
+            n = n or got
+            if layout is None:
+                continue
+            text, want = layout(width, height)
+            ours = list(tokenizer.encode(text, add_special_tokens=False))
+            if want != got or (tiling is not None and theirs[-len(ours):] != ours):
+                raise ModelLoadError(f"{model_dir.name}: its processor lays a {width} x "
+                                     f"{height} image out otherwise ({got} image tokens) than "
+                                     f"mlxd does ({want})")
     except ModelLoadError:
         raise
     except Exception as e:
@@ -341,13 +399,20 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
     if n < 1:
         raise ModelLoadError(f"{model_dir.name}: its processor gives an image no image tokens")
 
-    def encode(pixel_values: np.ndarray) -> mx.array:
+    def encode(pixel_values: np.ndarray, grid_of: tuple[int, int, int] | None) -> mx.array:
         extra: dict[str, Any] = {}
         count = n
         if unit:  # the pixels' size (one image: no padding) says how many positions
             h, w = pixel_values.shape[-2:]
             extra["image_sizes"] = [(h, w)]
             count = (h // unit) * (w // unit)
+        elif per_tile:  # (1, tiles, channels, height, width): the tiles say how many
+            count = pixel_values.shape[1] * per_tile
+        elif grid_of is not None:  # (patches, values): the grid in patches, not merged ones
+            frames, rows, cols = grid_of
+            merge = int(image_processor.merge_size)
+            extra["image_grid_thw"] = mx.array([[frames, rows * merge, cols * merge]])
+            count = frames * rows * cols
         ids = mx.array([[image_token_id] * count])
         got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values),
                                        mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
@@ -359,7 +424,8 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         return np.asarray(values, dtype=np.float32)
 
     table = ImageTable(encode, preprocess)
-    parts = VisionParts(image_processor, marker, image_token_id, n, table, model_type, layout)
+    parts = VisionParts(image_processor, marker, image_token_id, n, table, model_type, layout,
+                        tiling.tiles if tiling is not None else None, grid)
     config = {**config.get("text_config", {}), **{k: v for k, v in config.items()
                                                   if not isinstance(v, dict)}}
-    return VisionLM(vlm, table), tokenizer, config, parts
+    return VisionLM(vlm, table, positional=grid is not None), tokenizer, config, parts

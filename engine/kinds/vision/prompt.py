@@ -25,6 +25,11 @@ from mlxd.protocol.messages import Delta, Generate, ImageInput
 
 log = logging.getLogger("mlxd.engine")
 
+# Tiles a request's images may take in a tiling family (idefics3, smolvlm), each image's global
+# view included: the vision tower's work for one request, which runs inside a prefill step
+# while other rows wait (at SmolVLM's 17 tiles for a large image, three large images and more).
+MAX_TILES = 64
+
 
 class VisionAdmission:
     def __init__(self, parts: VisionParts) -> None:
@@ -54,6 +59,12 @@ class VisionAdmission:
         admission.check_prompt_size(msg, model.context_length, model.max_token_bytes)
         for i, img in enumerate(msg.images):
             _check(i, img)
+        if parts.tiles is not None:
+            tiles = sum(parts.tiles(img.width, img.height) for img in msg.images)
+            if tiles > MAX_TILES:
+                raise ClientError(f"the request's images take {tiles} tiles (the global views "
+                                  f"included); at most {MAX_TILES} are accepted a request",
+                                  "image_too_large")
         layouts = ([parts.layout(img.width, img.height) for img in msg.images]
                    if parts.layout is not None else None)
         marked = self._marked_tokens(msg, tok, layouts)
@@ -111,7 +122,8 @@ class VisionAdmission:
         cached = max(lookup.peek(prompt), restored.tokens if restored is not None else 0)
         for img, n, end in zip(msg.images, sizes, ends, strict=True):
             values = None if end <= cached else parts.images.preprocess(img)
-            parts.images.register(img, n, values)
+            parts.images.register(img, n, values, parts.grid(img.width, img.height)
+                                  if parts.grid is not None else None)
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
                              _real_ids(admission.processors(

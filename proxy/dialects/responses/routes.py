@@ -25,6 +25,7 @@ from mlxd.proxy.dialects.responses.schema import (
     input_items,
     input_messages,
     sampling,
+    split_images,
     text_format,
     tools,
 )
@@ -73,10 +74,11 @@ def _job(request: web.Request, req: ResponsesRequest) -> _Job:
     if fn.forced is not None:  # the whole output is a call: no text for `text.format`
         grammar = constraints.call_grammar(fn.forced)
     checked = sampling(req, request.app[STATE].defaults)
+    messages, images = split_images([*system, *conversation])
     generation = GenerationRequest(
         model=req.model, sampling=checked, id_prefix="resp",
-        keep_alive=keep_alive_seconds(req.keep_alive), messages=[*system, *conversation],
-        grammar=grammar, tools=fn.template)
+        keep_alive=keep_alive_seconds(req.keep_alive), messages=messages,
+        grammar=grammar, tools=fn.template, images=images)
     return _Job(req, _new_id("resp"), conversation, generation, fn.forced, fmt,
                 checked.params.logprobs >= 0, input_items(req.input, _new_id))
 

@@ -1,7 +1,8 @@
 """OpenAI's Responses API request (`POST /v1/responses`) as a msgspec Struct, and its
 translation into the neutral generation: `input` items become chat messages (function calls
-and their outputs included), `instructions` the system message, function tools go through the
-tools path, `text.format` through the grammar path (runs in the proxy). Every optional field
+and their outputs included; `input_image` parts images, as chat's `image_url` parts are),
+`instructions` the system message, function tools go through the tools path, `text.format`
+through the grammar path (runs in the proxy). Every optional field
 takes an explicit null, meaning what leaving it out means."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mlxd.proxy.bounds import (
     loads,
 )
 from mlxd.proxy.core import constraints
+from mlxd.proxy.core.images import ImageRef, from_url
 from mlxd.proxy.core.sampling import CheckedSampling, Defaults, SamplingRequest, check_sampling
 from mlxd.proxy.errors import bad_request
 
@@ -238,28 +240,82 @@ def _message(item: dict, where: str) -> dict:
         raise bad_request(f"{where}.role must be user, assistant, system or developer",
                           param=f"{where}.role")
     return {"role": "system" if role == "developer" else role,
-            "content": _text(item.get("content"), f"{where}.content")}
+            "content": _content(item.get("content"), f"{where}.content", images=True)}
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's or a call output's content: a string, or text parts."""
+    """A call output's content: a string, or text parts."""
+    got = _content(content, where, images=False)
+    assert isinstance(got, str)
+    return got
+
+
+def _content(content: Any, where: str, images: bool) -> str | list[dict]:
+    """A message's content: a string, or text parts and (`images`) `input_image` parts.
+    Without images, the text; with them, chat content parts where each image is
+    `{"type": "image", "image_url": URL, "param": WHERE}`: the conversation keeps its image
+    (a later `previous_response_id` turn sends it again), and `split_images` takes the URL
+    out of the parts into the generation's images."""
     if isinstance(content, str):
         return content
     if content is None:
         return ""
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", param=where)
-    texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind == "input_image":
+            parts.append(_image_part(part, f"{where}[{j}]"))
+            continue
         value = part.get("refusal" if kind == "refusal" else "text") \
             if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text", "refusal") \
                 or not isinstance(value, str):
             raise bad_request(f"{where}[{j}]: {clip(str(kind), 60)!r} content is not "
-                              "supported; only text", param=f"{where}[{j}]")
-        texts.append(value)
-    return "".join(texts)
+                              f"supported; only text{' and input_image' if images else ''}",
+                              param=f"{where}[{j}]")
+        parts.append({"type": "text", "text": value})
+    if not any(p["type"] == "image" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_part(part: dict, where: str) -> dict:
+    """An `input_image` part as the openai SDK sends it: `image_url` a data URL (or an http(s)
+    URL, fetched only with --allow-image-urls), `detail` any (the model's processor decides
+    the resolution), `file_id` null (mlxd has no Files API)."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"{where}.file_id: uploaded files are not supported (mlxd has no "
+                          "Files API); send the image as `image_url` (a data URL)",
+                          param=f"{where}.file_id")
+    url = part.get("image_url")
+    if isinstance(url, dict):  # chat's shape, {"url": ...}, as some clients send it
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise bad_request(f"{where}.image_url must be a data URL (data:image/png;base64,...)",
+                          param=f"{where}.image_url")
+    from_url(url, f"{where}.image_url")  # its form is checked now; it is decoded later
+    return {"type": "image", "image_url": url, "param": f"{where}.image_url"}
+
+
+def split_images(messages: list[dict]) -> tuple[list[dict], tuple[ImageRef, ...]]:
+    """Chat messages as a template renders them (each image part a bare `{"type": "image"}`)
+    and their images in order, for `GenerationRequest.images`."""
+    out: list[dict] = []
+    refs: list[ImageRef] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if p.get("type") == "image":
+                    refs.append(from_url(p["image_url"], p["param"]))
+                    p = {"type": "image"}
+                parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, tuple(refs)
 
 
 def _add_call(out: list[dict], item: dict, where: str) -> None:
