@@ -194,8 +194,8 @@ NO_CLOCK: RequestClock = _NoClock()
 
 
 class StepLog:
-    """Every runner step under the stage clock, one JSON line each in DIR/steps-<pid>.jsonl
-    (written as it ends: a diagnosis of where a turn's time goes, benchmarks/agent_session.py
+    """Every runner step under the stage clock, one JSON line each in DIR/steps-<pid>.ndjson
+    (not .jsonl: the token records' readers take those; written as it ends: a diagnosis of where a turn's time goes, benchmarks/agent_session.py
     with MLXD_STAGE_TRACE): its start, its seconds in the generator and in the hand-over to
     the tiers, the tokens it prefilled, the rows it decoded, the chunk it allowed, and the
     attention passes the CUDA router sent each way (`cuda_attention.COUNTS`)."""
@@ -206,10 +206,14 @@ class StepLog:
 
         from mlxd.protocol import stage_trace
         self._dumps = json.dumps
-        self._f = open(os.path.join(stage_trace.DIR or ".", f"steps-{os.getpid()}.jsonl"), "a",
-                       buffering=1)
+        self._path = os.path.join(stage_trace.DIR or ".", f"steps-{os.getpid()}.ndjson")
+        self._f: Any = None
 
     def record(self, rec: dict[str, Any]) -> None:
+        if self._f is None:  # (the directory is made by the first trace written)
+            import os
+            os.makedirs(os.path.dirname(self._path) or ".", exist_ok=True)
+            self._f = open(self._path, "a", buffering=1)
         self._f.write(self._dumps(rec) + "\n")
 
 
