@@ -195,8 +195,9 @@ NO_CLOCK: RequestClock = _NoClock()
 
 class StepLog:
     """Every runner step under the stage clock, one JSON line each in DIR/steps-<pid>.ndjson
-    (not .jsonl: the token records' readers take those; written as it ends: a diagnosis of where a turn's time goes, benchmarks/agent_session.py
-    with MLXD_STAGE_TRACE): its start, its seconds in the generator and in the hand-over to
+    (not .jsonl: the token records' readers take those), written as it ends: a diagnosis of
+    where a turn's time goes (benchmarks/agent_session.py with MLXD_STAGE_TRACE). Its start,
+    its milliseconds in the generator's call, in the rest of the step and in the hand-over to
     the tiers, the tokens it prefilled, the rows it decoded, the chunk it allowed, and the
     attention passes the CUDA router sent each way (`cuda_attention.COUNTS`)."""
 
