@@ -80,6 +80,39 @@ def test_a_step_prefills_mlx_lms_chunk_alone_and_prefill_step_while_a_row_decode
     assert beside >= 8, beside  # 128 a step: the decoding row waits one chunk per token
 
 
+def test_a_steps_chunk_is_one_forward_pass_whatever_the_generator_was_made_with(
+        tmp_path, monkeypatch):
+    """The chunk a step prefills runs in one forward pass, as in-process mlx-lm runs its
+    2,048: mlx-lm's prompt batch keeps the pass size the generator was made with
+    (`--prefill-step`, 128 here), and the runner's larger idle chunk ran as passes of that
+    size (issue 33: four passes a step, each a new attention shape over the whole context)."""
+    from mlxd.engine.batch.messages import AddRequest
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from support.runner_drive import run_one
+    model = write_random_model(tmp_path / "m", context=8192)
+    m, _, _ = load_model(str(model), tmp_path / "c")
+    outq: queue.Queue = queue.Queue()
+    runner = Runner(m, [], batch_size=2, prefill_step=128, outbox=outq, cache_bytes=0,
+                    step_target_s=600.0)
+    passes: list[int] = []  # each forward pass's query tokens
+    call = type(m).__call__
+
+    def counted(self, inputs, *a, **k):
+        passes.append(int(inputs.shape[1]))
+        return call(self, inputs, *a, **k)
+    monkeypatch.setattr(type(m), "__call__", counted)
+
+    def add(rid: str, n: int) -> AddRequest:
+        return AddRequest(rid, [5 + (i * 41) % 400 for i in range(n)], 1, greedy_sampler, [])
+
+    run_one(runner, outq, add("warm", 2100))  # the chunk grows from START to IDLE_STEP
+    passes.clear()
+    run_one(runner, outq, add("alone", 1024))
+    prefill = [n for n in passes if n > 1]
+    assert prefill == [1023], passes  # one pass of all but the last token, then the first token
+
+
 def iter_queue(q: queue.Queue) -> list:
     out = []
     while not q.empty():

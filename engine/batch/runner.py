@@ -54,6 +54,7 @@ from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
     prefilled_tokens,
     prompts_waiting,
+    set_prefill_step,
     unpadded_batch_masks,
 )
 from mlxd.engine.speculative.step import Speculator
@@ -143,7 +144,7 @@ class Runner:
             stream=self._stream,
         )
         if self._chunks is not None:
-            gen.prefill_step_size = self._chunks.chunk
+            set_prefill_step(gen, self._chunks.chunk)
         return gen
 
     def run(self) -> None:
@@ -527,8 +528,8 @@ class Runner:
         before = 0
         if self._chunks is not None:
             before = prefilled_tokens(self._gen)
-            self._gen.prefill_step_size = self._chunks.for_step(
-                decoding_rows(self._gen) > 0, prompts_waiting(self._gen))
+            set_prefill_step(self._gen, self._chunks.for_step(
+                decoding_rows(self._gen) > 0, prompts_waiting(self._gen)))
         if self._steps is not None:
             self._trace_step(t0)
             return
