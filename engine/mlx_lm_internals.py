@@ -247,6 +247,16 @@ def restore_states(cache: list[Any], saved: list[Any]) -> None:
             c.cache, c.left_padding, c.lengths = list(s[0]), s[1], s[2]
 
 
+def prompt_contexts(gen: Any) -> list[int]:
+    """The context (cached and prompt tokens) of each prompt being prefilled or waiting to be."""
+    batch = gen._prompt_batch
+    out = [len(t) + sum(len(s) for s in seq[0])
+           for t, seq in zip(batch.tokens, gen._currently_processing, strict=False)]
+    # a waiting sequence: (uid, segments, max_tokens, cache, all_tokens, ...)
+    out += [len(seq[4] or ()) + sum(len(s) for s in seq[1]) for seq in gen._unprocessed_sequences]
+    return out
+
+
 def set_prefill_step(gen: Any, tokens: int) -> None:
     """Each prompt's share of a step's prefill, in one forward pass. mlx-lm's generator hands
     each prompt up to its `prefill_step_size` tokens a step, and its prompt batch runs them in

@@ -53,6 +53,7 @@ from mlxd.engine.load import cuda_attention
 from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
     prefilled_tokens,
+    prompt_contexts,
     prompts_waiting,
     set_prefill_step,
     unpadded_batch_masks,
@@ -101,6 +102,7 @@ class Runner:
         self._burst = BurstWindow.parse(tuning.burst_window)
         self._min_cached = tuning.min_cached_tokens
         self._unpadded_masks = tuning.batch_masks == "unpadded"
+        self._prefill_alone_from = tuning.prefill_alone_from
         self.clock = clock
         self._steps = step_log() if clock is not NO_CLOCK else None  # the stage clock's
         self._batch_size = batch_size
@@ -525,6 +527,8 @@ class Runner:
         """One generation step (drivers may call it directly: tests, benchmarks)."""
         t0 = time.perf_counter()
         self._stepped = True
+        if self._prefill_alone_from:
+            self._prefill_alone()
         before = 0
         if self._chunks is not None:
             before = prefilled_tokens(self._gen)
@@ -543,6 +547,17 @@ class Runner:
                 prefilled = prefilled_tokens(self._gen) - before
                 if prefilled > 0:  # (a rebuilt generator counts from 0: nothing to learn)
                     self._chunks.observe(prefilled, dt)
+
+    def _prefill_alone(self) -> None:
+        """The hidden setting `prefill_alone_from`: while a prompt over a long context is
+        being prefilled or waits, prompts prefill one at a time. Two prompts prefilled
+        together are padded to the longer context and attend with an array mask (on CUDA the
+        unfused fallback, over the longer context for both: two agent sessions' turns,
+        benchmarks/RESULTS.md, "One session on the H200"); alone, each is a single sequence
+        with a causal mask."""
+        gen = self._gen
+        alone = any(n >= self._prefill_alone_from for n in prompt_contexts(gen))
+        gen.prefill_batch_size = 1 if alone else self._batch_size
 
     def _trace_step(self, t0: float) -> None:
         """`step` under the stage clock: the same, and its record in the step log."""
