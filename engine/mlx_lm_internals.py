@@ -316,6 +316,31 @@ def restore_states(cache: list[Any], saved: list[Any]) -> None:
             c.cache, c.left_padding, c.lengths = list(s[0]), s[1], s[2]
 
 
+def prompt_contexts(gen: Any) -> list[int]:
+    """The context (cached and prompt tokens) of each prompt being prefilled or waiting to be."""
+    batch = gen._prompt_batch
+    out = [len(t) + sum(len(s) for s in seq[0])
+           for t, seq in zip(batch.tokens, gen._currently_processing, strict=False)]
+    # a waiting sequence: (uid, segments, max_tokens, cache, all_tokens, ...)
+    out += [len(seq[4] or ()) + sum(len(s) for s in seq[1]) for seq in gen._unprocessed_sequences]
+    return out
+
+
+def set_prefill_step(gen: Any, tokens: int) -> None:
+    """Each prompt's share of a step's prefill, in one forward pass. mlx-lm's generator hands
+    each prompt up to its `prefill_step_size` tokens a step, and its prompt batch runs them in
+    passes of the batch's own `prefill_step_size`, taken once, when the generator made its
+    empty prompt batch (`PromptProcessingBatch.empty`), and kept through every `extend`:
+    setting the generator's alone, a 2,048-token step over a generator made with 512 ran four
+    passes, each a new attention shape over the whole context (an unfused pass or a cuDNN
+    graph build each on CUDA) with an eval and a cache release between them, where
+    in-process mlx-lm runs one (issue 33)."""
+    gen.prefill_step_size = tokens
+    batch = getattr(gen, "_prompt_batch", None)
+    if batch is not None:
+        batch.prefill_step_size = tokens
+
+
 def prefilled_tokens(gen: Any) -> int:
     """Prompt tokens the generator has prefilled so far (its own counter)."""
     return int(gen._counters.prompt_tokens)

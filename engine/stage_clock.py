@@ -193,6 +193,36 @@ class _NoClock(RequestClock):
 NO_CLOCK: RequestClock = _NoClock()
 
 
+class StepLog:
+    """Every runner step under the stage clock, one JSON line each in DIR/steps-<pid>.ndjson
+    (not .jsonl: the token records' readers take those), written as it ends: a diagnosis of
+    where a turn's time goes (benchmarks/agent_session.py with MLXD_STAGE_TRACE). Its start,
+    its milliseconds in the generator's call, in the rest of the step and in the hand-over to
+    the tiers, the tokens it prefilled, the rows it decoded, the chunk it allowed, and the
+    attention passes the CUDA router sent each way (`cuda_attention.COUNTS`)."""
+
+    def __init__(self) -> None:
+        import json
+        import os
+
+        from mlxd.protocol import stage_trace
+        self._dumps = json.dumps
+        self._path = os.path.join(stage_trace.DIR or ".", f"steps-{os.getpid()}.ndjson")
+        self._f: Any = None
+
+    def record(self, rec: dict[str, Any]) -> None:
+        if self._f is None:  # (the directory is made by the first trace written)
+            import os
+            os.makedirs(os.path.dirname(self._path) or ".", exist_ok=True)
+            self._f = open(self._path, "a", buffering=1)
+        self._f.write(self._dumps(rec) + "\n")
+
+
+def step_log() -> StepLog | None:
+    from mlxd.protocol import stage_trace
+    return StepLog() if stage_trace.ON else None
+
+
 def request_clock() -> RequestClock:
     """The clock for this process: stamping when the stage clock is on, else `NO_CLOCK`."""
     from mlxd.protocol import stage_trace

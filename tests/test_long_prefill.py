@@ -80,6 +80,81 @@ def test_a_step_prefills_mlx_lms_chunk_alone_and_prefill_step_while_a_row_decode
     assert beside >= 8, beside  # 128 a step: the decoding row waits one chunk per token
 
 
+def test_a_steps_chunk_is_one_forward_pass_whatever_the_generator_was_made_with(
+        tmp_path, monkeypatch):
+    """The chunk a step prefills runs in one forward pass, as in-process mlx-lm runs its
+    2,048: mlx-lm's prompt batch keeps the pass size the generator was made with
+    (`--prefill-step`, 128 here), and the runner's larger idle chunk ran as passes of that
+    size (issue 33: four passes a step, each a new attention shape over the whole context)."""
+    from mlxd.engine.batch.messages import AddRequest
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from support.runner_drive import run_one
+    model = write_random_model(tmp_path / "m", context=8192)
+    m, _, _ = load_model(str(model), tmp_path / "c")
+    outq: queue.Queue = queue.Queue()
+    runner = Runner(m, [], batch_size=2, prefill_step=128, outbox=outq, cache_bytes=0,
+                    step_target_s=600.0)
+    passes: list[int] = []  # each forward pass's query tokens
+    call = type(m).__call__
+
+    def counted(self, inputs, *a, **k):
+        passes.append(int(inputs.shape[1]))
+        return call(self, inputs, *a, **k)
+    monkeypatch.setattr(type(m), "__call__", counted)
+
+    def add(rid: str, n: int) -> AddRequest:
+        return AddRequest(rid, [5 + (i * 41) % 400 for i in range(n)], 1, greedy_sampler, [])
+
+    run_one(runner, outq, add("warm", 2100))  # the chunk grows from START to IDLE_STEP
+    passes.clear()
+    run_one(runner, outq, add("alone", 1024))
+    prefill = [n for n in passes if n > 1]
+    assert prefill == [1023], passes  # one pass of all but the last token, then the first token
+
+
+def test_prompts_over_a_long_context_prefill_one_at_a_time_with_prefill_alone_from(
+        tmp_path, monkeypatch):
+    """The hidden setting `prefill_alone_from`: two prompts admitted together, each over a
+    context of at least that many tokens, prefill one after the other (single-row passes),
+    not in one padded batch; off (the default), mlx-lm batches them."""
+    from mlxd.engine.batch.messages import AddRequest, StepTokens
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from mlxd.protocol.settings import TuningSettings
+    model = write_random_model(tmp_path / "m", context=8192)
+    m, _, _ = load_model(str(model), tmp_path / "c")
+    rows: list[int] = []  # each prefill pass's rows
+    call = type(m).__call__
+
+    def counted(self, inputs, *a, **k):
+        if inputs.shape[1] > 1:
+            rows.append(int(inputs.shape[0]))
+        return call(self, inputs, *a, **k)
+    monkeypatch.setattr(type(m), "__call__", counted)
+
+    def passes(alone_from: int) -> list[int]:
+        outq: queue.Queue = queue.Queue()
+        runner = Runner(m, [], batch_size=2, prefill_step=128, outbox=outq, cache_bytes=0,
+                        step_target_s=600.0, tuning=TuningSettings(prefill_alone_from=alone_from))
+        for k, n in ((41, 300), (43, 260)):
+            runner.inbox.put(AddRequest(f"r{k}", [5 + (i * k) % 400 for i in range(n)], 2,
+                                        greedy_sampler, []))
+        runner.take_commands()
+        rows.clear()
+        done: set[str] = set()
+        while len(done) < 2:
+            runner.step()
+            for x in iter_queue(outq):
+                if isinstance(x, StepTokens):
+                    done |= {rid for rid, _, fin in x.rows if fin}
+        return list(rows)
+
+    assert max(passes(0)) == 2  # mlx-lm's batching: the two prompts in one padded pass
+    alone = passes(256)
+    assert alone and max(alone) == 1, alone
+
+
 def iter_queue(q: queue.Queue) -> list:
     out = []
     while not q.empty():

@@ -5,6 +5,7 @@ output thread when the MLX thread next waits on MLX or goes idle, never later.""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 
@@ -54,6 +55,13 @@ def test_every_token_is_stamped_at_every_stage_in_order(tiny_model, tmp_path):
     stamps = {k: v for r in reqs for k, v in r.stamps.items()}
     assert list(sorted(stamps, key=stamps.__getitem__)) == list(REQUEST_STAGES), stamps
     assert stamps["inserted"] < engine[1].stamps["next_in"]
+    # the step log: every runner step, the prompt's prefill among them (its tokens, its time)
+    steps = [json.loads(line) for f in trace.glob("steps-*.ndjson")
+             for line in f.read_text().splitlines()]
+    assert sum(1 for st in steps if st["t"] >= stamps["inserted"]) >= n, steps
+    assert sum(st["pre"] for st in steps if st["t"] >= stamps["inserted"]) == \
+        usage["prompt_tokens"] - 1, steps  # all but the last prompt token (it decodes)
+    assert all(st["gen_ms"] >= st["next_ms"] > 0 for st in steps), steps
 
 
 def test_the_clock_is_off_by_default():

@@ -53,11 +53,13 @@ from mlxd.engine.load import cuda_attention
 from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
     prefilled_tokens,
+    prompt_contexts,
     prompts_waiting,
+    set_prefill_step,
     unpadded_batch_masks,
 )
 from mlxd.engine.speculative.step import Speculator
-from mlxd.engine.stage_clock import NO_CLOCK, RequestClock
+from mlxd.engine.stage_clock import NO_CLOCK, RequestClock, step_log
 from mlxd.protocol import faults
 from mlxd.protocol.messages import CacheSource, FinishReason
 from mlxd.protocol.settings import TuningSettings
@@ -100,7 +102,9 @@ class Runner:
         self._burst = BurstWindow.parse(tuning.burst_window)
         self._min_cached = tuning.min_cached_tokens
         self._unpadded_masks = tuning.batch_masks == "unpadded"
+        self._prefill_alone_from = tuning.prefill_alone_from
         self.clock = clock
+        self._steps = step_log() if clock is not NO_CLOCK else None  # the stage clock's
         self._batch_size = batch_size
         self.gate = KvGate(batch_size, budget, context)  # who joins the running rows, when
         self._preparing = preparing or (lambda submitted_by: 0)
@@ -126,6 +130,7 @@ class Runner:
         self._checkpoint_every = checkpoint_every if persist else 0
         self._groups: dict[str, PrefillGroup] = {}
         self._stepped = False  # a step ran since MLX's buffers were last given back
+        self._next_done = 0.0  # when the last step's generator call returned
         cuda_attention.install(model)
         self._gen = self._new_generator()
         self._update_cap()
@@ -141,7 +146,7 @@ class Runner:
             stream=self._stream,
         )
         if self._chunks is not None:
-            gen.prefill_step_size = self._chunks.chunk
+            set_prefill_step(gen, self._chunks.chunk)
         return gen
 
     def run(self) -> None:
@@ -522,11 +527,16 @@ class Runner:
         """One generation step (drivers may call it directly: tests, benchmarks)."""
         t0 = time.perf_counter()
         self._stepped = True
+        if self._prefill_alone_from:
+            self._prefill_alone()
         before = 0
         if self._chunks is not None:
             before = prefilled_tokens(self._gen)
-            self._gen.prefill_step_size = self._chunks.for_step(
-                decoding_rows(self._gen) > 0, prompts_waiting(self._gen))
+            set_prefill_step(self._gen, self._chunks.for_step(
+                decoding_rows(self._gen) > 0, prompts_waiting(self._gen)))
+        if self._steps is not None:
+            self._trace_step(t0)
+            return
         try:
             self._generate()
             self._publish.hand_over()  # after the step's tokens went out
@@ -538,12 +548,50 @@ class Runner:
                 if prefilled > 0:  # (a rebuilt generator counts from 0: nothing to learn)
                     self._chunks.observe(prefilled, dt)
 
+    def _prefill_alone(self) -> None:
+        """The hidden setting `prefill_alone_from`: while a prompt over a long context is
+        being prefilled or waits, prompts prefill one at a time. Two prompts prefilled
+        together are padded to the longer context and attend with an array mask (on CUDA the
+        unfused fallback, over the longer context for both: two agent sessions' turns,
+        benchmarks/RESULTS.md, "One session on the H200"); alone, each is a single sequence
+        with a causal mask."""
+        gen = self._gen
+        alone = any(n >= self._prefill_alone_from for n in prompt_contexts(gen))
+        gen.prefill_batch_size = 1 if alone else self._batch_size
+
+    def _trace_step(self, t0: float) -> None:
+        """`step` under the stage clock: the same, and its record in the step log."""
+        assert self._steps is not None
+        routed = dict(cuda_attention.COUNTS)
+        before = prefilled_tokens(self._gen)
+        rec: dict[str, Any] = {"t": time.perf_counter_ns(), "dec": decoding_rows(self._gen),
+                               "wait": prompts_waiting(self._gen),
+                               "chunk": self._gen.prefill_step_size}
+        t1 = t0
+        try:
+            self._generate()
+            t1 = time.perf_counter()
+            self._publish.hand_over()
+        finally:
+            t2 = time.perf_counter()
+            dt = t2 - t0
+            self.counters.step_s += dt
+            prefilled = prefilled_tokens(self._gen) - before
+            if self._chunks is not None and prefilled > 0:
+                self._chunks.observe(prefilled, dt)
+            rec.update(next_ms=round((self._next_done - t0) * 1e3, 3),
+                       gen_ms=round((t1 - t0) * 1e3, 3), hand_ms=round((t2 - t1) * 1e3, 3),
+                       pre=prefilled, **{k: v - routed[k] for k, v in
+                                         cuda_attention.COUNTS.items() if v != routed[k]})
+            self._steps.record(rec)
+
     def _generate(self) -> None:
         faults.hit("engine.step")
         try:
             with self._grammar.step(self._gen):
                 prompt_responses, responses = (self._gen.next() if self.spec is None else
                                                self.spec.next(self._gen, self.rows.logprob_uids))
+            self._next_done = time.perf_counter()
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
             self._fail_all(f"generation step failed: {e}", held=False)

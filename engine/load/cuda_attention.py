@@ -52,6 +52,8 @@ SEEN_SHAPES = 256  # MLX's own cache of cuDNN graphs
 # from this many keys on (below, the unfused attention over the batch costs little).
 SPLIT_ROWS = 8
 SPLIT_FROM_KEYS = 4096
+# Passes routed each way since the process started (read by the stage clock's step log).
+COUNTS = {"one": 0, "fused_seen": 0, "fused_new": 0, "unfused": 0, "split": 0}
 
 
 def apply() -> str:
@@ -86,15 +88,20 @@ class Router:
         fused; a one-token pass always does (MLX's own choice)."""
         batch, heads, queries, _ = q_shape
         if queries == 1:
+            COUNTS["one"] += 1
             return True
         if array_mask or not self.fused_allowed:
+            COUNTS["unfused"] += 1
             return False
         key = (q_shape, k_shape, dtype)
         if key in self._seen:
             self._seen.move_to_end(key)
+            COUNTS["fused_seen"] += 1
             return True
         if batch * heads * queries * k_shape[2] * self.layers < BUILD_EQUIVALENT_SCORES:
+            COUNTS["unfused"] += 1
             return False
+        COUNTS["fused_new"] += 1
         self._seen[key] = None
         if len(self._seen) > SEEN_SHAPES:
             self._seen.popitem(last=False)
@@ -150,6 +157,7 @@ def routed(router: Router) -> Any:
                 and router.split(q.shape[0], k.shape[2])):
             pads = left_padding(cache)
             if pads is not None and len(pads) == q.shape[0] and mask.shape[-1] == k.shape[2]:
+                COUNTS["split"] += 1
                 return by_row(q, k, v, scale, pads, fast)
         if sinks is not None or router.fused(tuple(q.shape), tuple(k.shape), q.dtype,
                                              isinstance(mask, mx.array)):
