@@ -180,10 +180,10 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         "first (default: every rank on this machine)"),
         extra={"kind": "path"})] = None
     speculative: Annotated[bool, Meta(description=(
-        "speculative decoding: a row decoding alone drafts tokens (by --draft-model, or else "
-        "by looking its last tokens up in its prompt and output) and the model verifies them "
-        "in one forward pass; used while measured faster than plain steps, for greedy and "
-        "seeded rows without penalties, grammars or log-probabilities"),
+        "speculative decoding: each decoding row drafts tokens (by --draft-model, or else "
+        "by looking its last tokens up in its prompt and output) and the model verifies every "
+        "row's drafts in one forward pass; used while measured faster than plain steps, for "
+        "greedy and seeded rows without penalties, grammars or log-probabilities"),
         extra={"kind": "onoff"})] = True
     draft_model: Annotated[str | None, Meta(description=(
         "a small model with the served model's vocabulary that drafts for speculative "
