@@ -236,9 +236,11 @@ class Speculator:
         if k <= 0:
             return None
         drafters = [self._row_drafter(u) for u in uids]
-        if self.mode == "ngram" and not any(
+        # every row's index brought up to date here, outside the step's timing (a new row's
+        # is built over its whole context once): not `any`, which would stop at the first
+        if self.mode == "ngram" and not any([
                 cast(NgramDrafter, d).likely((id(gen), u), batch.history(i))
-                for i, (d, u) in enumerate(zip(drafters, uids, strict=True))):
+                for i, (d, u) in enumerate(zip(drafters, uids, strict=True))]):
             return None
         with mx.stream(gen.stream):
             device_eval(batch.pending)  # the previous step's work ends here, not in our timing
