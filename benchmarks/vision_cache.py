@@ -4,7 +4,9 @@ re-sends the same image, against its first turn (goal: <= 0.2x), through `mlxd s
 in 14-pixel patches). Each round uses a new image: turn 1 (a miss: vision tower and prefill),
 turn 2 (the same image and turn 1's answer, plus a question: the image is cached), and turn 2
 with one pixel changed (a miss again). Then batching: N requests with different images sent
-at once against the same N one after the other (vision rows share the text batch).
+at once against the same N one after the other (vision rows share the text batch). Last, the
+vision tower's effect on a running text row: its inter-token gaps while a new image's request
+is admitted.
 
     python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl]
         [--rounds 5]
@@ -52,6 +54,7 @@ from throughput import Server, free_port, save
 
 MODEL = "bench-llava"
 MODEL_NAME = [MODEL]  # the family's model directory's name, once written
+NO_EOS: list[dict[str, int]] = [{}]  # a logit bias keeping the text row from ending early
 IMAGE_SIZE = 336
 QUESTION = "Describe this picture in detail."
 
@@ -97,6 +100,47 @@ async def ask(base: str, messages: list[dict], max_tokens: int = 8) -> tuple[flo
     return (first if first is not None else time.perf_counter() - t0), "".join(text), usage
 
 
+async def token_times(base: str, messages: list[dict], max_tokens: int,
+                      started: asyncio.Event, after: int = 8) -> list[float]:
+    """The arrival time of every content delta of one streamed chat; `started` is set once
+    `after` of them have arrived."""
+    body = {"model": MODEL_NAME[0], "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "logit_bias": NO_EOS[0]}
+    times: list[float] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s, \
+            s.post(base + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for raw in r.content:
+            line = raw.strip()
+            if line.startswith(b"data: {") and any(
+                    (c.get("delta") or {}).get("content")
+                    for c in json.loads(line[6:]).get("choices") or []):
+                times.append(time.perf_counter())
+                if len(times) == after:
+                    started.set()
+    started.set()
+    return times
+
+
+async def tower_stall(base: str, image: str, max_tokens: int) -> dict[str, float]:
+    """A text row decoding while a new image's request arrives (its vision tower and prefill
+    run in the engine's steps): the row's median inter-token gap before the image came, and
+    its longest gap while the image's request waited for its first token."""
+    started = asyncio.Event()
+    story = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+    row = asyncio.create_task(token_times(base, story, max_tokens, started))
+    await started.wait()
+    t0 = time.perf_counter()
+    first_s, _, _ = await ask(base, [turn(image)])
+    t1 = t0 + first_s
+    times = await row
+    before = [b - a for a, b in zip(times, times[1:], strict=False) if b <= t0]
+    during = [b - a for a, b in zip(times, times[1:], strict=False) if b > t0 and a < t1]
+    return {"median_gap_s": statistics.median(before) if before else 0.0,
+            "max_gap_during_image_s": max(during) if during else 0.0,
+            "image_first_token_s": first_s, "row_tokens": len(times)}
+
+
 def cached(usage: dict) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
@@ -127,6 +171,10 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     else:
         model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
         positions = image_tokens(IMAGE_SIZE)
+    config = json.loads((model / "config.json").read_text())
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    NO_EOS[0] = {str(t): -100 for t in (eos if isinstance(eos, list) else [eos])
+                 if isinstance(t, int)}
     port = free_port()
     argv = [sys.executable, "-m", "mlxd.cli.main", "serve", str(model), "--isolate",
             "--port", str(port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-bv-", dir="/tmp"),
@@ -172,6 +220,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await asyncio.gather(*(ask(base, again(n + k), max_tokens=args.batch_tokens)
                                for k in range(n)))
         together_hit = time.perf_counter() - t0
+        stall = await tower_stall(base, image_b64(2000), args.stall_tokens)
+        print(f"a text row's inter-token gap: median {stall['median_gap_s'] * 1e3:.1f} ms "
+              f"before, longest {stall['max_gap_during_image_s'] * 1e3:.1f} ms while a new "
+              f"image's request waited {stall['image_first_token_s']:.3f} s for its first "
+              f"token", flush=True)
     finally:
         srv.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in ("first_s", "second_s",
@@ -181,7 +234,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "image_tokens": positions, "family": args.family, "concurrency": n,
             "sequential_s": sequential, "together_s": together,
             "sequential_hit_s": sequential_hit, "together_hit_s": together_hit,
-            "batch_tokens": args.batch_tokens}
+            "batch_tokens": args.batch_tokens, "tower_stall": stall}
 
 
 def report(r: dict[str, Any]) -> str:
@@ -200,7 +253,12 @@ def report(r: dict[str, Any]) -> str:
         f"({r['sequential_s'] / r['together_s']:.2f}x); the same with each image cached "
         f"(a follow-up question): {r['sequential_hit_s']:.2f} s against "
         f"{r['together_hit_s']:.2f} s ({r['sequential_hit_s'] / r['together_hit_s']:.2f}x)",
-        ""])
+        "",
+        f"A text row decoding while a new image's request arrives: its median inter-token gap "
+        f"{r['tower_stall']['median_gap_s'] * 1e3:.1f} ms before, its longest "
+        f"{r['tower_stall']['max_gap_during_image_s'] * 1e3:.1f} ms while the image's request "
+        f"waited {r['tower_stall']['image_first_token_s']:.3f} s for its first token (the "
+        "vision tower and the image's prefill run in the engine's steps)", ""])
 
 
 def main() -> None:
@@ -211,6 +269,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)
+    ap.add_argument("--stall-tokens", type=int, default=400,
+                    help="tokens of the text row decoding while an image arrives")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vision-hidden", type=int, default=256)
