@@ -1,13 +1,16 @@
 """The README's counted figures against the code they describe: the configuration table holds
 every `mlxd serve` setting and nothing else, the hidden settings' list every tuning switch,
 every `--flag` and `MLXD_*` name it mentions exists, and the endpoint table lists exactly the
-routes the proxy's router serves. (The test-count line is left to whoever runs the suite.)"""
+routes the proxy's router serves, and the test count is the suite's (checked when the whole
+suite is collected; its time is left to whoever runs it)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from pathlib import Path
+
+import pytest
 
 from mlxd.cli.main import _parser
 from mlxd.daemon.settings import SETTINGS
@@ -95,3 +98,14 @@ def test_the_endpoint_table_is_the_router():
     served = {r for r in served_routes() if r[0] != "HEAD"}  # aiohttp's, beside every GET
     assert not served - listed, f"routes the README does not list: {sorted(served - listed)}"
     assert not listed - served, f"README endpoints nothing serves: {sorted(listed - served)}"
+
+
+def test_the_test_count_is_the_suites(request):
+    items = request.session.items
+    collected = {Path(str(item.path)).name for item in items}
+    if collected != {p.name for p in (ROOT / "tests").glob("test_*.py")}:
+        pytest.skip("only part of the suite was collected")
+    said = re.search(r"([\d,]+) tests \(\d+ of them skipped", README)
+    assert said is not None, "the README's test-count line"
+    assert int(said.group(1).replace(",", "")) == len(items), \
+        f"the README counts {said.group(1)} tests; the suite has {len(items)}"
