@@ -319,7 +319,11 @@ def test_ollama_pull_fetches_with_progress_then_the_model_serves(tiny_model, tmp
 
 
 def _close(measured_ns: int, wall_s: float, what: str) -> None:
-    assert abs(measured_ns / 1e9 - wall_s) <= 0.1 * wall_s, (what, measured_ns / 1e9, wall_s)
+    """Within 10 %, or 50 ms for short spans: the client's own reading of the lines lags by a
+    scheduling slice or two on a loaded machine (seen: 40 ms off a 0.28 s span of 120 tokens
+    that speculation delivers several a step)."""
+    assert abs(measured_ns / 1e9 - wall_s) <= max(0.1 * wall_s, 0.05), \
+        (what, measured_ns / 1e9, wall_s)
 
 
 def test_ollama_durations_agree_with_wall_times(daemon):
