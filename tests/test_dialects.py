@@ -319,10 +319,10 @@ def test_ollama_pull_fetches_with_progress_then_the_model_serves(tiny_model, tmp
 
 
 def _close(measured_ns: int, wall_s: float, what: str) -> None:
-    """Within 10 %, or 50 ms for short spans: the client's own reading of the lines lags by a
-    scheduling slice or two on a loaded machine (seen: 40 ms off a 0.28 s span of 120 tokens
-    that speculation delivers several a step)."""
-    assert abs(measured_ns / 1e9 - wall_s) <= max(0.1 * wall_s, 0.05), \
+    """Within 10 %, or 100 ms for short spans: on a quiet machine the figures match the
+    client's to a few ms, but with the other test worker busy the client's own reading of the
+    first line lags (seen twice in full runs: 40 and 50 ms off spans of 0.28 and 0.42 s)."""
+    assert abs(measured_ns / 1e9 - wall_s) <= max(0.1 * wall_s, 0.1), \
         (what, measured_ns / 1e9, wall_s)
 
 
