@@ -123,9 +123,9 @@ async def token_times(base: str, messages: list[dict], max_tokens: int,
 
 
 async def tower_stall(base: str, image: str, max_tokens: int) -> dict[str, float]:
-    """A text row decoding while a new image's request arrives (its vision tower and prefill
-    run in the engine's steps): the row's median inter-token gap before the image came, and
-    its longest gap while the image's request waited for its first token."""
+    """A text row decoding while a new image's request arrives (its vision tower runs beside
+    the engine's steps, its prefill in them): the row's median inter-token gap before the
+    image came, and its longest gap while the image's request waited for its first token."""
     started = asyncio.Event()
     story = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
     row = asyncio.create_task(token_times(base, story, max_tokens, started))
@@ -258,7 +258,7 @@ def report(r: dict[str, Any]) -> str:
         f"{r['tower_stall']['median_gap_s'] * 1e3:.1f} ms before, its longest "
         f"{r['tower_stall']['max_gap_during_image_s'] * 1e3:.1f} ms while the image's request "
         f"waited {r['tower_stall']['image_first_token_s']:.3f} s for its first token (the "
-        "vision tower and the image's prefill run in the engine's steps)", ""])
+        "vision tower runs beside the engine's steps, the image's prefill in them)", ""])
 
 
 def main() -> None:
