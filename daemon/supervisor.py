@@ -529,15 +529,17 @@ class Supervisor:
         if self.listeners is not None:  # new connections: refused once the proxy lets go
             self.listeners.close()
         await self._stop_group([c for c in self.children.values() if c.role == "proxy"], grace)
-        await self._stop_group([c for c in self.children.values() if c.role == "engine"], grace)
+        await self._stop_group([c for c in self.children.values() if c.role == "engine"], grace,
+                               outputs_unread=True)
         await self._stop_group([c for c in self.children.values() if c.role == "storage"], 15)
         shm.remove_leftovers(self.cfg.run_dir)
 
-    async def _stop_group(self, children: list[Child], timeout: float) -> None:
+    async def _stop_group(self, children: list[Child], timeout: float,
+                          outputs_unread: bool = False) -> None:
         live = [(c, proc) for c in children if (proc := c.running) is not None]
         for child, proc in live:
             child.state = "stopping"
-            if not await self._send(child, Shutdown("daemon stopping")):
+            if not await self._send(child, Shutdown("daemon stopping", outputs_unread)):
                 proc.terminate()
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for _, p in live)), timeout)

@@ -66,3 +66,6 @@ class Channels:
     outq: queue.Queue[Any] = field(default_factory=queue.Queue)
     control_out: queue.Queue[Any] = field(default_factory=queue.Queue)
     stop: threading.Event = field(default_factory=threading.Event)
+    # set before `stop` when no proxy will read the last outputs (Shutdown.outputs_unread):
+    # the output socket then closes without waiting to deliver them
+    outputs_unread: threading.Event = field(default_factory=threading.Event)

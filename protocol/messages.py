@@ -344,6 +344,10 @@ class ChildFailed(_Msg, tag="failed"):
 
 class Shutdown(_Msg, tag="shutdown"):
     reason: str = ""
+    # The proxy has already stopped (a daemon stopping stops it first): nothing will read an
+    # engine's last outputs, so its socket need not wait to deliver them (it would wait its
+    # whole linger, a second, for every engine).
+    outputs_unread: bool = False
 
 
 class SetMemoryShare(_Msg, tag="share"):

@@ -144,8 +144,10 @@ class IoThread:
             log.warning("dropped an undecodable control message: %s", e)
             return
         match msg:
-            case Shutdown(reason=reason):
+            case Shutdown(reason=reason, outputs_unread=unread):
                 log.info("shutdown requested: %s", reason)
+                if unread:
+                    self.channels.outputs_unread.set()
                 self.on.shutdown(reason)
             case ChildStates():
                 self.on.children(msg)

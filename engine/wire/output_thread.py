@@ -95,7 +95,7 @@ class OutputThread:
                 if stop.is_set() and outq.empty():
                     return
         finally:
-            push.close()
+            push.close(linger=0 if self.channels.outputs_unread.is_set() else None)
 
     def _collect(self, item: Any, deltas: list[Delta]) -> None:
         match item:
