@@ -4,6 +4,7 @@ one-process server), which writes its `StorageLaunch` on stdin."""
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -28,8 +29,14 @@ def main() -> int:
     # Not an exit: the engines, signalled with us (a process group's SIGTERM), are flushing
     # through us. An exception raised mid-write would also leave a shared-memory view exported.
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
+    # The signal's byte wakes the worker's poll at once (else it would notice after its poll's
+    # timeout: half a second of every stop).
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     try:
-        return worker.run()
+        return worker.run(wake_r)
     finally:
         ctx.destroy(linger=0)
 

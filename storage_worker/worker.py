@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,9 @@ class StorageWorker:
         if self._stop_at is None:
             self._stop_at = time.monotonic()
 
-    def run(self) -> int:
+    def run(self, wakeup: socket.socket | None = None) -> int:
+        """Serve until stopped; `wakeup`: a socket a signal writes to (signal.set_wakeup_fd),
+        polled with the others so that SIGTERM is seen at once."""
         try:
             self.store.scan()
         except OSError as e:
@@ -83,6 +86,8 @@ class StorageWorker:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        if wakeup is not None:
+            poller.register(wakeup, zmq.POLLIN)
         sup = codec.to_supervisor()
         parent = os.getppid()
         if self.control_ep:
@@ -101,6 +106,11 @@ class StorageWorker:
         try:
             while True:
                 events = dict(poller.poll(500))
+                if wakeup is not None and wakeup in events:
+                    try:
+                        wakeup.recv(64)
+                    except BlockingIOError:
+                        pass
                 if monitor in events:
                     self._count_engines(monitor)
                 if router in events:
