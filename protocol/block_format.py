@@ -29,15 +29,18 @@ state layer, as `SnapLayout` says (a ring's last min(position, window) tokens of
 from __future__ import annotations
 
 import array
+import math
 import os
 import struct
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import blake3
 import msgspec
-import numpy as np
+
+if TYPE_CHECKING:  # numpy is imported where arrays come in: the supervisor and proxy import
+    import numpy as np  # this module (through messages.py) and never need it (14 MB each)
 
 MAGIC = b"MLXDKV01"
 VERSION = 1
@@ -88,7 +91,7 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, repr_omit_defaults=Tr
         return out
 
     def layer_bytes(self, n_tokens: int) -> int:
-        return self.kv_heads * n_tokens * sum(np.dtype(t).itemsize * w for t, w in self.parts())
+        return self.kv_heads * n_tokens * sum(_ITEMSIZE[t] * w for t, w in self.parts())
 
     def payload_bytes(self, n_tokens: int) -> int:
         return self.n_layers * self.layer_bytes(n_tokens)
@@ -108,7 +111,8 @@ class SnapLeaf(msgspec.Struct, frozen=True, array_like=True):
     dtypes: list[str] = []
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4, "int64": 8}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4, "int64": 8,
+             "uint16": 2}
 
 
 class SnapLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -129,7 +133,7 @@ class SnapLayout(msgspec.Struct, frozen=True, array_like=True):
         return out
 
     def payload_bytes(self, position: int) -> int:
-        return sum(_ITEMSIZE[d] * int(np.prod(sh)) for d, sh in self.arrays(position))
+        return sum(_ITEMSIZE[d] * math.prod(sh) for d, sh in self.arrays(position))
 
     def max_bytes(self) -> int:
         return self.payload_bytes(max([leaf.window for leaf in self.leaves] + [1]))
@@ -169,8 +173,9 @@ _NATIVE_U32_LE = array.array("I").itemsize == 4 and sys.byteorder == "little"
 def token_bytes(tokens: list[int] | tuple[int, ...] | np.ndarray) -> bytes:
     """Token ids as u32 little-endian, the bytes every key hashes (`array` builds them from a
     Python sequence faster than numpy does)."""
-    if _NATIVE_U32_LE and not isinstance(tokens, np.ndarray):
+    if _NATIVE_U32_LE and isinstance(tokens, (list, tuple)):
         return array.array("I", tokens).tobytes()
+    import numpy as np
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
@@ -243,7 +248,7 @@ def pack_header(layout: Layout, namespace: bytes, parent: bytes, key: bytes, tok
                        layout.kv_heads, layout.k_head_dim, layout.v_head_dim,
                        DTYPE_CODES[layout.dtype], layout.kv_bits, layout.kv_group_size,
                        namespace, parent, key, payload_len, payload_hash)
-    return head + np.asarray(tokens, dtype="<u4").tobytes()
+    return head + token_bytes(tokens)
 
 
 def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key: bytes,
@@ -280,7 +285,7 @@ def read_block(path: Path, layout: Layout, namespace: bytes, parent: bytes, key:
     start = HEADER.size + 4 * n
     if len(data) != start + plen:
         raise BadBlock(f"{path.name}: truncated payload")
-    if data[HEADER.size:start] != np.asarray(tokens, dtype="<u4").tobytes():
+    if data[HEADER.size:start] != token_bytes(tokens):
         raise BadBlock(f"{path.name}: token mismatch")
     payload = memoryview(data)[start:]
     if verify and payload_hash(payload) != phash:

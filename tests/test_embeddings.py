@@ -174,8 +174,27 @@ def test_a_causal_lm_embeds_beside_an_embedding_engine_in_the_pool(tiny_model, b
         chat = api.chat.completions.create(model="tiny-llama", max_tokens=3,
                                            messages=[{"role": "user", "content": "hi"}])
         assert chat.usage is not None and chat.usage.completion_tokens == 3
+        with d.unix_http() as c:  # the storage worker writes the chat's blocks
+            assert c.post("/admin/cache/flush").json()["failed"] == 0
+        _small_processes_never_load_numpy(d)
     finally:
         stop_and_check(d)
+
+
+def _small_processes_never_load_numpy(d) -> None:
+    """The proxy (which relayed vectors as floats and as base64, and scores), the storage
+    worker (which wrote blocks) and the supervisor have not loaded numpy: 14 MB each, which
+    none of them needs (issue 35's memory item)."""
+    import psutil
+    children = {c["role"]: c["pid"] for c in d.stats()["children"] if c["role"] != "engine"}
+    pids = {"supervisor": d.proc.pid, **children}
+    assert set(pids) == {"supervisor", "proxy", "storage"}, pids
+    for role, pid in pids.items():
+        try:
+            maps = [m.path for m in psutil.Process(pid).memory_maps()]
+        except (AttributeError, NotImplementedError):  # not on macOS
+            pytest.skip("memory maps are not readable on this platform")
+        assert maps and not [m for m in maps if "/numpy" in m], (role, pid)
 
 
 def _pooled_hidden_states(model_dir, texts: list[str]) -> np.ndarray:

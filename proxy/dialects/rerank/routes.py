@@ -19,7 +19,7 @@ from mlxd.proxy.state import STATE
 async def rerank(request: web.Request) -> web.Response:
     job = rerank_job(decode_body(await request.read(), RerankRequest))
     got = await embed(request.app[STATE], job.request)
-    scores = got.vectors[:, 0].tolist()
+    scores = [row[0] for row in got.floats()]
     # a stable sort: equal scores keep the documents' order
     best = sorted(range(len(scores)), key=lambda i: -scores[i])[:job.top_n]
     results: list[dict[str, Any]] = []
