@@ -136,9 +136,9 @@ async def token_times(base: str, messages: list[dict], max_tokens: int,
 
 
 async def tower_stall(base: str, image: str, max_tokens: int) -> dict[str, float]:
-    """A text row decoding while a new image's request arrives (its vision tower and prefill
-    run in the engine's steps): the row's median inter-token gap before the image came, and
-    its longest gap while the image's request waited for its first token."""
+    """A text row decoding while a new image's request arrives (its vision tower runs beside
+    the engine's steps, its prefill in them): the row's median inter-token gap before the
+    image came, and its longest gap while the image's request waited for its first token."""
     started = asyncio.Event()
     story = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
     row = asyncio.create_task(token_times(base, story, max_tokens, started))

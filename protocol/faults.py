@@ -9,7 +9,8 @@ fail (raise FaultInjected, at every hit from the nth), bug (raise a RuntimeError
 code expects: a bug), errno:NAME (raise OSError with that
 errno, e.g. `storage.write=errno:ENOSPC`, at every hit from the nth: a full, read-only or
 vanished disk without privileges), delay (sleep 50 ms at every hit from the nth: a slow
-engine), spew (write one 1 MiB line straight to stderr, past logging: a runaway child).
+engine; `delay:MS` sleeps MS milliseconds instead: one slow piece of work), spew (write one
+1 MiB line straight to stderr, past logging: a runaway child).
 Unset, `hit()` is one dict lookup on an empty dict.
 """
 
@@ -48,6 +49,8 @@ def configure(epoch: int | None, spec: str) -> None:
         if action.startswith("errno:") and not isinstance(
                 getattr(errno, action[len("errno:"):], None), int):
             raise ValueError(f"faults: {entry!r}: unknown errno name")
+        if action.startswith("delay:") and not action[len("delay:"):].isdigit():
+            raise ValueError(f"faults: {entry!r}: delay:MS takes whole milliseconds")
         _faults[point] = (action, int(nth) if nth else 1, int(ep.lstrip("<")) if ep else None,
                           below)
 
@@ -78,11 +81,14 @@ def hit(point: str) -> None:
             return
     n = _counts.get(point, 0) + 1
     _counts[point] = n
-    repeats = action in ("fail", "delay") or action.startswith("errno:")
+    repeats = action in ("fail", "delay") or action.startswith(("errno:", "delay:"))
     if n != nth and not (repeats and n >= nth):
         return
     if action == "delay":
         time.sleep(0.05)
+        return
+    if action.startswith("delay:"):
+        time.sleep(int(action[len("delay:"):]) / 1000)
         return
     if action == "exit":
         os._exit(1)

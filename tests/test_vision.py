@@ -289,6 +289,42 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
     assert table.embed(mx.array([[1]], dtype=mx.uint32), None) is None  # a sampled token
 
 
+def test_an_image_encoded_on_an_admission_lane_is_ready_for_the_mlx_thread():
+    """The vision tower runs where the image is admitted (a lane thread, its own MLX stream);
+    the MLX thread's prefill then uses those features as they are and never runs the tower."""
+    import threading
+
+    import mlx.core as mx
+
+    from mlxd.engine.kinds.vision.model import ImageTable
+    from mlxd.protocol.messages import ImageInput, image_key
+    towers: list[str] = []
+
+    def encode(values: np.ndarray, grid: Any) -> mx.array:
+        towers.append(threading.current_thread().name)
+        return mx.array(values[0])[:, None] * mx.ones((2, 3)) + 1
+
+    pixels = bytes([4, 5, 6])
+    img = ImageInput(1, 1, pixels, image_key(1, 1, pixels))
+    table = ImageTable(encode, lambda _: pytest.fail("the pixels were preprocessed again"))
+    ids: list[int] = []
+
+    def admit() -> None:
+        ids.extend(table.register(img, 2, np.full((1, 2), 4, dtype=np.float32)))
+        table.encode_now(img.key)
+        table.encode_now(img.key)  # encoded once: a second call finds the features
+
+    lane = threading.Thread(target=admit, name="lane")
+    lane.start()
+    lane.join()
+    assert towers == ["lane"] and table.encoded == 1
+    embed = mx.array([[0.0, 0.0, 0.0]] * 4)
+    out = table.embed(mx.array([[1, ids[0], ids[1]]]),
+                      lambda t: embed[mx.zeros(t.shape, dtype=mx.int32)])
+    assert out is not None and out.tolist() == [[[0.0] * 3, [5.0] * 3, [5.0] * 3]]
+    assert towers == ["lane"]  # the MLX thread (here, this one) did not run the tower
+
+
 async def test_image_urls_are_fetched_only_when_allowed():
     """--allow-image-urls: the proxy fetches http(s) images (the same limits apply); without
     it a URL is refused unread. A local server stands in for the web."""

@@ -1,6 +1,7 @@
 """Where requests are prepared (chat template, tokenization, checks, SSD restore): two lanes
 of threads of their own, never the I/O thread, which must keep answering aborts, flushes and
-heartbeats. Small prompts go to one lane and large ones to the other, so a request with a
+heartbeats. Small prompts go to one lane and large ones (and requests with images, whose vision
+tower runs there) to the other, so a request with a
 12 MiB prompt never holds up a small one. The small lane has up to four threads where the
 machine has the cores: a burst of requests is then prepared side by side (tokenizers and the
 SSD tier's file checks release the GIL), not one after the other. A small-lane thread that
@@ -71,7 +72,9 @@ class AdmissionLanes:
 
     def submit(self, msg: Generate) -> None:
         self._clock.received(msg.request_id)
-        large = prompt_chars(msg) > LARGE_PROMPT_CHARS
+        # A request with images is prepared on the large lane: its vision tower runs there
+        # (vision/prompt.py), which small text requests must not queue behind.
+        large = prompt_chars(msg) > LARGE_PROMPT_CHARS or bool(msg.images)
         with self._lock:
             self._pending[msg.request_id] = (time.monotonic(), large)
         self._queues["large" if large else "small"].put(msg)

@@ -11,8 +11,12 @@ An image's place in a prompt is held by *image tokens*: ids above the vocabulary
 image's decoded pixels and the position (`image_token_ids`). The prompt's token ids therefore
 name the image's content: the prefix cache's trie and the SSD tier's chained block keys, which
 are built from token ids alone, hit on the same image and never on another one. `VisionLM`
-looks those ids up in its `ImageTable` and feeds the image's features (the vision tower and
-projector, run on the MLX thread, only for positions a cache did not cover) in their place.
+looks those ids up in its `ImageTable` and feeds the image's features in their place. The
+vision tower and projector run at admission, on the admission lane's thread and its own MLX
+stream, for images a cache did not cover (`ImageTable.encode_now`): their time is never inside
+a step, so rows already decoding keep their pace while an image is admitted (what they share
+is the device). Only an image whose cached prefix was evicted between admission and prefill
+is encoded on the MLX thread.
 
 Families: those whose image features replace the image token's embeddings one for one
 (`SUPPORTED`):
@@ -72,6 +76,7 @@ from mlxd.engine.kinds.vision.layouts import (
     tiled_layout,
 )
 from mlxd.engine.kinds.vision.positions import RowPositions
+from mlxd.protocol import faults
 from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
@@ -178,6 +183,34 @@ class ImageTable:
             for vid in img.ids:
                 self._where.pop(vid, None)
 
+    def encode_now(self, key: bytes) -> None:
+        """On an admission lane: run the vision tower for a registered image whose features
+        are not there yet, so that the MLX thread's prefill finds them ready. The tower then
+        runs beside the decode steps (on the lane thread's own MLX stream), never inside one:
+        running rows keep their pace while an image is admitted (issue 36). The table's lock
+        is not held meanwhile; an image the MLX thread encoded first is left as it is."""
+        with self._lock:
+            img = self._images.get(key)
+            if img is None or img.features is not None or img.pixel_values is None:
+                return
+            values, grid = img.pixel_values, img.grid
+        feats = self._tower(values, grid)
+        with self._lock:
+            if img.features is None and self._images.get(key) is img:
+                self._set_features(img, feats)
+
+    def _tower(self, values: np.ndarray, grid: tuple[int, int, int] | None) -> mx.array:
+        faults.hit("engine.vision.encode")  # tests: `delay:MS` is a slow vision tower
+        feats = self._encode(values, grid)
+        mx.eval(feats)
+        return feats
+
+    def _set_features(self, img: _Image, feats: mx.array) -> None:
+        self.encoded += 1
+        self._bytes += feats.nbytes - img.nbytes
+        img.features, img.pixel_values, img.image = feats, None, None
+        img.nbytes = feats.nbytes
+
     def locate(self, token: int) -> tuple[int, tuple[int, int, int]] | None:
         """An image token's index in its image and the image's grid (`positions.Locate`);
         None for a text token. An image token of no known image, or of an image without a
@@ -229,12 +262,8 @@ class ImageTable:
             if img.pixel_values is None:  # a cache covered it at admission, not any more
                 assert img.image is not None
                 img.pixel_values = self.preprocess(img.image)
-            feats = self._encode(img.pixel_values, img.grid)
-            mx.eval(feats)
-            self.encoded += 1
-            self._bytes += feats.nbytes - img.nbytes
-            img.features, img.pixel_values, img.image = feats, None, None
-            img.nbytes = feats.nbytes
+            self._set_features(img, self._tower(img.pixel_values, img.grid))
+        assert img.features is not None
         return img.features
 
 
@@ -292,6 +321,34 @@ class VisionLM(nn.Module):
         return out.logits if hasattr(out, "logits") else out
 
 
+def _held_arrays(vlm: Any) -> list[mx.array]:
+    """Every array the model holds: its parameters, and what its parts keep outside them
+    (Pixtral's rotary table sits on a plain object, computed lazily on the loading thread's
+    stream). All are evaluated at load: the tower runs on an admission lane's thread, whose
+    stream cannot run work left pending on another thread's."""
+    found: list[mx.array] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+        if type(obj).__module__.startswith(("mlx_vlm", "mlx.")) and hasattr(obj, "__dict__"):
+            for v in vars(obj).values():
+                walk(v)
+
+    walk(vlm)
+    return found
+
+
 @dataclass(frozen=True)
 class VisionParts:
     """What admission needs to turn images into prompt tokens."""
@@ -346,7 +403,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
     try:
         vlm = load_model(model_dir)
         _cast_for_device(vlm, dtype)
-        mx.eval(vlm.parameters())
+        mx.eval(_held_arrays(vlm))
         processor = load_processor(model_dir, add_detokenizer=False)
         custom = load_image_processor(model_dir)
         image_processor: Any = custom if custom is not None else processor.image_processor

@@ -1,7 +1,8 @@
 """Admission of requests with images to a vision engine (on an admission lane, never the MLX
 thread): the prompt rendered with the processor's image marker where each image goes, each
 marker expanded into the image's token ids (see `model.py`), the image's pixel values
-computed by the model's image processor and registered for the MLX thread. The proxy decoded
+computed by the model's image processor and its features by the vision tower (here, beside
+the decode steps), registered for the MLX thread. The proxy decoded
 the images and checked their limits; here the pixels' size and content hash are checked again
 (a request can never make the engine read past its buffer or reuse another image's cache).
 Requests without images go through the text engine's admission unchanged."""
@@ -26,8 +27,8 @@ from mlxd.protocol.messages import Delta, Generate, ImageInput
 log = logging.getLogger("mlxd.engine")
 
 # Tiles a request's images may take in a tiling family (idefics3, smolvlm), each image's global
-# view included: the vision tower's work for one request, which runs inside a prefill step
-# while other rows wait (at SmolVLM's 17 tiles for a large image, three large images and more).
+# view included: the vision tower's work (and memory) for one request, which runs on an
+# admission lane (at SmolVLM's 17 tiles for a large image, three large images and more).
 MAX_TILES = 64
 
 
@@ -124,6 +125,8 @@ class VisionAdmission:
             values = None if end <= cached else parts.images.preprocess(img)
             parts.images.register(img, n, values, parts.grid(img.width, img.height)
                                   if parts.grid is not None else None)
+            if values is not None:
+                parts.images.encode_now(img.key)
         request = AddRequest(rid, prompt, max_tokens,
                              make_request_sampler(p, start_position=len(resumed)),
                              _real_ids(admission.processors(
