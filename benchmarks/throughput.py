@@ -244,9 +244,17 @@ async def http_round(name: str, base: str, model: str, prompts: list[str], max_t
 
 
 class Server:
-    def __init__(self, argv: list[str], ready_url: str, env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    def __init__(self, argv: list[str], ready_url: str, env: dict | None = None,
+                 log: Path | None = None) -> None:
+        """`log`: the server's output appended there (else dropped)."""
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "ab") if log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if log
+                                     else subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
+        if log is not None:
+            out.close()  # type: ignore[union-attr]  # the child holds its own descriptor
         self.ready_url = ready_url
 
     async def wait(self, timeout: float = 600) -> None:

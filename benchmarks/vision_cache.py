@@ -9,8 +9,10 @@ vision tower's effect on a running text row: its inter-token gaps while a new im
 is admitted.
 
     python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl]
-        [--rounds 5]
-        [--concurrency 4] [--out FILE]
+        [--rounds 5] [--stall-rounds 1]
+        [--concurrency 4] [--out FILE] [--server-log FILE]
+        [--hidden 2048 --layers 16 --vision-hidden 1024 --vision-layers 24 --vision-heads 16
+         --model-dtype bfloat16]  (the ~1B models of the H200 runs; every family takes them)
 
 `--family gemma3`: a random-weight Gemma 3 (a 224-pixel image: 256 soft tokens; sliding
 window 512 in every other layer); `--family mistral3`: a random-weight Mistral 3 (images fit
@@ -19,6 +21,11 @@ into 448 pixels: the 400 x 300 images here take 11 x 15 = 165 positions, plus ro
 tiles of 64 positions: 2 x 2 tiles and the global view, 320 positions); `--family qwen2_5_vl`:
 a random-weight Qwen2.5-VL (at most 448 x 448 pixels: a 400 x 300 image takes 11 x 14 = 154
 positions, with 3-D rotary positions).
+
+`--stall-rounds N`: the text row's gaps measured N times, each with a new image (medians and
+the range reported). Under `MLXD_STAGE_TRACE=DIR` the server writes its stage clock there
+(`python benchmarks/request_stages.py DIR`: the requests in order, the warm-up first, then each
+round's first turn, second turn and changed pixel).
 """
 
 from __future__ import annotations
@@ -55,6 +62,10 @@ from throughput import Server, free_port, save
 MODEL = "bench-llava"
 MODEL_NAME = [MODEL]  # the family's model directory's name, once written
 NO_EOS: list[dict[str, int]] = [{}]  # a logit bias keeping the text row from ending early
+# A logit bias against the tokenizer's special tokens (EOS aside): a random model's answer
+# holding an image marker ([IMG], <image>, ...) would make the next turn's prompt hold more
+# image markers than images (a 400).
+NO_SPECIAL: list[dict[str, int]] = [{}]
 IMAGE_SIZE = 336
 QUESTION = "Describe this picture in detail."
 
@@ -78,14 +89,16 @@ def turn(image: str) -> dict:
 async def ask(base: str, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, dict]:
     """(seconds to the first text, the answer, usage) of one streamed chat."""
     body = {"model": MODEL_NAME[0], "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "logit_bias": NO_SPECIAL[0]}
     t0 = time.perf_counter()
     first: float | None = None
     text: list[str] = []
     usage: dict = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s, \
             s.post(base + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status >= 400:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:500]}")
         async for raw in r.content:
             line = raw.strip()
             if not line.startswith(b"data: {"):
@@ -105,7 +118,7 @@ async def token_times(base: str, messages: list[dict], max_tokens: int,
     """The arrival time of every content delta of one streamed chat; `started` is set once
     `after` of them have arrived."""
     body = {"model": MODEL_NAME[0], "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "logit_bias": NO_EOS[0]}
+            "temperature": 0, "stream": True, "logit_bias": {**NO_SPECIAL[0], **NO_EOS[0]}}
     times: list[float] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s, \
             s.post(base + "/v1/chat/completions", json=body) as r:
@@ -164,8 +177,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         model = write_random_smolvlm(work / MODEL_NAME[0], longest_edge=448, tile=224, **sizes)
         positions = 5 * 64
     elif args.family == "qwen2_5_vl":
+        # Qwen2.5-VL's own 112-pixel attention windows (the writer's default, 56, makes every
+        # even grid side end in an empty window: mlx-vlm's tower then attends over zero
+        # tokens, which kills the process on CUDA; see write_random_qwen2_5_vl)
         model = write_random_qwen2_5_vl(work / MODEL_NAME[0], min_pixels=56 * 56,
-                                        max_pixels=448 * 448, **sizes)
+                                        max_pixels=448 * 448, window_size=112, **sizes)
         grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
         positions = grid_rows * grid_cols
     else:
@@ -175,11 +191,15 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
     NO_EOS[0] = {str(t): -100 for t in (eos if isinstance(eos, list) else [eos])
                  if isinstance(t, int)}
+    added = json.loads((model / "tokenizer.json").read_text()).get("added_tokens") or []
+    NO_SPECIAL[0] = {str(t["id"]): -100 for t in added
+                     if t.get("special") and str(t["id"]) not in NO_EOS[0]}
     port = free_port()
     argv = [sys.executable, "-m", "mlxd.cli.main", "serve", str(model), "--isolate",
             "--port", str(port), "--run-dir", tempfile.mkdtemp(prefix="mlxd-bv-", dir="/tmp"),
             "--cache-dir", str(work / "cache"), "--log-level", "warning"]
-    srv = Server(argv, f"http://127.0.0.1:{port}/health")
+    srv = Server(argv, f"http://127.0.0.1:{port}/health", log=args.server_log)
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     base = f"http://127.0.0.1:{port}"
     rows: list[dict[str, Any]] = []
     try:
@@ -220,11 +240,15 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await asyncio.gather(*(ask(base, again(n + k), max_tokens=args.batch_tokens)
                                for k in range(n)))
         together_hit = time.perf_counter() - t0
-        stall = await tower_stall(base, image_b64(2000), args.stall_tokens)
-        print(f"a text row's inter-token gap: median {stall['median_gap_s'] * 1e3:.1f} ms "
-              f"before, longest {stall['max_gap_during_image_s'] * 1e3:.1f} ms while a new "
-              f"image's request waited {stall['image_first_token_s']:.3f} s for its first "
-              f"token", flush=True)
+        stalls = []
+        for k in range(args.stall_rounds):
+            one = await tower_stall(base, image_b64(2000 + k), args.stall_tokens)
+            stalls.append(one)
+            print(f"a text row's inter-token gap: median {one['median_gap_s'] * 1e3:.1f} ms "
+                  f"before, longest {one['max_gap_during_image_s'] * 1e3:.1f} ms while a new "
+                  f"image's request waited {one['image_first_token_s']:.3f} s for its first "
+                  f"token", flush=True)
+        stall = {k: statistics.median(x[k] for x in stalls) for k in stalls[0]}
     finally:
         srv.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in ("first_s", "second_s",
@@ -234,31 +258,48 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "image_tokens": positions, "family": args.family, "concurrency": n,
             "sequential_s": sequential, "together_s": together,
             "sequential_hit_s": sequential_hit, "together_hit_s": together_hit,
-            "batch_tokens": args.batch_tokens, "tower_stall": stall}
+            "batch_tokens": args.batch_tokens, "tower_stall": stall, "tower_stalls": stalls,
+            "weights_bytes": weights, "dtype": args.model_dtype}
+
+
+def spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
 
 
 def report(r: dict[str, Any]) -> str:
     m = r["median"]
+    rows = r["rows"]
+    ratios = [x["second_s"] / x["first_s"] for x in rows]
+    stalls = r.get("tower_stalls") or [r["tower_stall"]]
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(r.get("dtype", ""), 0)
+    params = (f", about {r['weights_bytes'] / size / 1e9:.2f}B parameters in all"
+              if size and r.get("weights_bytes") else "")
     return "\n".join([f"`python benchmarks/vision_cache.py {' '.join(sys.argv[1:])}`", "",
         f"# Vision prefix cache ({r['family']}: {r['image_tokens']} image tokens, "
         f"{len(r['rows'])} rounds, "
-        "medians)", "",
-        "| turn | time to first text | vs first turn |", "|---|---|---|",
-        f"| first turn (miss) | {m['first_s']:.3f} s | 1.00x |",
-        f"| second turn, same image | {m['second_s']:.3f} s | {r['ratio']:.2f}x |",
+        f"medians{params})", "",
+        "| turn | time to first text | range over rounds | vs first turn |",
+        "|---|---|---|---|",
+        f"| first turn (miss) | {m['first_s']:.3f} s | "
+        f"{spread([x['first_s'] for x in rows])} | 1.00x |",
+        f"| second turn, same image | {m['second_s']:.3f} s | "
+        f"{spread([x['second_s'] for x in rows])} | {r['ratio']:.2f}x (per round "
+        f"{spread(ratios, '{:.2f}')}) |",
         f"| second turn, one pixel changed | {m['changed_s']:.3f} s | "
-        f"{r['changed_ratio']:.2f}x |", "",
+        f"{spread([x['changed_s'] for x in rows])} | {r['changed_ratio']:.2f}x |", "",
         f"{r['concurrency']} image requests of {r['batch_tokens']} tokens: one after the "
         f"other {r['sequential_s']:.2f} s, all at once {r['together_s']:.2f} s "
         f"({r['sequential_s'] / r['together_s']:.2f}x); the same with each image cached "
         f"(a follow-up question): {r['sequential_hit_s']:.2f} s against "
         f"{r['together_hit_s']:.2f} s ({r['sequential_hit_s'] / r['together_hit_s']:.2f}x)",
         "",
-        f"A text row decoding while a new image's request arrives: its median inter-token gap "
+        f"A text row decoding while a new image's request arrives ({len(stalls)} "
+        f"{'time' if len(stalls) == 1 else 'times, medians'}): its median inter-token gap "
         f"{r['tower_stall']['median_gap_s'] * 1e3:.1f} ms before, its longest "
-        f"{r['tower_stall']['max_gap_during_image_s'] * 1e3:.1f} ms while the image's request "
-        f"waited {r['tower_stall']['image_first_token_s']:.3f} s for its first token (the "
-        "vision tower runs beside the engine's steps, the image's prefill in them)", ""])
+        f"{r['tower_stall']['max_gap_during_image_s'] * 1e3:.1f} ms "
+        f"({spread([x['max_gap_during_image_s'] * 1e3 for x in stalls], '{:.1f}')}) while the "
+        f"image's request waited {r['tower_stall']['image_first_token_s']:.3f} s for its first "
+        "token", ""])
 
 
 def main() -> None:
@@ -277,7 +318,10 @@ def main() -> None:
     ap.add_argument("--vision-layers", type=int, default=2)
     ap.add_argument("--vision-heads", type=int, default=2)
     ap.add_argument("--model-dtype", default="float32", help="the weights' dtype as written")
+    ap.add_argument("--stall-rounds", type=int, default=1,
+                    help="times the text row's gaps are measured, each with a new image")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--server-log", type=Path, help="the server's output appended there")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mlxd-bv-") as work:
         r = asyncio.run(run(args, Path(work)))

@@ -438,9 +438,14 @@ def write_random_qwen2_5_vl(out: Path, *, min_pixels: int = 112 * 112, max_pixel
                             hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                             intermediate: int = 128, vision_hidden: int = 32,
                             vision_layers: int = 2, vision_heads: int = 2, vocab: int = 512,
-                            context: int = 1024, seed: int = 0, dtype: str = "float32") -> Path:
+                            context: int = 1024, seed: int = 0, dtype: str = "float32",
+                            window_size: int = 56) -> Path:
     """A random-weight Qwen2.5-VL directory; images resized to between `min_pixels` and
-    `max_pixels` (whole 28-pixel units)."""
+    `max_pixels` (whole 28-pixel units). `window_size`: the tower's attention windows in
+    pixels (Qwen2.5-VL's own: 112). A grid side that is a whole number of windows gets an
+    empty window in mlx-vlm 0.7.10 (`get_window_index` pads a full window, and its dedupe of
+    `cu_window_seqlens` compares mx.array scalars by identity, so it drops none): harmless on
+    the CPU, a SIGFPE on CUDA (attention over zero tokens)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models import qwen2_5_vl
@@ -472,7 +477,8 @@ def write_random_qwen2_5_vl(out: Path, *, min_pixels: int = 112 * 112, max_pixel
                                 "out_hidden_size": hidden, "num_heads": vision_heads,
                                 "patch_size": 14, "spatial_patch_size": 14,
                                 "spatial_merge_size": 2, "temporal_patch_size": 2,
-                                "window_size": 56, "fullatt_block_indexes": [vision_layers - 1],
+                                "window_size": window_size,
+                                "fullatt_block_indexes": [vision_layers - 1],
                                 "in_channels": 3}}
     mx.random.seed(seed)
     cfg = qwen2_5_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
