@@ -645,22 +645,37 @@ def route_attention(attention: Callable[..., Any] | None) -> None:
     `mx.fast.scaled_dot_product_attention` for an unquantized cache; send those calls to
     `attention` (same signature, and the layer's cache as `cache`) instead, in every model
     module imported so far (they bind the name at import: call this after loading).
-    Installing again replaces the route; None gives mlx-lm's function back."""
+    mlx-vlm's language models (a vision engine's) attend through mlx-vlm's own function of
+    the same name and signature: routed alike where their cache is one of mlx-lm's plain
+    caches (what a vision engine gives them), mlx-vlm's own otherwise (its quantized caches,
+    a tower's attention without a cache). Installing again replaces the route; None gives the
+    libraries' functions back."""
     import sys
 
     from mlx_lm.models import base
+    _route_family(sys.modules, "mlx_lm.models", base, attention,
+                  lambda cache: not hasattr(cache, "bits"))
+    vlm_base = sys.modules.get("mlx_vlm.models.base")
+    if vlm_base is not None:
+        _route_family(sys.modules, "mlx_vlm.models", vlm_base, attention,
+                      lambda cache: cache is not None and not hasattr(cache, "bits")
+                      and type(cache).__module__.startswith("mlx_lm."))
+
+
+def _route_family(modules: dict[str, Any], prefix: str, base: Any,
+                  attention: Callable[..., Any] | None, routes: Callable[[Any], bool]) -> None:
     original = base.__dict__.setdefault("_mlxd_sdpa", base.scaled_dot_product_attention)
     previous = base.__dict__.get("_mlxd_routed")
 
     def sdpa(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
              sinks: Any = None) -> Any:
-        if hasattr(cache, "bits"):  # quantized attention: mlx-lm's own
+        if not routes(cache):  # quantized attention and the like: the library's own
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         assert attention is not None
         return attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, cache=cache)
     now = original if attention is None else sdpa
     base.__dict__["_mlxd_routed"] = now
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models") and getattr(
+    for name, module in list(modules.items()):
+        if name.startswith(prefix) and getattr(
                 module, "scaled_dot_product_attention", None) in (original, previous):
             setattr(module, "scaled_dot_product_attention", now)  # noqa: B010

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -139,3 +140,37 @@ def test_padded_rows_decode_row_by_row_as_the_masked_batch_does(tiny_model: Path
         route_attention(None)
     assert splits and all(splits)
     assert mx.allclose(got, want, atol=1e-4)
+
+
+def test_a_vision_models_language_model_is_routed_too(tmp_path: Path) -> None:
+    """mlx-vlm's language models attend through mlx-vlm's own function: with the route
+    installed, a vision engine's passes reach the router (a new shape's graph is decided as
+    for a text model's) and give the same logits."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mlxd.engine.kinds.vision.model import load_vision
+    from support.random_vlm import write_random_vlm
+    model, _, _, _ = load_vision(write_random_vlm(tmp_path / "tiny-llava"), "float32")
+
+    def logits() -> mx.array:
+        cache = model.make_cache()
+        model(mx.array([[3, 5, 7, 11, 13, 17]]), cache=cache)
+        return model(mx.array([[19]], dtype=mx.uint32), cache=cache)
+
+    want = logits()
+    seen: list[tuple[int, ...]] = []
+    fast = routed(Router(layers=len(model.layers)))
+
+    def recorded(q: mx.array, k: mx.array, v: mx.array, **kw: Any) -> mx.array:
+        seen.append(tuple(q.shape))
+        return fast(q, k, v, **kw)
+    route_attention(recorded)
+    try:
+        got = logits()
+    finally:
+        route_attention(None)
+    assert len(seen) == 2 * len(model.layers)  # every layer, the prompt's pass and a step
+    assert {s[2] for s in seen} == {6, 1}
+    assert mx.allclose(got, want, atol=1e-5)
+    logits()  # the route removed: nothing recorded
+    assert len(seen) == 2 * len(model.layers)

@@ -490,3 +490,33 @@ def test_qwen2_5_vl_positions_survive_a_cached_prefix(tmp_path):
         assert not np.allclose(ours([]), want, rtol=1e-4, atol=1e-4)
     finally:
         positions._locate = flat
+
+
+def test_qwen2_5_vl_tower_runs_no_empty_attention_window(tmp_path):
+    """An image whose merged grid has a side divisible by the attention window gets a row of
+    empty windows in mlx-vlm's tower (their repeated bounds are meant to be dropped and are
+    not; on CUDA attention over an empty window crashes the engine). mlxd's loaded tower drops
+    them, and its features are the library's."""
+    import mlx.core as mx
+
+    from mlxd.engine.kinds.vision.model import load_vision
+    from mlxd.protocol.messages import ImageInput, image_key
+    d = write_random_qwen2_5_vl(tmp_path / "tiny-qwen2_5_vl")
+    model, _, _, parts = load_vision(d, "float32")
+    assert parts.grid is not None
+    width = height = 112
+    frames, rows, cols = parts.grid(width, height)
+    tower = model.vlm.vision_tower
+    merger_window = tower.window_size // tower.spatial_merge_size // tower.patch_size
+    assert rows % merger_window == 0 and cols % merger_window == 0  # the padded case
+    grid = mx.array([[frames, rows * 2, cols * 2]])
+    library = type(tower).get_window_index(tower, grid)[1].tolist()
+    assert len(set(library)) < len(library)  # the library's bounds repeat: empty windows
+    assert tower.get_window_index(grid)[1].tolist() == sorted(set(library))
+    pixels = picture(3, size=(width, height))
+    values = parts.images.preprocess(ImageInput(width, height, pixels.tobytes(),
+                                                image_key(width, height, pixels.tobytes())))
+    ours = tower(mx.array(values), grid)
+    del tower.get_window_index  # the library's own method again
+    theirs = tower(mx.array(values), grid)
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-5)

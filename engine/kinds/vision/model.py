@@ -66,6 +66,7 @@ import mlx.nn as nn
 import numpy as np
 from blake3 import blake3
 
+from mlxd.engine.kinds.vision import fixes
 from mlxd.engine.kinds.vision.layouts import (
     Layout,
     Tiling,
@@ -402,6 +403,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
     grid: Callable[[int, int], tuple[int, int, int]] | None = None  # qwen2_5_vl
     try:
         vlm = load_model(model_dir)
+        fixes.apply(vlm, model_type)
         _cast_for_device(vlm, dtype)
         mx.eval(_held_arrays(vlm))
         processor = load_processor(model_dir, add_detokenizer=False)
