@@ -60,6 +60,8 @@ def run_inprocess(cfg: ServeConfig) -> int:
 
 
 async def _serve(cfg: ServeConfig) -> int:
+    from mlxd.engine.load import transformers_index
+    transformers_index.install(cfg.cache_dir)  # before the engine's imports reach transformers
     from mlxd.engine.service import EngineService
 
     actx = zmq.asyncio.Context()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import zmq
 
-from mlxd.engine.service import EngineService
+from mlxd.engine.load import transformers_index
 from mlxd.protocol import codec, faults, stage_trace
 from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import follow_parent
@@ -20,6 +20,8 @@ from mlxd.protocol.settings import EngineLaunch
 
 def main() -> int:
     launch = codec.read_launch(EngineLaunch)
+    transformers_index.install(Path(launch.cache_dir))  # before the service's imports
+    from mlxd.engine.service import EngineService
     follow_parent(launch.lifeline_fd)
     stage_trace.configure(launch.tuning.stage_trace)
     child_process_setup(launch.log_level, f"engine:{model_id(launch.model)}#{launch.epoch}",
