@@ -4,8 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from support.harness import Daemon, leftovers
+from support.harness import SHARED_INDEX, Daemon, leftovers
 from support.random_model import write_random_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_transformers_index(tmp_path_factory):
+    """Daemons on cache dirs of their own share one transformers import index a session."""
+    SHARED_INDEX.append(tmp_path_factory.mktemp("transformers-index"))
+    yield
+    SHARED_INDEX.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,6 +20,10 @@ import psutil
 from mlxd.protocol import shm
 
 RUN_DIRS: list[Path] = []  # every run dir a Daemon of this test session used
+# transformers' import index (engine/load/transformers_index.py), shared by the daemons of a
+# test session whose cache dirs are their own (each would otherwise build it, 1.3 s an engine
+# start here): a folder of the session's, linked into each such cache dir (conftest sets it).
+SHARED_INDEX: list[Path] = []
 
 # What a starting daemon logs, one line each: the proxy listening (`proxy#0 INFO listening on
 # http://..., unix:...`, or `mlxd INFO ...` in one process), and an engine's model ready.
@@ -60,6 +64,9 @@ class Daemon:
         self.new_session = new_session  # its own process group (a test signals the group)
         self._own_cache = cache_dir is None
         self.cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="mlxd-c-", dir="/tmp"))
+        if self._own_cache and SHARED_INDEX:
+            from mlxd.engine.load.transformers_index import INDEX_DIR
+            (self.cache_dir / INDEX_DIR).symlink_to(SHARED_INDEX[0], target_is_directory=True)
         self.argv = [sys.executable, "-m", "mlxd.cli.main", "serve", "--port", "0",
                      "--run-dir", str(self.run_dir), "--cache-dir", str(self.cache_dir), *extra]
         if model is not None:
