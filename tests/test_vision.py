@@ -311,7 +311,9 @@ def test_an_image_encoded_on_an_admission_lane_is_ready_for_the_mlx_thread():
 
     def admit() -> None:
         ids.extend(table.register(img, 2, np.full((1, 2), 4, dtype=np.float32)))
+        assert not table.encoded_image(img.key)
         table.encode_now(img.key)
+        assert table.encoded_image(img.key)  # a next request with it skips preprocessing
         table.encode_now(img.key)  # encoded once: a second call finds the features
 
     lane = threading.Thread(target=admit, name="lane")

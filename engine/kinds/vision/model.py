@@ -184,6 +184,13 @@ class ImageTable:
             for vid in img.ids:
                 self._where.pop(vid, None)
 
+    def encoded_image(self, key: bytes) -> bool:
+        """Whether the image's features are here already (an earlier request's admission ran
+        its tower): its pixels need no preprocessing."""
+        with self._lock:
+            img = self._images.get(key)
+            return img is not None and img.features is not None
+
     def encode_now(self, key: bytes) -> None:
         """On an admission lane: run the vision tower for a registered image whose features
         are not there yet, so that the MLX thread's prefill finds them ready. The tower then

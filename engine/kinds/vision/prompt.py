@@ -122,7 +122,8 @@ class VisionAdmission:
         restored = lookup.restore(prompt)
         cached = max(lookup.peek(prompt), restored.tokens if restored is not None else 0)
         for img, n, end in zip(msg.images, sizes, ends, strict=True):
-            values = None if end <= cached else parts.images.preprocess(img)
+            values = None if end <= cached or parts.images.encoded_image(img.key) \
+                else parts.images.preprocess(img)
             parts.images.register(img, n, values, parts.grid(img.width, img.height)
                                   if parts.grid is not None else None)
             if values is not None:
