@@ -105,3 +105,41 @@ def test_tool_calls_are_cut_out_of_the_answer(tmp_path):
     assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert deltas[-1].finish_reason == "stop"
     assert out.completion_tokens == len(ids)  # every token still counted
+
+
+def _stopped_output_thread(tmp_path, unread: bool) -> float:
+    """An engine's output thread whose proxy is gone (nothing binds its endpoint) sends its
+    last status and stops; the seconds its ZeroMQ context then takes to terminate."""
+    import os
+    import threading
+    import time
+
+    import zmq
+
+    from mlxd.engine.state import Channels, StatusTick
+    from mlxd.engine.wire.output_thread import OutputThread
+    from mlxd.protocol.messages import EngineStatus
+    ctx = zmq.Context()
+    ch = Channels()
+    status = EngineStatus("e", 0, os.getpid(), "m", ["m"], "ready")
+    out = OutputThread(ctx, f"ipc://{tmp_path}/outputs-{int(unread)}", "e", 0, ch,
+                       lambda: status, lambda _: None, lambda _: "")
+    thread = threading.Thread(target=out.run)
+    thread.start()
+    if unread:
+        ch.outputs_unread.set()
+    ch.stop.set()
+    ch.outq.put(StatusTick())
+    thread.join(10)
+    assert not thread.is_alive()
+    t0 = time.monotonic()
+    ctx.term()  # what the engine process does last
+    return time.monotonic() - t0
+
+
+def test_an_engine_told_its_outputs_are_unread_exits_without_lingering(tmp_path):
+    """Stopping a daemon stops its proxy first: an engine told so (Shutdown.outputs_unread)
+    closes its output socket at once, where it would otherwise wait its one-second linger to
+    deliver a last status nobody reads (a second of every engine's stop)."""
+    assert _stopped_output_thread(tmp_path, unread=False) >= 0.9  # the linger, waited out
+    assert _stopped_output_thread(tmp_path, unread=True) < 0.5
