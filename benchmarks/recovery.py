@@ -6,7 +6,9 @@
 - the pause a streaming client sees when its engine is killed mid-stream (transparent resume),
   against the plain restart time and against running the request again from scratch;
 - routing overhead of the proxy's model pool between two resident models (the router's own
-  acquire/release, timed in-process: the only per-request work that a second model adds).
+  acquire/release, timed in-process: the only per-request work that a second model adds);
+- the reference issue 35 bounds a crash's pause by: a plain `mlx_lm.load` of the same model
+  directory in a fresh process, with its imports and without (and the parameters evaluated).
 
     python benchmarks/recovery.py --shape small
 """
@@ -155,20 +157,50 @@ def routing_overhead(iterations: int = 20000) -> dict:
     return {"acquire_release_us": per * 1e6, "target_under_1ms": per < 1e-3}
 
 
+PLAIN_LOAD = """
+import json, sys, time
+t0 = time.perf_counter()
+import mlx.core as mx
+from mlx_lm import load
+t1 = time.perf_counter()
+model, tok = load(sys.argv[1])
+mx.eval(model.parameters())
+mx.synchronize()
+t2 = time.perf_counter()
+print(json.dumps({"imports_s": t1 - t0, "load_s": t2 - t1, "with_imports_s": t2 - t0}))
+"""
+
+
+def plain_load(model: str) -> dict:
+    """`mlx_lm.load` of `model` in a fresh process: the imports, and the load with the
+    parameters evaluated."""
+    out = subprocess.run([sys.executable, "-c", PLAIN_LOAD, model], capture_output=True,
+                         text=True, check=True, timeout=900)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--model-dtype", default="float32", help="the random model's weights")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kill-after", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/recovery.json"))
     args = ap.parse_args()
     model = args.model or model_for(argparse.Namespace(model=None, shape=args.shape,
-                                                       model_dtype="float32"))
-    result = {"model": args.model or f"random {args.shape}", "recovery": recovery(model),
-              "resume": resume_pause(model, args.max_tokens, args.kill_after),
-              "routing": routing_overhead()}
+                                                       model_dtype=args.model_dtype))
+    result: dict = {"model": args.model or f"random {args.shape} {args.model_dtype}",
+                    "plain_load": plain_load(model) if Path(model).is_dir() else None,
+                    "recovery": recovery(model),
+                    "resume": resume_pause(model, args.max_tokens, args.kill_after),
+                    "routing": routing_overhead()}
+    if result["plain_load"] is not None:  # (a model spec, not a directory: none)
+        ref = result["plain_load"]["with_imports_s"]
+        result["against_plain_load_with_imports"] = {  # issue 35's bound: at most 2
+            "kill_to_answer": result["recovery"]["kill_to_answer_s"] / ref,
+            "stream_pause": result["resume"]["pause_s"] / ref}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
