@@ -6,6 +6,7 @@ built only where transformers has not been imported yet)."""
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -40,11 +41,12 @@ def test_a_later_process_reads_the_index_instead_of_scanning(tmp_path, tiny_mode
     assert second["scans"] == 0 and second["ids"] == first["ids"]  # read back, same tokenizer
     assert sorted((tmp_path / INDEX_DIR).glob("*.marshal")) == entries
 
-    for entry in entries:  # a corrupt index is scanned again and written whole
-        entry.write_bytes(b"\x00not marshal")
-    third = run_import(tmp_path, tiny_model)
-    assert third["scans"] > 100 and third["ids"] == first["ids"]
-    assert run_import(tmp_path, tiny_model)["scans"] == 0
+    for damage in (b"\x00not marshal", marshal.dumps(7)):  # unreadable; readable, not an index
+        for entry in entries:  # a damaged index is scanned again and written whole
+            entry.write_bytes(damage)
+        again = run_import(tmp_path, tiny_model)
+        assert again["scans"] > 100 and again["ids"] == first["ids"]
+        assert run_import(tmp_path, tiny_model)["scans"] == 0
     assert not list((tmp_path / INDEX_DIR).glob("*.tmp"))
 
 

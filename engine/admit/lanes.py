@@ -1,8 +1,8 @@
 """Where requests are prepared (chat template, tokenization, checks, SSD restore): two lanes
 of threads of their own, never the I/O thread, which must keep answering aborts, flushes and
 heartbeats. Small prompts go to one lane and large ones (and requests with images, whose vision
-tower runs there) to the other, so a request with a
-12 MiB prompt never holds up a small one. The small lane has up to four threads where the
+tower runs there) to the other, so a request with a 12 MiB prompt or a large image never holds
+up a small one. The small lane has up to four threads where the
 machine has the cores: a burst of requests is then prepared side by side (tokenizers and the
 SSD tier's file checks release the GIL), not one after the other. A small-lane thread that
 finds more requests waiting takes them with it (up to BATCH_MAX) and prepares them together

@@ -9,11 +9,12 @@ dir and later ones read it back (marshal: dicts, frozensets, sets and strings).
 
 An entry is keyed by the scanned path and prefix, the Python and marshal versions, and the
 modification times and sizes of transformers' `__init__.py`, its `utils/import_utils.py` and the
-scanned folder (a reinstall or upgrade rewrites them; adding or removing a model file changes
-the folder's time). Anything unexpected (a transformers without that function, an unreadable
-or corrupt entry, a full disk) falls back to transformers' own scan, so a wrong guess costs
-time, never an import. Install it before transformers is first imported (`install`); after,
-it does nothing.
+scanned folder (a reinstall or upgrade rewrites the first two; adding or removing a model
+folder changes the folder's time; a file edited in place inside a model folder, as a developer
+of transformers might, is not seen: remove the index then). Anything unexpected (a
+transformers without that function, an unreadable or corrupt entry, a full disk) falls back
+to transformers' own scan, so a wrong guess costs time, never an import. Install it before
+transformers is first imported (`install`); after, it does nothing.
 """
 
 from __future__ import annotations
@@ -68,18 +69,21 @@ def cached_scan(own: Callable[..., Any], index_dir: Path,
             return own(module_path, prefix)
         entry = index_dir / f"{key}.marshal"
         try:
-            return marshal.loads(entry.read_bytes())
+            structure = marshal.loads(entry.read_bytes())
+            if isinstance(structure, dict):  # (damaged bytes may still read as something)
+                return structure
         except (OSError, ValueError, EOFError, TypeError):
             pass
         structure = own(module_path, prefix)
+        tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
         try:
             data = marshal.dumps(structure)
             index_dir.mkdir(parents=True, exist_ok=True)
-            tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, entry)  # readers see a whole entry or none
         except (OSError, ValueError) as e:  # a full disk, a structure marshal cannot write
             log.debug("transformers' import index not kept: %s", e)
+            tmp.unlink(missing_ok=True)
         return structure
     return define_import_structure
 
