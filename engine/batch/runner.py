@@ -564,6 +564,7 @@ class Runner:
         assert self._steps is not None
         routed = dict(cuda_attention.COUNTS)
         before = prefilled_tokens(self._gen)
+        made = self.counters.generated_tokens
         rec: dict[str, Any] = {"t": time.perf_counter_ns(), "dec": decoding_rows(self._gen),
                                "wait": prompts_waiting(self._gen),
                                "chunk": self._gen.prefill_step_size}
@@ -581,7 +582,8 @@ class Runner:
                 self._chunks.observe(prefilled, dt)
             rec.update(next_ms=round((self._next_done - t0) * 1e3, 3),
                        gen_ms=round((t1 - t0) * 1e3, 3), hand_ms=round((t2 - t1) * 1e3, 3),
-                       pre=prefilled, **{k: v - routed[k] for k, v in
+                       pre=prefilled, tok=self.counters.generated_tokens - made,
+                       **{k: v - routed[k] for k, v in
                                          cuda_attention.COUNTS.items() if v != routed[k]})
             self._steps.record(rec)
 
