@@ -232,9 +232,10 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
         "the shortest cached prefix a row is lent (0: any)"))] = 0
     gil_switch_us: Annotated[float, Meta(gt=0, description=(
         "an engine process's GIL switch interval in microseconds"))] = 200.0
-    ssd_staging: Annotated[Literal["views", "device"], Meta(description=(
+    ssd_staging: Annotated[Literal["auto", "views", "device"], Meta(description=(
         "how the SSD write-behind reads KV: the entries' own arrays (views), or one staging "
-        "array gathered on the device first"))] = "views"
+        "array gathered on the device first (device); auto: device on CUDA, views "
+        "elsewhere"))] = "auto"
     gen_stream: Annotated[Literal["own", "default"], Meta(description=(
         "the MLX stream engines decode on: one of their own, or the device's default (as "
         "mlx_lm.server)"))] = "own"

@@ -202,3 +202,22 @@ def test_a_tail_the_worker_confirms_is_indexed_and_one_it_fails_is_not(tmp_path)
         tier.close()
         worker.close(0)
         ctx.term()
+
+
+def test_blocks_are_gathered_on_the_device_by_default_only_on_cuda(monkeypatch):
+    """`ssd_staging` auto: on CUDA a host read would move a live cache's buffer to managed
+    memory (decode steps stalled by it), so blocks are gathered on the device there; with
+    unified memory (Metal, the CPU backend) the arrays are read as they are. An explicit
+    setting wins everywhere."""
+    from mlxd.engine.kv import ssd_tier
+    from mlxd.protocol.settings import TuningSettings
+    assert TuningSettings().ssd_staging == "auto"
+    assert not ssd_tier.stages_on_device("auto", mx.cpu)
+    assert not ssd_tier.stages_on_device("auto", mx.gpu) or mx.cuda.is_available()
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert ssd_tier.stages_on_device("auto", mx.gpu)
+    assert not ssd_tier.stages_on_device("auto", mx.cpu)
+    assert not ssd_tier.stages_on_device("views", mx.gpu)
+    assert ssd_tier.stages_on_device("device", mx.cpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert not ssd_tier.stages_on_device("auto", mx.gpu)  # Metal

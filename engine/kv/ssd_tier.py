@@ -147,15 +147,32 @@ class _ReclaimAll:
     pass
 
 
+def stages_on_device(setting: str, device: Any) -> bool:
+    """Whether the write-behind gathers blocks on the device before the host reads them.
+    On CUDA a host read of an array moves its buffer to managed memory for good, and the
+    entries persisted as a prompt's prefill ends are views of the row's live cache, which
+    every later decode step reads on the device: host reads of them stalled one-row decode
+    steps of an agent session (20-70 ms, several per turn) where gathering on the device did
+    not (benchmarks/RESULTS.md, "SSD write-behind on CUDA"). On Apple silicon and the CPU
+    backend memory is unified and a host read moves nothing: the arrays are read as they are.
+    `setting`: the hidden setting `ssd_staging` (auto, views or device)."""
+    if setting != "auto":
+        return setting == "device"
+    import mlx.core as mx
+    try:
+        return device == mx.gpu and bool(mx.cuda.is_available())
+    except AttributeError:  # an MLX without its CUDA module
+        return False
+
+
 class SsdTier:
     def __init__(self, *, root: Path, layout: Layout, description: str, block_tokens: int,
                  run_dir: Path, engine_id: str, epoch: int, slots: int, verify: bool,
                  ctx: zmq.Context, endpoint: str, device_staging: bool = False,
                  snap_layout: SnapLayout | None = None) -> None:
         """`device_staging`: blocks are gathered on the device before the host reads them
-        (on CUDA a host read moves an array's buffer to managed memory; staging avoids that,
-        for no measured gain: benchmarks/RESULTS.md, "SSD write-behind on CUDA"); by default
-        the storage thread reads the entries' arrays themselves."""
+        (`stages_on_device`: on CUDA); otherwise the storage thread reads the entries' arrays
+        themselves."""
         self.layout = layout
         self.block_tokens = block_tokens
         self.namespace = namespace_key(description)
@@ -235,12 +252,14 @@ class SsdTier:
 
     def persist_all(self, entries: list[Entry]) -> int:
         """Queue the entries' missing blocks for the storage worker; return how many were
-        queued. The MLX thread runs no kernel for it: it only makes sure the entries' arrays
-        are evaluated (one `async_eval` for all, usually nothing left to do); the storage
-        thread reads each block's span of them as host memory (unified memory: no copy) and
-        copies it into its shared-memory slot, so decoding never waits for a copy. Gathering
-        the blocks on the device instead (`device_staging`) costs the MLX thread kernels for
-        every finished request, and on the CPU backend their copies too
+        queued. With unified memory (Apple silicon, the CPU backend) the MLX thread runs no
+        kernel for it: it only makes sure the entries' arrays are evaluated (one
+        `async_eval` for all, usually nothing left to do); the storage thread reads each
+        block's span of them as host memory (no copy) and copies it into its shared-memory
+        slot, so decoding never waits for a copy. On CUDA (`device_staging`) the MLX thread
+        first gathers the blocks into one array on the device, which the storage thread
+        reads, so that no host read touches a live cache (`stages_on_device`); there the
+        gather costs kernels for every call, and on the CPU backend it would cost copies too
         (`benchmarks/ssd_persist.py`; figures: benchmarks/HISTORY.md sections 16 and 18).
         While the disk refuses writes, nothing is queued but one probe block per backoff."""
         import mlx.core as mx
@@ -674,7 +693,8 @@ def open_ssd_tier(launch: EngineLaunch, model: Any, ctx: zmq.Context, endpoint: 
                        engine_id=launch.engine_id, epoch=launch.epoch,
                        slots=launch.settings.kv_slots, verify=launch.settings.ssd_cache_verify,
                        ctx=ctx, endpoint=endpoint,
-                       device_staging=launch.tuning.ssd_staging == "device",
+                       device_staging=stages_on_device(launch.tuning.ssd_staging,
+                                                       mx.default_device()),
                        snap_layout=snaps)
     except OSError as e:
         log.error("no SSD tier: cannot create shared memory: %s", e)
