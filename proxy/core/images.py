@@ -7,7 +7,11 @@ MAX_IMAGE_PIXELS decoded (read from the header before anything is decompressed, 
 file that claims a huge size, a decompression bomb, is refused unread), formats in FORMATS;
 bad base64 and undecodable or truncated files are 400s too. http(s) URLs are refused unless
 `--allow-image-urls`; then they are fetched with a timeout and the same byte limit. Decoding
-runs on a worker thread, never on the event loop."""
+runs on a worker thread, never on the event loop.
+
+Chat clients send a conversation's every image again with every turn: an image whose encoded
+bytes were decoded recently is taken from `DecodedImages` (keyed by a hash of what the request
+carried: the base64 text, or a fetched file's bytes), not decoded again."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import asyncio
 import base64
 import binascii
 import io
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from mlxd.protocol.messages import ImageInput, image_key
@@ -25,6 +31,50 @@ MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGE_PIXELS = 4096 * 4096
 FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
 FETCH_TIMEOUT_S = 10.0
+DECODED_KEEP_BYTES = 96 << 20  # pixels of recently decoded images kept (a dozen screenshots)
+
+
+class DecodedImages:
+    """Recently decoded images by the hash of their encoded form, least recently used out
+    first, at most `max_bytes` of pixels. Only images that decoded are kept: a refused one is
+    refused again, by `decode`. Shared by the proxy's decoding threads."""
+
+    def __init__(self, max_bytes: int = DECODED_KEEP_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self._kept: OrderedDict[bytes, ImageInput] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(encoded: bytes | str) -> bytes:
+        import blake3
+        return blake3.blake3(encoded.encode("ascii") if isinstance(encoded, str)
+                             else encoded).digest()
+
+    def get(self, key: bytes) -> ImageInput | None:
+        with self._lock:
+            image = self._kept.get(key)
+            if image is not None:
+                self._kept.move_to_end(key)
+                self.hits += 1
+            return image
+
+    def put(self, key: bytes, image: ImageInput) -> None:
+        size = len(image.pixels)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._kept:
+                return
+            self._kept[key] = image
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, old = self._kept.popitem(last=False)
+                self.nbytes -= len(old.pixels)
+
+
+DECODED = DecodedImages()
 
 
 @dataclass(frozen=True)
@@ -79,9 +129,19 @@ async def decode_images(refs: list[ImageRef], allow_urls: bool) -> list[ImageInp
             for raw, ref in zip(raws, refs, strict=True)]
 
 
-def _decode_ref(ref: ImageRef, raw: bytes | None) -> ImageInput:
-    """On a worker thread: base64 (unless fetched), then the image."""
-    return decode(_base64(ref) if raw is None else raw, ref.where)
+def _decode_ref(ref: ImageRef, raw: bytes | None,
+                memo: DecodedImages | None = None) -> ImageInput:
+    """On a worker thread: base64 (unless fetched), then the image; an image decoded
+    recently from the same text or bytes is taken as it was."""
+    memo = DECODED if memo is None else memo
+    if raw is None and len(ref.data) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
+        raise _too_large(ref.where)  # before hashing a text this long
+    key = memo.key(ref.data if raw is None else raw)
+    if (image := memo.get(key)) is not None:
+        return image
+    image = decode(_base64(ref) if raw is None else raw, ref.where)
+    memo.put(key, image)
+    return image
 
 
 def _base64(ref: ImageRef) -> bytes:
