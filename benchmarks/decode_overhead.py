@@ -142,7 +142,7 @@ def run_runner(model: Any, tokens: list[int], steps: int, spec: bool) -> list[fl
 def child(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from mlx_lm import load
-    model, _tok = load(args.model_dir)
+    model = load(args.model_dir)[0]
     mx.eval(model.parameters())
     vocab = model.args.vocab_size
     tokens = prompt(args.context, vocab)
@@ -200,8 +200,8 @@ def main() -> None:
     ref = got.get("generate_step")
     rows = []
     print(f"\ncontext {args.context}, {args.steps} steps, medians of {args.reps}:")
-    for c, v in got.items():
-        ratio = ([r / m for r, m in zip(ref, v)] if ref else [])  # paired per repetition
+    for c, v in got.items():  # ratios paired per repetition
+        ratio = ([r / m for r, m in zip(ref, v, strict=True)] if ref else [])
         line = (f"{c:14s} {statistics.median(v):7.3f} ms/step ({min(v):.3f}-{max(v):.3f})"
                 + (f"  speed vs generate_step {statistics.median(ratio):.3f} "
                    f"({min(ratio):.3f}-{max(ratio):.3f})" if ratio else ""))
