@@ -290,6 +290,9 @@ class Supervisor:
             return
         child.last_exit = describe_exit(code)
         if self.stopping or child.removed:
+            if code != 0:  # told to stop, it should have exited cleanly: say so
+                log.warning("%s %s exited with %s while stopping", child.role,
+                            child.child_id, child.last_exit)
             child.state = "stopped"
             self._broadcast()
             if child.removed:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -35,5 +37,17 @@ def main() -> int:
     return code
 
 
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: by now the service has stopped its threads,
+    flushed its caches and closed its sockets and shared memory. MLX's static objects torn
+    down at the interpreter's exit raced a thread that had run MLX work (the admission lane
+    that runs a vision tower) and aborted the process ("terminate called without an active
+    exception"), which a Mac reports as a crash of every engine stopped after an image."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

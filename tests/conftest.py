@@ -52,9 +52,11 @@ def start_daemon(model, *extra, isolate=False, **kw) -> Daemon:
 
 
 def stop_and_check(d: Daemon) -> None:
-    """Stop a daemon with SIGTERM: it exits 0 and leaves no process, socket or segment."""
+    """Stop a daemon with SIGTERM: it exits 0, every child of it exited cleanly too, and it
+    leaves no process, socket or segment."""
     try:
         assert d.stop() == 0, d.log()
+        assert "while stopping" not in d.log(), d.log()
         d.assert_clean()
     finally:
         d.cleanup()

@@ -138,3 +138,18 @@ def test_a_burst_is_prepared_side_by_side_and_counted_by_arrival():
 ])
 def test_health_verdict(models, draining, ssd, expected):
     assert verdict(models, draining, ssd) == expected
+
+
+def test_stop_waits_for_the_lane_threads_to_end():
+    """A lane thread that ran MLX work (a vision tower) must not outlive the engine's stop
+    into the interpreter's exit, where its teardown raced MLX's and aborted the process; one
+    still preparing a request is waited for (within the stop's bound)."""
+    rec = Recorder()
+    lanes = AdmissionLanes(rec.prepare, rec.deliver, rec.dropped, small_threads=2)
+    gate = rec.gate("slow")
+    lanes.submit(gen("slow", LARGE_PROMPT_CHARS + 1))
+    assert rec.started["slow"].wait(10)
+    threading.Timer(0.3, gate.set).start()  # the prepare ends while stop() waits
+    lanes.stop()
+    assert len(lanes._running) == 3 and not any(t.is_alive() for t in lanes._running)
+    assert rec.next() == ("delivered", "slow")

@@ -37,6 +37,7 @@ def small_lane_threads(asked: int = 0) -> int:
     to four, one core left to the MLX thread."""
     return asked if asked > 0 else max(1, min(4, (os.cpu_count() or 1) - 1))
 
+STOP_WAIT_S = 5.0  # for the lane threads to end at shutdown (one may be preparing a prompt)
 BATCH_MAX = 64  # small requests a lane thread takes at once, when they are already waiting
 
 
@@ -64,11 +65,14 @@ class AdmissionLanes:
         self._queues: dict[str, queue.Queue[Generate | None]] = {
             "small": queue.Queue(), "large": queue.Queue()}
         self._threads = {"small": small_threads, "large": 1}
+        self._running: list[threading.Thread] = []
         for lane, q in self._queues.items():
             batch = BATCH_MAX if lane == "small" and prepare_many is not None else 1
             for i in range(self._threads[lane]):
-                threading.Thread(target=self._lane, args=(q, batch), daemon=True,
-                                 name=f"engine-admit-{lane}" + (f"-{i}" if i else "")).start()
+                t = threading.Thread(target=self._lane, args=(q, batch), daemon=True,
+                                     name=f"engine-admit-{lane}" + (f"-{i}" if i else ""))
+                t.start()
+                self._running.append(t)
 
     def submit(self, msg: Generate) -> None:
         self._clock.received(msg.request_id)
@@ -95,10 +99,17 @@ class AdmissionLanes:
             return sum(1 for t, large in self._pending.values()
                        if not large and t <= submitted_by)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Tell the lane threads to end and wait for them (at most `timeout` seconds in all).
+        A lane thread that ran MLX work (a vision tower) holds MLX's per-thread stream: left
+        running into the interpreter's exit, its teardown raced MLX's own and aborted the
+        process ("terminate called without an active exception")."""
         for lane, q in self._queues.items():
             for _ in range(self._threads[lane]):
                 q.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._running:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _lane(self, q: queue.Queue[Generate | None], batch: int) -> None:
         while (msg := q.get()) is not None:
