@@ -67,6 +67,13 @@ REASON_CAP = 1000  # characters of a child's failure reason kept and shown
 EXIT_WAIT = 5.0  # seconds to reap a SIGKILLed child before giving up on it
 
 
+def unclean_stop(code: int) -> bool:
+    """Whether a child told to stop ended in a way worth a warning: a crash (a signal, an
+    unexpected code). Not: a clean exit, a model that could not load (reported as it failed),
+    or the SIGKILL the supervisor sends past a child's grace (reported as it is sent)."""
+    return code not in (exit_codes.OK, exit_codes.CONFIG_ERROR, -signal.SIGKILL)
+
+
 class Supervisor:
     def __init__(self, cfg: ServeConfig, console: Console) -> None:
         self.cfg = cfg
@@ -290,7 +297,7 @@ class Supervisor:
             return
         child.last_exit = describe_exit(code)
         if self.stopping or child.removed:
-            if code != 0:  # told to stop, it should have exited cleanly: say so
+            if unclean_stop(code):
                 log.warning("%s %s exited with %s while stopping", child.role,
                             child.child_id, child.last_exit)
             child.state = "stopped"

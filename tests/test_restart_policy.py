@@ -59,3 +59,18 @@ def test_a_model_that_dies_at_every_load_is_parked_after_five():
 def test_progress_does_not_excuse_a_configuration_error():
     p = RestartPolicy()
     assert p.after_exit(exit_codes.CONFIG_ERROR, 0, progressed=True) == ("failed", 0.0)
+
+
+def test_a_child_ending_by_a_crash_while_stopping_is_worth_a_warning():
+    """The supervisor's stop: a crash of a child told to stop is logged (the tests'
+    `stop_and_check` fails on it); a clean exit, a model that could not load and the
+    supervisor's own SIGKILL past a grace are reported elsewhere."""
+    import signal
+
+    from mlxd.daemon.supervisor import unclean_stop
+    from mlxd.protocol import exit_codes
+    assert unclean_stop(-signal.SIGABRT) and unclean_stop(-signal.SIGSEGV)
+    assert unclean_stop(exit_codes.CRASH)
+    assert not unclean_stop(exit_codes.OK)
+    assert not unclean_stop(exit_codes.CONFIG_ERROR)
+    assert not unclean_stop(-signal.SIGKILL)
