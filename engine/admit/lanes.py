@@ -37,6 +37,7 @@ def small_lane_threads(asked: int = 0) -> int:
     to four, one core left to the MLX thread."""
     return asked if asked > 0 else max(1, min(4, (os.cpu_count() or 1) - 1))
 
+
 STOP_WAIT_S = 5.0  # for the lane threads to end at shutdown (one may be preparing a prompt)
 BATCH_MAX = 64  # small requests a lane thread takes at once, when they are already waiting
 
