@@ -40,6 +40,11 @@ from mlxd.engine.speculative.policy import NgramIndex, SpecCounters, SpecPolicy,
 from mlxd.engine.speculative.rewind import Rewind, needs_rewind, speculable
 
 Draw = Callable[[mx.array, int], mx.array]
+# Rows decoding together speculate only up to this many: a verify pass leaves rows that
+# accepted different counts padded, so every later step of the batch attends with an array
+# mask; at 32 rows of ordinary chat one such pass cost the rest of the run 17 % on the CPU
+# (benchmarks/RESULTS.md, "Speculative decoding"), where a few rows gain from drafts.
+ROWS_MAX = 8
 
 
 class NgramDrafter:
@@ -201,12 +206,13 @@ class Speculator:
         return batch
 
     def _rows(self, gen: Any, exclude: Container[int]) -> RunningBatch | None:
-        """Several rows decoding, nothing prefilling, every row one that may speculate, every
-        layer plain KV (whose rows `advance_rows` cuts back each to its own length)."""
+        """Several rows decoding (at most ROWS_MAX), nothing prefilling, every row one that may
+        speculate, every layer plain KV (whose rows `advance_rows` cuts back each to its own
+        length)."""
         if not decoding_only(gen):
             return None
         batch = running_batch(gen)
-        if batch is None or len(batch) < 2 or any(batch.processors):
+        if batch is None or not 2 <= len(batch) <= ROWS_MAX or any(batch.processors):
             return None
         if any(u in exclude for u in batch.uids):
             return None
