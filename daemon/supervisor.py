@@ -68,10 +68,13 @@ EXIT_WAIT = 5.0  # seconds to reap a SIGKILLed child before giving up on it
 
 
 def unclean_stop(code: int) -> bool:
-    """Whether a child told to stop ended in a way worth a warning: a crash (a signal, an
-    unexpected code). Not: a clean exit, a model that could not load (reported as it failed),
-    or the SIGKILL the supervisor sends past a child's grace (reported as it is sent)."""
-    return code not in (exit_codes.OK, exit_codes.CONFIG_ERROR, -signal.SIGKILL)
+    """Whether a child told to stop ended in a way worth a warning: a crash (SIGABRT, SIGSEGV,
+    ... or an unexpected code). Not: a clean exit, a model that could not load (reported as it
+    failed), the stop signals themselves (a SIGTERM or SIGINT to the whole process group can
+    reach a child before its handler is set or after it hands the signal back), or the
+    SIGKILL the supervisor sends past a child's grace (reported as it is sent)."""
+    return code not in (exit_codes.OK, exit_codes.CONFIG_ERROR, -signal.SIGKILL,
+                        -signal.SIGTERM, -signal.SIGINT)
 
 
 class Supervisor:

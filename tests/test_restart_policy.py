@@ -74,3 +74,4 @@ def test_a_child_ending_by_a_crash_while_stopping_is_worth_a_warning():
     assert not unclean_stop(exit_codes.OK)
     assert not unclean_stop(exit_codes.CONFIG_ERROR)
     assert not unclean_stop(-signal.SIGKILL)
+    assert not unclean_stop(-signal.SIGTERM) and not unclean_stop(-signal.SIGINT)
