@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -143,6 +144,7 @@ def main() -> None:
     finally:
         d.stop()
         d.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)  # the random model written there
     wall = time.monotonic() - t0
     lines = [f"model: {model_dir.name}  schemas: {args.schemas}  requests: {len(results)}  "
              f"wall: {wall:.0f} s"]
