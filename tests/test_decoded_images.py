@@ -58,6 +58,10 @@ async def test_a_refused_image_is_refused_every_time(opens):
             await decode_images([ImageRef(bad, "x")], allow_urls=False)
         assert e.value.status == 400 and e.value.code == "invalid_image"
     assert len(opens) == 2 and images.DECODED.nbytes == 0
+    for text in ("iVBORw0K\u00e9" * 100, "\ud800lone surrogate"):  # hashed, then a 400
+        with pytest.raises(APIError) as e:
+            await decode_images([ImageRef(text, "x")], allow_urls=False)
+        assert e.value.status == 400 and e.value.code == "invalid_image"
 
 
 def test_the_pixels_kept_stay_within_their_bound():

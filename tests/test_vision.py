@@ -203,6 +203,7 @@ def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, vlm, tiny_mode
     Image.new("1", (4100, 4100)).save(buf, format="PNG")
     cases = {
         "invalid_image/bad base64": openai_body("not base64 at all!!"),
+        "invalid_image/non-ASCII base64": openai_body("iVBORw0K\u00e9\U0001F600" * 1000),
         "invalid_image/not an image": openai_body(b64(b"GIF89a but then nothing of the sort")),
         "image_too_large/png bomb": openai_body(b64(png_bomb())),
         "image_too_large/oversized": openai_body(b64(buf.getvalue())),

@@ -31,7 +31,7 @@ MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGE_PIXELS = 4096 * 4096
 FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
 FETCH_TIMEOUT_S = 10.0
-DECODED_KEEP_BYTES = 96 << 20  # pixels of recently decoded images kept (a dozen screenshots)
+DECODED_KEEP_BYTES = 32 << 20  # pixels of recently decoded images kept (ten 1280x800 ones)
 
 
 class DecodedImages:
@@ -49,8 +49,10 @@ class DecodedImages:
     @staticmethod
     def key(encoded: bytes | str) -> bytes:
         import blake3
-        return blake3.blake3(encoded.encode("ascii") if isinstance(encoded, str)
-                             else encoded).digest()
+        # any text a client sent hashes (non-ASCII base64 is refused later, by `_base64`,
+        # as a 400)
+        return blake3.blake3(encoded.encode("utf-8", "surrogatepass")
+                             if isinstance(encoded, str) else encoded).digest()
 
     def get(self, key: bytes) -> ImageInput | None:
         with self._lock:
