@@ -1,7 +1,9 @@
 """Decode tokens/s with constrained decoding (a JSON schema through llguidance) against the
-same requests unconstrained, on one `mlxd serve --isolate`, at batch 8 and 32, interleaved
-repetitions. The schema asks for a long array of integers so that both kinds decode the full
-`--max-tokens` (a model's EOS ends either early only by chance).
+same requests unconstrained, on one `mlxd serve --isolate`, at each `--concurrency` (8 and 32
+by default), interleaved repetitions: each constrained round beside a free one, the ratio taken
+per pair. Each schema (`--schemas`) asks for a long array (of integers, or of objects of one
+shape) so that both kinds decode the full `--max-tokens` (a model's EOS ends either early only
+by chance).
 
 `--base-tree DIR` measures a second checkout of this repository in the same run (its `mlxd`
 imported ahead of the installed one), side by side: before vs after a change, e.g.
@@ -39,15 +41,45 @@ SCHEMA = {"type": "object", "required": ["values"], "additionalProperties": Fals
                                               "maximum": 999}}}}
 
 
+def _many(item: dict) -> dict:
+    """A long array of `item` objects: the grammar keeps the row decoding for `--max-tokens`
+    (as the integers do), passing through the object's structure again and again."""
+    return {"type": "object", "required": ["items"], "additionalProperties": False,
+            "properties": {"items": {"type": "array", "minItems": 4096, "items": item}}}
+
+
+def _object(properties: dict) -> dict:
+    return {"type": "object", "required": sorted(properties), "additionalProperties": False,
+            "properties": properties}
+
+
+_WORDS = ["red", "green", "blue", "amber", "violet", "black", "white", "silver", "teal",
+          "coral", "olive", "navy"]
+# The issue's three shapes (each repeated by `_many`), and the long integer array used before.
+SCHEMAS: dict[str, dict] = {
+    "ints": SCHEMA,
+    "flat": _many(_object({"name": {"type": "string", "maxLength": 24},
+                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                           "active": {"type": "boolean"}})),
+    "mixed": _many(_object({"title": {"type": "string", "maxLength": 32},
+                            "count": {"type": "integer"},
+                            "tags": {"type": "array", "maxItems": 4,
+                                     "items": {"type": "string", "maxLength": 12}}})),
+    "enum": _many(_object({f"field_{i}": {"enum": _WORDS[i:] + _WORDS[:i]}
+                           for i in range(6)}
+                          | {"status": {"enum": ["open", "closed", "pending", "merged"]}})),
+}
+
+
 async def round_(base: str, model: str, n: int, max_tokens: int, constrained: bool,
-                 rep: int) -> float:
+                 rep: int, schema: str = "ints") -> float:
     async def one(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
                 "messages": [{"role": "user", "content":  # no cache hit on the other kind's
-                              f"rep {rep} {'json' if constrained else 'free'} list {i}: numbers"}]}
+                              f"rep {rep} {schema} {'json' if constrained else 'free'} list {i}: items"}]}
         if constrained:
             body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "v", "schema": SCHEMA}}
+                                       "json_schema": {"name": "v", "schema": SCHEMAS[schema]}}
         async with session.post(base + "/v1/chat/completions", json=body) as r:
             data = await r.json()
             assert r.status == 200, data
@@ -93,6 +125,7 @@ def start(tree: Path | None, model_dir: str, batch: int, dtype: str, env: dict |
 async def main_async(args: argparse.Namespace) -> dict:
     model_dir = throughput.model_for(args)
     levels = [int(x) for x in args.concurrency.split(",")]
+    schemas = args.schemas.split(",")
     trees: dict[str, Path | None] = {"after": args.tree}
     if args.base_tree is not None:
         trees["before"] = args.base_tree
@@ -107,17 +140,20 @@ async def main_async(args: argparse.Namespace) -> dict:
         for server, base, name, _ in servers.values():
             await server.wait()
             for n in levels:  # warm-up: compile every shape, build llguidance's tokenizer
-                for c in (False, True):
-                    await round_(base, name, n, 16, c, -1)
+                for schema in schemas:
+                    for c in (False, True):
+                        await round_(base, name, n, 16, c, -1, schema)
         for rep in range(args.reps):
             for label, (_, base, name, _) in servers.items():
                 for n in levels:
-                    for c in ((False, True) if rep % 2 == 0 else (True, False)):
-                        tok_s = await round_(base, name, n, args.max_tokens, c, rep)
-                        kind = "json" if c else "free"
-                        results.setdefault(f"{label}/{n}/{kind}", []).append(tok_s)
-                        print(f"rep {rep} {label} batch {n} {kind}: {tok_s:.1f} tok/s",
-                              flush=True)
+                    for schema in schemas:  # a free round beside each constrained one: pairs
+                        for c in ((False, True) if rep % 2 == 0 else (True, False)):
+                            tok_s = await round_(base, name, n, args.max_tokens, c, rep, schema)
+                            kind = "json" if c else "free"
+                            results.setdefault(f"{label}/{key(schema, n)}/{kind}",
+                                               []).append(tok_s)
+                            print(f"rep {rep} {label} {schema} batch {n} {kind}: "
+                                  f"{tok_s:.1f} tok/s", flush=True)
     finally:
         for server, _, _, view in servers.values():
             server.stop()
@@ -126,10 +162,17 @@ async def main_async(args: argparse.Namespace) -> dict:
     return results
 
 
+def key(schema: str, n: int | str) -> str:
+    """Results of the integer array keep their earlier keys ("after/8/json")."""
+    return str(n) if schema == "ints" else f"{schema}/{n}"
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
     import mlx.core as mx
     levels = args.concurrency.split(",")
-    labels = [lb for lb in ("before", "after") if f"{lb}/{levels[0]}/free" in results]
+    schemas = args.schemas.split(",")
+    first = key(schemas[0], levels[0])
+    labels = [lb for lb in ("before", "after") if f"{lb}/{first}/free" in results]
     lines = [f"# Constrained decoding cost: {args.model or args.shape} ({args.model_dtype}), "
              f"{args.max_tokens} tokens per request, {args.reps} interleaved reps", "",
              f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
@@ -138,17 +181,21 @@ def report(results: dict, args: argparse.Namespace) -> str:
              + (f"; before: this tree with {args.before_env}" if args.before_env else "")
              + (f"; after: the tree at {args.tree}" if args.tree else "")
              + ". Tok/s: medians; ratios: median over reps of JSON / free of the same rep.", "",
-             "| batch | " + " | ".join(f"{lb}: free tok/s | {lb}: JSON tok/s | {lb}: ratio"
-                                     for lb in labels) + " |",
-             "|---|" + "---|---|---|" * len(labels)]
-    for n in levels:
-        cells = []
-        for lb in labels:
-            free, con = results[f"{lb}/{n}/free"], results[f"{lb}/{n}/json"]
-            ratio = statistics.median(c / f for c, f in zip(con, free, strict=True))
-            cells.append(f"{statistics.median(free):.1f} | {statistics.median(con):.1f} | "
-                         f"{ratio:.3f}")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+             "| schema | batch | " + " | ".join(
+                 f"{lb}: free tok/s | {lb}: JSON tok/s | {lb}: ratio (range)"
+                 for lb in labels) + " |",
+             "|---|---|" + "---|---|---|" * len(labels)]
+    for schema in schemas:
+        for n in levels:
+            cells = []
+            for lb in labels:
+                free = results[f"{lb}/{key(schema, n)}/free"]
+                con = results[f"{lb}/{key(schema, n)}/json"]
+                ratios = [c / f for c, f in zip(con, free, strict=True)]
+                cells.append(f"{statistics.median(free):.1f} | {statistics.median(con):.1f} | "
+                             f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-"
+                             f"{max(ratios):.3f})")
+            lines.append(f"| {schema} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +326,11 @@ def main() -> None:
     ap.add_argument("--before-env", default=None,
                     help="'KEY=VALUE;...': 'before' is this tree run with these variables "
                     "(e.g. MLXD_GRAMMAR_ORDER=dispatch-first), instead of --base-tree")
+    ap.add_argument("--schemas", default="ints",
+                    help="comma-separated, of " + ", ".join(SCHEMAS) + ": 'flat' (a string, "
+                    "an integer, a boolean), 'mixed' (a string, an integer, an array of "
+                    "strings), 'enum' (seven enum fields), each an object repeated in a long "
+                    "array; 'ints' a long array of integers")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engine", action="store_true",

@@ -426,3 +426,39 @@ def test_a_heavy_optional_key_opened_far_out_still_fits(tokenizers):
     for seed in range(40):
         out, _ = run_on(tc, g, 128, random.Random(seed))
         jsonschema.validate(json.loads(hf.decode(out)), schema)
+
+
+def test_a_schemas_start_is_searched_once_for_a_burst(tokenizers, monkeypatch):
+    """A burst of requests with one schema (an app's response format at 32 streams) searches
+    the document's shortest closing once, not once a request: the search holds the GIL on an
+    admission lane for up to ~0.1 s (a long array's), which made a 32-request constrained
+    burst decode at 0.1x of a free one on this CPU (benchmarks/RESULTS.md, "Constrained
+    decoding vs free"). The guards made from the memo decide as a fresh search does."""
+    from mlxd.engine.grammar import budget
+    from mlxd.engine.grammar.processor import GrammarProcessor
+    _, tc = tokenizers
+    searches: list[int] = []
+    real = budget.closing
+
+    def counted(*args: Any) -> Any:
+        searches.append(1)
+        return real(*args)
+    monkeypatch.setattr(budget, "closing", counted)
+    monkeypatch.setattr(budget, "start_memo", budget.StartMemo())  # other tests' entries
+    schema = random_schema(47)  # an optional heavy key: the widest jump is searched as well
+    g = grammar_of(schema)
+    first = GrammarProcessor(tc, g, max_tokens=128)
+    after_first = len(searches)
+    assert after_first >= 2  # the closing and the widest jump
+    rows = [GrammarProcessor(tc, g, max_tokens=128) for _ in range(31)]
+    assert len(searches) == after_first
+    assert first.budget is not None
+    for p in rows:
+        assert p.shortest == first.shortest
+        assert p.budget is not None and p.budget.calm == first.budget.calm
+    # a resumed row (tokens replayed) starts elsewhere: searched for itself
+    GrammarProcessor(tc, g, replay=first.matcher.compute_ff_tokens()[:1] or [], max_tokens=128)
+    # rows run on to the end of their budget as unmemoized ones do
+    for seed in range(6):
+        out, _ = run_on(tc, g, 128, random.Random(seed))
+        jsonschema.validate(json.loads(tokenizers[0].decode(out)), schema)

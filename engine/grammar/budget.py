@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,36 @@ def closing_vocab(ll_tokenizer: Any, n_vocab: int) -> ClosingVocab:
         return v
 
 
+class StartMemo:
+    """What a guard finds at a document's start depends only on the tokenizer and the grammar:
+    kept for the grammars seen last, so that a burst of requests with one schema (an app's
+    response format, an agent's tool) searches once. The search walks the grammar a byte at a
+    time in Python with the GIL held (up to `_LIMIT_BYTES`: ~0.1 s where no closing is found),
+    on the admission lanes beside the MLX thread."""
+
+    SIZE = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[int, str, str], Any] = OrderedDict()
+
+    def get(self, vocab: ClosingVocab, grammar: str, what: str, compute: Any) -> Any:
+        key = (id(vocab), grammar, what)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = compute()  # outside the lock: two lanes may both compute it once
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.SIZE:
+                self._items.popitem(last=False)
+        return value
+
+
+start_memo = StartMemo()
+
+
 class Decision:
     """One step's word on a row: force one token, or keep the grammar's mask (restricted to
     calm tokens plus `first` when `near`)."""
@@ -149,14 +180,21 @@ class BudgetGuard:
         self._decided: tuple[int, Decision] | None = None
         self.closing_started_at: int | None = None  # where the budget first took a choice
         self._committed = False  # the closing is forced to its end
-        first = self._closing_tokens()
+        if grammar is not None and not history:  # at the start: as every request before
+            first = start_memo.get(vocab, grammar, "closing", self._closing_tokens)
+            first = None if first is None else list(first)
+        else:
+            first = self._closing_tokens()
+        self._start = first  # the closing while nothing is consumed yet
         self.shortest = len(first) if first is not None else None
         # whether the budget can hold the shortest document at all (else the row is cut)
         self.fits = self.shortest is not None and self.shortest <= max_tokens
         self._last = self.shortest or 0
         self._checked_at = 0
-        self.calm = CALM if grammar is None or not self.fits \
-            else max(CALM, self._widest_jump(grammar))
+        self.calm = CALM
+        if grammar is not None and self.fits:
+            self.calm = max(CALM, start_memo.get(vocab, grammar, "widest",
+                                                 lambda: self._widest_jump(grammar)))
 
     def _widest_jump(self, grammar: str) -> int:
         """The shortest document of the schema with everything optional made required: one
@@ -241,6 +279,8 @@ class BudgetGuard:
                 and self.history and self.history[-1] == was[1][0]:
             self._catch_up()
             tokens: list[int] | None = was[1][1:]
+        elif not self.history and self._start is not None:
+            tokens = list(self._start)
         else:
             tokens = self._closing_tokens()
         self._closing = (position, tokens) if tokens else None
