@@ -208,6 +208,30 @@ def test_common_prefix_length():
         assert common_prefix(a, b) == want == common_prefix(b, a)
 
 
+def test_common_prefix_compares_each_token_a_few_times_not_once_per_halving():
+    """A conversation's next turn leaves a long edge near its end: the search must not go
+    back over the equal part at every halving (at 30k tokens that was some 6 ms per call,
+    and a turn's insert makes a dozen calls: benchmarks/RESULTS.md, "Long agent sessions")."""
+    compared = [0]
+
+    class Token:
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def __eq__(self, other: object) -> bool:
+            compared[0] += 1
+            return isinstance(other, Token) and self.v == other.v
+
+        __hash__ = None  # type: ignore[assignment]
+
+    n = 8192
+    for cut in (n - 10, n // 2 + 7, 3):
+        a = tuple(Token(i) for i in range(n))
+        b = tuple(Token(i) for i in range(cut)) + (Token(-1),) * (n - cut)
+        compared[0] = 0
+        assert common_prefix(a, b) == cut
+        assert compared[0] <= 4 * n  # the old search: 110,558 (13.5 n) at the first cut
+
 # ---------------------------------------------------------------- keep policy, by example
 
 def turn(tokens: tuple[int, ...], n: int, start: int) -> tuple[int, ...]:
