@@ -246,11 +246,15 @@ def engine_rounds(args: argparse.Namespace) -> dict:
     config = json.loads((resolve_model_dir(spec, cache) / "config.json").read_text())
     tokenizers = TokenizerCache(tok._tokenizer, int(config.get("vocab_size") or len(tok)),
                                 sorted(tok.eos_token_ids))
-    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+    grammars = {schema: LLMatcher.grammar_from_json_schema(
+        SCHEMAS[schema], defaults={"whitespace_flexible": False})
+        for schema in args.schemas.split(",")}
     makers: dict[str, Any] = {"free": None, "before": SyncGrammarProcessor,
                               "after": GrammarProcessor}
+    if args.no_before:
+        del makers["before"]
 
-    def one(n: int, kind: str, max_tokens: int, rep: int) -> float:
+    def one(n: int, kind: str, max_tokens: int, rep: int, grammar: str) -> float:
         outq: queue.Queue = queue.Queue()
         runner = Runner(model, sorted(tok.eos_token_ids), batch_size=n, prefill_step=512,
                         outbox=outq)
@@ -277,37 +281,46 @@ def engine_rounds(args: argparse.Namespace) -> dict:
 
     levels = [int(x) for x in args.concurrency.split(",")]
     for n in levels:  # warm-up
-        for kind in makers:
-            one(n, kind, 16, -1)
+        for grammar in grammars.values():
+            for kind in makers:
+                one(n, kind, 16, -1, grammar)
     results: dict = {}
     kinds = list(makers)
     for rep in range(args.reps):
         for n in levels:
-            for kind in kinds[rep % 3:] + kinds[:rep % 3]:
-                tok_s = one(n, kind, args.max_tokens, rep)
-                results.setdefault(f"{n}/{kind}", []).append(tok_s)
-                print(f"rep {rep} engine batch {n} {kind}: {tok_s:.1f} tok/s", flush=True)
+            for schema, grammar in grammars.items():
+                k = rep % len(kinds)
+                for kind in kinds[k:] + kinds[:k]:
+                    tok_s = one(n, kind, args.max_tokens, rep, grammar)
+                    results.setdefault(f"{key(schema, n)}/{kind}", []).append(tok_s)
+                    print(f"rep {rep} engine {schema} batch {n} {kind}: {tok_s:.1f} tok/s",
+                          flush=True)
     return results
 
 
 def engine_report(results: dict, args: argparse.Namespace) -> str:
     import mlx.core as mx
+    labels = [lb for lb in ("before", "after") if not (lb == "before" and args.no_before)]
     lines = [f"# Constrained decoding cost on the MLX thread alone (in-process Runner): "
              f"{args.model or args.shape} ({args.model_dtype}), {args.max_tokens} tokens per "
              f"request, {args.reps} interleaved reps", "",
              f"{time.strftime('%Y-%m-%d')}, {platform.node()}, mlx {version('mlx')}, "
              f"device {mx.default_device()}. Ratios: median over reps of JSON / free of the "
              f"same rep.", "",
-             "| batch | free tok/s | before: JSON tok/s | before: ratio | after: JSON tok/s | "
-             "after: ratio |", "|---|---|---|---|---|---|"]
-    for n in args.concurrency.split(","):
-        free = results[f"{n}/free"]
-        cells = [f"{statistics.median(free):.1f}"]
-        for lb in ("before", "after"):
-            con = results[f"{n}/{lb}"]
-            ratio = statistics.median(c / f for c, f in zip(con, free, strict=True))
-            cells += [f"{statistics.median(con):.1f}", f"{ratio:.3f}"]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+             "| schema | batch | free tok/s | " + " | ".join(
+                 f"{lb}: JSON tok/s | {lb}: ratio (range)" for lb in labels) + " |",
+             "|---|---|---|" + "---|---|" * len(labels)]
+    for schema in args.schemas.split(","):
+        for n in args.concurrency.split(","):
+            free = results[f"{key(schema, n)}/free"]
+            cells = [f"{statistics.median(free):.1f}"]
+            for lb in labels:
+                con = results[f"{key(schema, n)}/{lb}"]
+                ratios = [c / f for c, f in zip(con, free, strict=True)]
+                cells += [f"{statistics.median(con):.1f}",
+                          f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-"
+                          f"{max(ratios):.3f})"]
+            lines.append(f"| {schema} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -336,6 +349,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true",
                     help="measure one in-process Runner instead of a server, the per-row "
                          "processor used before the overlap ('before') against the current")
+    ap.add_argument("--no-before", action="store_true",
+                    help="--engine: leave out the per-row processor used before the overlap")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.engine:

@@ -117,7 +117,7 @@ def test_prompts_over_a_long_context_prefill_one_at_a_time_with_prefill_alone_fr
         tmp_path, monkeypatch):
     """The hidden setting `prefill_alone_from`: two prompts admitted together, each over a
     context of at least that many tokens, prefill one after the other (single-row passes),
-    not in one padded batch; off (the default), mlx-lm batches them."""
+    not in one padded batch (the default from 8,192 tokens); off (0), mlx-lm batches them."""
     from mlxd.engine.batch.messages import AddRequest, StepTokens
     from mlxd.engine.batch.runner import Runner
     from mlxd.engine.load.loader import load_model

@@ -552,9 +552,10 @@ class Runner:
         """The hidden setting `prefill_alone_from`: while a prompt over a long context is
         being prefilled or waits, prompts prefill one at a time. Two prompts prefilled
         together are padded to the longer context and attend with an array mask (on CUDA the
-        unfused fallback, over the longer context for both: two agent sessions' turns,
-        benchmarks/RESULTS.md, "One session on the H200"); alone, each is a single sequence
-        with a causal mask."""
+        unfused fallback, over the longer context for both); alone, each is a single sequence
+        with a causal mask, prefilled beside the other rows' decoding in chunks (two agent
+        sessions' turns: benchmarks/RESULTS.md, "Two sessions: a long prompt prefills
+        alone")."""
         gen = self._gen
         alone = any(n >= self._prefill_alone_from for n in prompt_contexts(gen))
         gen.prefill_batch_size = 1 if alone else self._batch_size
