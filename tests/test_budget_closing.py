@@ -433,8 +433,9 @@ def test_a_schemas_start_is_searched_once_for_a_burst(tokenizers, monkeypatch):
     the document's shortest closing once, not once a request: the search holds the GIL on an
     admission lane for up to ~0.1 s (a long array's), which made a 32-request constrained
     burst decode at 0.1x of a free one on this CPU (benchmarks/RESULTS.md, "Constrained
-    decoding vs free"). The guards made from the memo decide as a fresh search does."""
-    from mlxd.engine.grammar import budget
+    decoding vs free"); and builds the grammar's matcher once (~1 ms), each row taking a copy.
+    The guards made from the memo decide as a fresh search does."""
+    from mlxd.engine.grammar import budget, processor
     from mlxd.engine.grammar.processor import GrammarProcessor
     _, tc = tokenizers
     searches: list[int] = []
@@ -444,14 +445,35 @@ def test_a_schemas_start_is_searched_once_for_a_burst(tokenizers, monkeypatch):
         searches.append(1)
         return real(*args)
     monkeypatch.setattr(budget, "closing", counted)
-    monkeypatch.setattr(budget, "start_memo", budget.StartMemo())  # other tests' entries
+    memo = budget.StartMemo()  # not other tests' entries
+    monkeypatch.setattr(budget, "start_memo", memo)
+    monkeypatch.setattr(processor, "start_memo", memo)
+    import llguidance
+    built: list[int] = []
+    real_matcher = llguidance.LLMatcher
+
+    class CountedMatcher:  # llguidance.LLMatcher, its constructions counted
+        def __call__(self, *args: Any) -> Any:
+            built.append(1)
+            return real_matcher(*args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_matcher, name)
+    monkeypatch.setattr(llguidance, "LLMatcher", CountedMatcher())
     schema = random_schema(47)  # an optional heavy key: the widest jump is searched as well
     g = grammar_of(schema)
     first = GrammarProcessor(tc, g, max_tokens=128)
-    after_first = len(searches)
+    after_first, matchers = len(searches), len(built)
     assert after_first >= 2  # the closing and the widest jump
     rows = [GrammarProcessor(tc, g, max_tokens=128) for _ in range(31)]
     assert len(searches) == after_first
+    assert len(built) == matchers  # each row's matcher is a copy of the grammar's start
+    # the copies are the rows' own: one row's tokens do not move another's matcher
+    ff = rows[0].matcher.compute_ff_tokens()
+    forced = ff[0] if ff else int(allowed(rows[0].row_bits(tc.n_vocab), tc.n_vocab)[0])
+    rows[0].matcher.consume_token(forced)
+    assert rows[1].matcher.compute_ff_tokens() == first.matcher.compute_ff_tokens() == ff
+    assert np.array_equal(rows[1].row_bits(tc.n_vocab), first.row_bits(tc.n_vocab))
     assert first.budget is not None
     for p in rows:
         assert p.shortest == first.shortest

@@ -123,27 +123,32 @@ def closing_vocab(ll_tokenizer: Any, n_vocab: int) -> ClosingVocab:
 
 
 class StartMemo:
-    """What a guard finds at a document's start depends only on the tokenizer and the grammar:
-    kept for the grammars seen last, so that a burst of requests with one schema (an app's
-    response format, an agent's tool) searches once. The search walks the grammar a byte at a
-    time in Python with the GIL held (up to `_LIMIT_BYTES`: ~0.1 s where no closing is found),
-    on the admission lanes beside the MLX thread."""
+    """What a constrained row starts from depends only on the tokenizer and the grammar: kept
+    for the grammars seen last, so that a burst of requests with one schema (an app's response
+    format, an agent's tool) computes it once. A guard's closing search walks the grammar a
+    byte at a time in Python with the GIL held (up to `_LIMIT_BYTES`: ~0.1 s where no closing
+    is found), and a grammar's matcher takes ~1 ms to build (a copy of one: µs), both on the
+    admission lanes beside the MLX thread. `owner` (the tokenizer, or its closing vocabulary)
+    is held with each value, so a new object at a freed one's address never takes its
+    values."""
 
     SIZE = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: OrderedDict[tuple[int, str, str], Any] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str, str], tuple[object, Any]] = OrderedDict()
 
-    def get(self, vocab: ClosingVocab, grammar: str, what: str, compute: Any) -> Any:
-        key = (id(vocab), grammar, what)
+    def get(self, owner: object, grammar: str, what: str, compute: Any) -> Any:
+        key = (id(owner), grammar, what)
         with self._lock:
-            if key in self._items:
+            held = self._items.get(key)
+            if held is not None and held[0] is owner:
                 self._items.move_to_end(key)
-                return self._items[key]
+                return held[1]
         value = compute()  # outside the lock: two lanes may both compute it once
         with self._lock:
-            self._items[key] = value
+            self._items[key] = (owner, value)
+            self._items.move_to_end(key)
             while len(self._items) > self.SIZE:
                 self._items.popitem(last=False)
         return value

@@ -20,7 +20,14 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from mlxd.engine.grammar.budget import BudgetGuard, Decision, apply, closing_vocab, is_json_schema
+from mlxd.engine.grammar.budget import (
+    BudgetGuard,
+    Decision,
+    apply,
+    closing_vocab,
+    is_json_schema,
+    start_memo,
+)
 
 _NEG_INF = float("-inf")
 log = logging.getLogger("mlxd.engine")
@@ -125,7 +132,12 @@ class GrammarProcessor:
         import llguidance
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         self._allocate, self._fill = allocate_token_bitmask, fill_next_token_bitmask
-        self.matcher = llguidance.LLMatcher(tokenizers.get(), grammar)
+        ll = tokenizers.get()
+        if replay:
+            self.matcher = llguidance.LLMatcher(ll, grammar)
+        else:  # a copy of the grammar's start, built once for a burst (`StartMemo`)
+            self.matcher = start_memo.get(ll, grammar, "matcher",
+                                          lambda: llguidance.LLMatcher(ll, grammar)).deep_copy()
         if self.matcher.is_error():
             raise ConstraintError(self.matcher.get_error())
         for t in replay or []:  # a resumed request: what was delivered before the crash
