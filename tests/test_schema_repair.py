@@ -84,3 +84,36 @@ TOOLS = [Tool("get_weather", "", {"type": "object"}), Tool("get_time", "", {"typ
 ])
 def test_forced_call_reads_what_was_written(text, call):
     assert forced_call(text, TOOLS) == call
+
+
+def test_a_schema_sent_again_is_compiled_once_and_its_key_order_kept(monkeypatch):
+    """The proxy compiles and validates a schema's grammar once for the requests that send it
+    again (an app's response format with every request: ~0.5-1 ms each of the proxy's event
+    loop, a burst's requests one after the other); a schema with its keys in another order is
+    another grammar (the order is the document's), and a bad schema is a 400 every time."""
+    import llguidance
+
+    from mlxd.proxy.core import constraints
+    from mlxd.proxy.errors import APIError
+    monkeypatch.setattr(constraints, "_grammars", type(constraints._grammars)())
+    compiled: list[int] = []
+    real = llguidance.LLMatcher
+
+    class Counted:  # llguidance.LLMatcher, its grammar compilations counted
+        def __getattr__(self, name: str) -> object:
+            if name == "grammar_from_json_schema":
+                compiled.append(1)
+            return getattr(real, name)
+    monkeypatch.setattr(llguidance, "LLMatcher", Counted())
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    ba = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+    first = constraints.schema_grammar(copy.deepcopy(ab), "response_format")
+    assert [constraints.schema_grammar(copy.deepcopy(ab), "x") for _ in range(5)] == [first] * 5
+    assert len(compiled) == 1
+    other = constraints.schema_grammar(ba, "response_format")
+    assert len(compiled) == 2 and other != first
+    for _ in range(2):
+        with pytest.raises(APIError):
+            constraints.schema_grammar({"type": "object", "properties": {"a": {"type": 7}}},
+                                       "response_format")
+    assert len(compiled) == 4

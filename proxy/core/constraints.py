@@ -5,7 +5,10 @@ an engine; the engine only compiles and applies them."""
 
 from __future__ import annotations
 
+import json
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +53,42 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
                 "dependentSchemas")
 
 
+# Grammars of the schemas seen last, by the schema's JSON text (its key order kept: it orders
+# the document's keys): an app's response format or an agent's tools come with every request,
+# and compiling and validating one takes ~0.5-1 ms of the proxy's event loop, a burst's
+# requests one after the other.
+GRAMMARS_KEPT = 128
+GRAMMAR_KEY_CHARS = 64 << 10  # a larger schema is compiled each time (the memo stays small)
+_grammars: OrderedDict[str, str] = OrderedDict()
+_grammars_lock = threading.Lock()
+
+
 def schema_grammar(schema: Any, param: str) -> str:
-    from llguidance import LLMatcher
     if not isinstance(schema, dict):
         raise bad_request(f"`{param}` must be a JSON schema object", param=param)
+    try:
+        key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON text (it came as JSON: should not happen)
+        key = None
+    if key is not None and len(key) > GRAMMAR_KEY_CHARS:
+        key = None
+    if key is not None:
+        with _grammars_lock:
+            grammar = _grammars.get(key)
+            if grammar is not None:
+                _grammars.move_to_end(key)
+                return grammar
+    grammar = _compile(schema, param)  # a 400 is not kept: raised again for the next one
+    if key is not None:
+        with _grammars_lock:
+            _grammars[key] = grammar
+            while len(_grammars) > GRAMMARS_KEPT:
+                _grammars.popitem(last=False)
+    return grammar
+
+
+def _compile(schema: dict, param: str) -> str:
+    from llguidance import LLMatcher
     try:
         # Compact JSON: free whitespace lets a weak model pad forever instead of answering.
         grammar = LLMatcher.grammar_from_json_schema(closed(schema), defaults={
