@@ -74,9 +74,10 @@ SCHEMAS: dict[str, dict] = {
 async def round_(base: str, model: str, n: int, max_tokens: int, constrained: bool,
                  rep: int, schema: str = "ints") -> float:
     async def one(session: aiohttp.ClientSession, i: int) -> int:
+        kind = "json" if constrained else "free"  # in the prompt: no hit on the other kind's
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content":  # no cache hit on the other kind's
-                              f"rep {rep} {schema} {'json' if constrained else 'free'} list {i}: items"}]}
+                "messages": [{"role": "user",
+                              "content": f"rep {rep} {schema} {kind} list {i}: items"}]}
         if constrained:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "v", "schema": SCHEMAS[schema]}}
