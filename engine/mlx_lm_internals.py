@@ -316,14 +316,24 @@ def restore_states(cache: list[Any], saved: list[Any]) -> None:
             c.cache, c.left_padding, c.lengths = list(s[0]), s[1], s[2]
 
 
-def prompt_contexts(gen: Any) -> list[int]:
-    """The context (cached and prompt tokens) of each prompt being prefilled or waiting to be."""
+def prompt_contexts(gen: Any) -> tuple[list[int], list[int]]:
+    """The context (cached and prompt tokens) of each prompt being prefilled, and of each one
+    waiting to be, in the order the generator would take them."""
     batch = gen._prompt_batch
-    out = [len(t) + sum(len(s) for s in seq[0])
-           for t, seq in zip(batch.tokens, gen._currently_processing, strict=False)]
+    prefilling = [len(t) + sum(len(s) for s in seq[0])
+                  for t, seq in zip(batch.tokens, gen._currently_processing, strict=False)]
     # a waiting sequence: (uid, segments, max_tokens, cache, all_tokens, ...)
-    out += [len(seq[4] or ()) + sum(len(s) for s in seq[1]) for seq in gen._unprocessed_sequences]
-    return out
+    waiting = [len(seq[4] or ()) + sum(len(s) for s in seq[1])
+               for seq in gen._unprocessed_sequences]
+    return prefilling, waiting
+
+
+def reorder_waiting(gen: Any, order: list[int]) -> None:
+    """The waiting prompts taken in `order` (indices into their present order) from now on."""
+    if order != sorted(order):
+        waiting = list(gen._unprocessed_sequences)
+        gen._unprocessed_sequences.clear()
+        gen._unprocessed_sequences.extend(waiting[i] for i in order)
 
 
 def set_prefill_step(gen: Any, tokens: int) -> None:

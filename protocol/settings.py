@@ -248,9 +248,9 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
     prompt_batch: Annotated[bool, Meta(description=(
         "an admission lane tokenizes the chat prompts of a burst in one call"))] = True
     prefill_alone_from: Annotated[int, Meta(ge=0, description=(
-        "a prompt over a context of this many tokens or more (cached and new) prefills "
-        "alone: other prompts wait for its prefill instead of joining its padded batch "
-        "(0: mlx-lm's batching, prompts prefilled together)"))] = 8192
+        "prompts over a context of this many tokens or more (cached and new) prefill apart "
+        "from each other, not in one padded batch; shorter prompts join at once (0: "
+        "mlx-lm's batching, prompts prefilled together)"))] = 8192
     admit_threads: Annotated[int, Meta(ge=0, description=(
         "threads of an engine's small admission lane (0: up to four, a core left to the MLX "
         "thread)"))] = 0

@@ -155,6 +155,48 @@ def test_prompts_over_a_long_context_prefill_one_at_a_time_with_prefill_alone_fr
     assert alone and max(alone) == 1, alone
 
 
+def test_long_prompts_prefill_apart_and_short_ones_join_at_once():
+    """`prefill_apart.plan`: no long context, mlx-lm's batching; at most one long prompt in the
+    prompt batch; short waiting prompts go ahead and join whatever is being prefilled."""
+    from mlxd.engine.batch.prefill_apart import plan
+    assert plan([100], [200, 50], 8192, 16) == ([0, 1], 16)  # nothing long
+    assert plan([], [9000, 9500], 8192, 16) == ([0, 1], 1)  # the first long one starts alone
+    assert plan([9000], [9500, 300, 40], 8192, 16) == ([1, 2, 0], 3)  # shorts join, long waits
+    assert plan([300], [9500, 9000, 40], 8192, 16) == ([2, 0, 1], 3)  # one long may join shorts
+    assert plan([9000], [9500], 8192, 16) == ([0], 1)
+    assert plan([9000], [100] * 40, 8192, 16) == (list(range(40)), 16)  # the batch's own bound
+    assert plan([9000], [9500, 40], 0, 16) == ([0, 1], 16)  # off: mlx-lm's order and batching
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_prefill(tmp_path):
+    """A short request that arrives while a prompt over a long context prefills in chunks
+    gets its first token before that prefill ends (it joins the prompt batch), where holding
+    every prompt behind the long one would keep a chat waiting for a whole agent prefill."""
+    from mlxd.engine.batch.messages import AddRequest, StepTokens
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from mlxd.protocol.settings import TuningSettings
+    model = write_random_model(tmp_path / "m", context=8192)
+    m, _, _ = load_model(str(model), tmp_path / "c")
+    outq: queue.Queue = queue.Queue()
+    runner = Runner(m, [], batch_size=4, prefill_step=128, outbox=outq, cache_bytes=0,
+                    step_target_s=600.0, tuning=TuningSettings(prefill_alone_from=512))
+    runner.inbox.put(AddRequest("long", [5 + (i * 7) % 400 for i in range(1500)], 2,
+                                greedy_sampler, []))
+    runner.take_commands()
+    runner.step()  # the long prompt's first chunk
+    runner.inbox.put(AddRequest("short", [9 + (i * 3) % 300 for i in range(40)], 2,
+                                greedy_sampler, []))
+    runner.take_commands()
+    first: list[str] = []
+    while len(first) < 2:
+        runner.step()
+        for x in iter_queue(outq):
+            if isinstance(x, StepTokens):
+                first += [rid for rid, _, _ in x.rows if rid not in first]
+    assert first == ["short", "long"]
+
+
 def iter_queue(q: queue.Queue) -> list:
     out = []
     while not q.empty():

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from mlxd.engine.batch import prefill_apart
 from mlxd.engine.batch.budget import Budget
 from mlxd.engine.batch.burst import MIN_SHARED_PREFIX, BurstWindow, lend_floor
 from mlxd.engine.batch.chunking import PrefillChunks
@@ -55,6 +56,7 @@ from mlxd.engine.mlx_lm_internals import (
     prefilled_tokens,
     prompt_contexts,
     prompts_waiting,
+    reorder_waiting,
     set_prefill_step,
     unpadded_batch_masks,
 )
@@ -549,16 +551,14 @@ class Runner:
                     self._chunks.observe(prefilled, dt)
 
     def _prefill_alone(self) -> None:
-        """The hidden setting `prefill_alone_from`: while a prompt over a long context is
-        being prefilled or waits, prompts prefill one at a time. Two prompts prefilled
-        together are padded to the longer context and attend with an array mask (on CUDA the
-        unfused fallback, over the longer context for both); alone, each is a single sequence
-        with a causal mask, prefilled beside the other rows' decoding in chunks (two agent
-        sessions' turns: benchmarks/RESULTS.md, "Two sessions: a long prompt prefills
-        alone")."""
+        """The setting `prefill_alone_from`: prompts over a long context are prefilled apart
+        from each other, short ones join the batch at once (`prefill_apart.py`)."""
         gen = self._gen
-        alone = any(n >= self._prefill_alone_from for n in prompt_contexts(gen))
-        gen.prefill_batch_size = 1 if alone else self._batch_size
+        prefilling, waiting = prompt_contexts(gen)
+        order, size = prefill_apart.plan(prefilling, waiting, self._prefill_alone_from,
+                                         self._batch_size)
+        reorder_waiting(gen, order)
+        gen.prefill_batch_size = size
 
     def _trace_step(self, t0: float) -> None:
         """`step` under the stage clock: the same, and its record in the step log."""
