@@ -68,7 +68,7 @@ def schema_grammar(schema: Any, param: str) -> str:
         raise bad_request(f"`{param}` must be a JSON schema object", param=param)
     try:
         key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError):  # not JSON text (it came as JSON: should not happen)
+    except (TypeError, ValueError, RecursionError):  # not JSON text: compiled, not kept
         key = None
     if key is not None and len(key) > GRAMMAR_KEY_CHARS:
         key = None
