@@ -526,7 +526,8 @@ def hook_forward_passes(rows_of: Callable[[Any], ForwardRows | None]) -> None:
 def hook_row_tokens(row_tokens_of: Callable[[Any], ForwardRowTokens | None]) -> None:
     """Before every forward pass of a batch, tell `row_tokens_of(model)`, where it returns
     one, each row's token list and where its fed tokens start (a vision model whose positions
-    follow its images: Qwen2.5-VL). Passes made outside the generator are not hooked."""
+    follow its images: Qwen2-VL, Qwen2.5-VL). Passes made outside the generator are not
+    hooked."""
     global _row_tokens_of
     _row_tokens_of = row_tokens_of
     _install_step_wrap()

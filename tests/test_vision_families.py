@@ -8,7 +8,8 @@ directory the test writes:
   on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after;
 - SmolVLM (Idefics3's scheme): an image resized and cut into tiles plus a global view, each
   tile's positions after `<fake_token_around_image><row_R_col_C>`; a request's tiles bounded;
-- Qwen2.5-VL: an image's positions follow its grid of merged patches in three rotary
+- Qwen2-VL and Qwen2.5-VL (the same language model and processor rule; Qwen2.5-VL's tower
+  windowed): an image's positions follow its grid of merged patches in three rotary
   dimensions, and the text after it resumes past the grid: every row's positions come from
   its tokens, so a row restored from a cached prefix through an image, or resumed after a
   kill, continues where mlx-vlm's own generation does.
@@ -44,6 +45,7 @@ from support.random_vlm import (
     write_random_gemma3,
     write_random_mistral3,
     write_random_qwen2_5_vl,
+    write_random_qwen2_vl,
     write_random_smolvlm,
 )
 from support.vision_dialects import other_dialect_answers
@@ -90,7 +92,10 @@ FAMILIES = {
                       SMOL_IMAGE, SMOL_EOS, smolvlm_positions, (100, 30)),
     "qwen2_5_vl": Family(write_random_qwen2_5_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
                          qwen_positions, (100, 30)),
+    "qwen2_vl": Family(write_random_qwen2_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
+                       qwen_positions, (100, 30)),
 }
+QWEN = ("qwen2_vl", "qwen2_5_vl")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -263,8 +268,8 @@ def test_the_same_image_with_another_question_reuses_the_image(daemon, reference
     was taken, the first request left one at the end of its image. (Run for the families with
     a snapshot to take or a layout of their own to restore through, Gemma 3 and Mistral 3:
     for the others, whose layers are all plain KV, the next-turn test shows the same hit, and
-    Qwen2.5-VL's positions after a restored image are checked at the logits below.)"""
-    if family in ("smolvlm", "qwen2_5_vl"):
+    the Qwen families' positions after a restored image are checked at the logits below.)"""
+    if family in ("smolvlm", *QWEN):
         pytest.skip("the next-turn cache hit covers a plain-KV family (suite time)")
     pixels = picture(5)
     code, first = chat(daemon, openai_body(model_name, b64(png(pixels))))
@@ -353,7 +358,7 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
         assert parts.tiles is not None and parts.tiles(64, 48) == 10
         assert parts.layout(100, 30)[1] == 4 * TILE_TOKENS  # 1 x 3 tiles and the global view
         assert [type(c) for c in caches] == [KVCache, KVCache]
-    elif family == "qwen2_5_vl":  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels)
+    elif family in QWEN:  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels)
         assert parts.layout(64, 48) == (QWEN_IMAGE * 20, 20)
         assert parts.grid is not None and parts.grid(64, 48) == (1, 4, 5)
         assert [type(c) for c in caches] == [KVCache, KVCache]
@@ -427,20 +432,22 @@ def test_idefics3_answers_as_mlx_vlm_through_the_vision_model(tmp_path):
         [t for t in ids if t < (1 << 30)]
 
 
-def test_qwen2_5_vl_positions_survive_a_cached_prefix(tmp_path):
+@pytest.mark.parametrize("qwen", QWEN)
+def test_qwen_positions_survive_a_cached_prefix(tmp_path, qwen):
     """The logits (not only the greedy tokens, which a tiny random model may not change) of a
-    Qwen2.5-VL row equal mlx-vlm's own forward pass of the whole prompt, however the row's
-    cache was filled: in one pass, restored to the middle of the image and continued, or
-    restored past the image; and a decode step after it (the rope delta). Positions as if the
-    text were 1-D do not: the check sees them."""
+    Qwen2-VL or Qwen2.5-VL row equal mlx-vlm's own forward pass of the whole prompt, however
+    the row's cache was filled: in one pass, restored to the middle of the image and
+    continued, or restored past the image; and a decode step after it (the rope delta).
+    Positions as if the text were 1-D do not: the check sees them."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_vlm.utils import load_model
 
     from mlxd.engine.kinds.vision.model import load_vision
     from mlxd.protocol.messages import ImageInput, image_key
-    d = write_random_qwen2_5_vl(tmp_path / "tiny-qwen2_5_vl")
+    d = FAMILIES[qwen].write(tmp_path / f"tiny-{qwen}")
     model, tok, _, parts = load_vision(d, "float32")
+    assert parts.model_type == qwen
     positions = model.positions
     assert positions is not None and parts.grid is not None and parts.layout is not None
     width, height = 100, 30

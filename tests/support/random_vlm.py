@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 try:
     from support.random_model import CHATML, write_tokenizer
@@ -401,12 +403,12 @@ def write_random_smolvlm(out: Path, *, model_type: str = "smolvlm", longest_edge
     return out
 
 
-# Qwen2.5-VL: a windowed ViT over 14-pixel patches of the image resized to whole 28-pixel
-# units (Qwen's smart resize, between `min_pixels` and `max_pixels`), 2 x 2 patches merged into
-# one position; a Qwen2 language model with 3-D rotary positions (time, row, column: an image's
-# positions follow its grid, the text after it resumes past the grid's largest side). The chat
-# template writes `<|vision_start|><|image_pad|><|vision_end|>` for an image; the processor
-# repeats `<|image_pad|>` once per merged patch.
+# Qwen2-VL and Qwen2.5-VL: a ViT (windowed in 2.5) over 14-pixel patches of the image resized
+# to whole 28-pixel units (Qwen's smart resize, between `min_pixels` and `max_pixels`), 2 x 2
+# patches merged into one position; a Qwen2 language model with 3-D rotary positions (time,
+# row, column: an image's positions follow its grid, the text after it resumes past the grid's
+# largest side). The chat template writes `<|vision_start|><|image_pad|><|vision_end|>` for an
+# image; the processor repeats `<|image_pad|>` once per merged patch.
 QWEN_START, QWEN_IMAGE, QWEN_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 QWEN_SPECIAL = (QWEN_START, QWEN_IMAGE, QWEN_END, "<|video_pad|>", "<|vision_pad|>")
 QWEN_TEMPLATE = (
@@ -421,7 +423,8 @@ QWEN_TEMPLATE = (
 
 def qwen2_5_vl_grid(width: int, height: int, min_pixels: int = 112 * 112,
                     max_pixels: int = 168 * 168) -> tuple[int, int]:
-    """(rows, columns) of merged 28-pixel patches an image of this size takes."""
+    """(rows, columns) of merged 28-pixel patches an image of this size takes (Qwen2-VL's rule
+    too)."""
     import math
     h, w = round(height / 28) * 28, round(width / 28) * 28
     if h * w > max_pixels:
@@ -432,6 +435,76 @@ def qwen2_5_vl_grid(width: int, height: int, min_pixels: int = 112 * 112,
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / 28) * 28, math.ceil(width * beta / 28) * 28
     return h // 28, w // 28
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    """What Qwen2-VL's and Qwen2.5-VL's writers share: the language model's size, the
+    processor's pixel bounds, the seed and dtype."""
+    min_pixels: int = 112 * 112
+    max_pixels: int = 168 * 168
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    vocab: int = 512
+    context: int = 1024
+    seed: int = 0
+    dtype: str = "float32"
+
+
+def _write_random_qwen_vl(out: Path, module: Any, architecture: str, processor: str,
+                          vision: dict, shape: QwenShape) -> Path:
+    """A random-weight Qwen-VL directory of mlx-vlm's `module` (qwen2_vl, qwen2_5_vl), its
+    `vision` config given; the tokenizer, template, language model and processor shared."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = write_tokenizer(out, shape.vocab, QWEN_TEMPLATE, extra_special=QWEN_SPECIAL)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in (*QWEN_SPECIAL, "<|im_end|>")}
+    assert all(i is not None for i in ids.values())
+    eos = ids["<|im_end|>"]
+    assert eos is not None
+    half = shape.hidden // shape.heads // 2  # the rotary frequencies: time, rows, columns
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    config = {"model_type": vision["model_type"], "architectures": [architecture],
+              "hidden_size": shape.hidden, "num_hidden_layers": shape.layers,
+              "intermediate_size": shape.intermediate, "num_attention_heads": shape.heads,
+              "num_key_value_heads": shape.kv_heads, "rms_norm_eps": 1e-6,
+              "vocab_size": real_vocab, "rope_theta": 1_000_000.0,
+              "max_position_embeddings": shape.context, "tie_word_embeddings": False,
+              "rope_scaling": {"type": "mrope", "mrope_section": section},
+              "image_token_id": ids[QWEN_IMAGE], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids[QWEN_START], "vision_end_token_id": ids[QWEN_END],
+              "vision_token_id": ids["<|vision_pad|>"], "eos_token_id": eos,
+              "vision_config": vision}
+    mx.random.seed(shape.seed)
+    cfg = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    cfg.text_config = module.TextConfig.from_dict(cfg.text_config)
+    cfg.vision_config = module.VisionConfig.from_dict(vision)
+    model = module.Model(cfg)
+    weights = dict(tree_flatten(model.parameters()))
+    emb = "language_model.model.embed_tokens.weight"
+    weights[emb] = weights[emb] * EMBED_SCALE
+    key = "language_model.lm_head.weight"
+    head = weights[key]
+    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
+    weights = {k: v.astype(getattr(mx, shape.dtype)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": shape.min_pixels, "max_pixels": shape.max_pixels, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD, "do_convert_rgb": True}, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor},
+                                                          indent=2))
+    return out
 
 
 def write_random_qwen2_5_vl(out: Path, *, min_pixels: int = 112 * 112, max_pixels: int = 168 * 168,
@@ -446,63 +519,37 @@ def write_random_qwen2_5_vl(out: Path, *, min_pixels: int = 112 * 112, max_pixel
     empty window in mlx-vlm 0.7.10 (`get_window_index` pads a full window, and its dedupe of
     `cu_window_seqlens` compares mx.array scalars by identity, so it drops none): harmless on
     the CPU, a SIGFPE on CUDA (attention over zero tokens)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_vlm.models import qwen2_5_vl
-    from tokenizers import Tokenizer
+    vision = {"model_type": "qwen2_5_vl", "depth": vision_layers, "hidden_size": vision_hidden,
+              "intermediate_size": vision_hidden * 2, "out_hidden_size": hidden,
+              "num_heads": vision_heads, "patch_size": 14, "spatial_patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": window_size,
+              "fullatt_block_indexes": [vision_layers - 1], "in_channels": 3}
+    shape = QwenShape(min_pixels, max_pixels, hidden, layers, heads, kv_heads, intermediate,
+                      vocab, context, seed, dtype)
+    return _write_random_qwen_vl(out, qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration",
+                                 "Qwen2_5_VLProcessor", vision, shape)
 
-    out.mkdir(parents=True, exist_ok=True)
-    real_vocab = write_tokenizer(out, vocab, QWEN_TEMPLATE, extra_special=QWEN_SPECIAL)
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in (*QWEN_SPECIAL, "<|im_end|>")}
-    assert all(i is not None for i in ids.values())
-    eos = ids["<|im_end|>"]
-    assert eos is not None
-    head_dim = hidden // heads
-    half = head_dim // 2  # the rotary frequencies split over time, rows, columns
-    section = [half - 2 * (half // 3), half // 3, half // 3]
-    config = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-              "hidden_size": hidden, "num_hidden_layers": layers,
-              "intermediate_size": intermediate, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6, "vocab_size": real_vocab,
-              "rope_theta": 1_000_000.0, "max_position_embeddings": context,
-              "tie_word_embeddings": False,
-              "rope_scaling": {"type": "mrope", "mrope_section": section},
-              "image_token_id": ids[QWEN_IMAGE], "video_token_id": ids["<|video_pad|>"],
-              "vision_start_token_id": ids[QWEN_START], "vision_end_token_id": ids[QWEN_END],
-              "vision_token_id": ids["<|vision_pad|>"], "eos_token_id": eos,
-              "vision_config": {"model_type": "qwen2_5_vl", "depth": vision_layers,
-                                "hidden_size": vision_hidden,
-                                "intermediate_size": vision_hidden * 2,
-                                "out_hidden_size": hidden, "num_heads": vision_heads,
-                                "patch_size": 14, "spatial_patch_size": 14,
-                                "spatial_merge_size": 2, "temporal_patch_size": 2,
-                                "window_size": window_size,
-                                "fullatt_block_indexes": [vision_layers - 1],
-                                "in_channels": 3}}
-    mx.random.seed(seed)
-    cfg = qwen2_5_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    cfg.text_config = qwen2_5_vl.TextConfig.from_dict(cfg.text_config)
-    cfg.vision_config = qwen2_5_vl.VisionConfig.from_dict(config["vision_config"])
-    model = qwen2_5_vl.Model(cfg)
-    weights = dict(tree_flatten(model.parameters()))
-    emb = "language_model.model.embed_tokens.weight"
-    weights[emb] = weights[emb] * EMBED_SCALE
-    key = "language_model.lm_head.weight"
-    head = weights[key]
-    weights[key] = mx.concatenate([head[:eos], head[eos:eos + 1] * 0.01, head[eos + 1:]])
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "min_pixels": min_pixels, "max_pixels": max_pixels, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD, "do_convert_rgb": True}, indent=2))
-    (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
-    return out
+
+def write_random_qwen2_vl(out: Path, *, min_pixels: int = 112 * 112, max_pixels: int = 168 * 168,
+                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                          intermediate: int = 128, vision_hidden: int = 32,
+                          vision_layers: int = 2, vision_heads: int = 2, vocab: int = 512,
+                          context: int = 1024, seed: int = 0, dtype: str = "float32") -> Path:
+    """A random-weight Qwen2-VL directory: Qwen2.5-VL's language model, tokenizer and
+    processor rule, and a tower that attends over the whole image (no windows), of
+    `vision_hidden` (its `embed_dim`; `hidden_size` is the language model's, the merger's
+    output)."""
+    from mlx_vlm.models import qwen2_vl
+    # mlp_ratio an int, as in Qwen's configs: transformers' Qwen2VLVisionConfig refuses a float
+    vision = {"model_type": "qwen2_vl", "depth": vision_layers, "embed_dim": vision_hidden,
+              "hidden_size": hidden, "num_heads": vision_heads, "mlp_ratio": 2,
+              "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "in_channels": 3}
+    shape = QwenShape(min_pixels, max_pixels, hidden, layers, heads, kv_heads, intermediate,
+                      vocab, context, seed, dtype)
+    return _write_random_qwen_vl(out, qwen2_vl, "Qwen2VLForConditionalGeneration",
+                                 "Qwen2VLProcessor", vision, shape)
 
 
 def main() -> None:

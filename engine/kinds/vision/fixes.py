@@ -7,7 +7,8 @@ library's files), each with the version it was found in and what goes wrong with
   MLX scalars by identity, so none is dropped and the attention runs over empty windows: on
   CUDA that crashes the process (SIGFPE in bfloat16, an error in float32; H200), for any image
   whose merged grid has a side divisible by the window (448 x 448 with Qwen's 112-pixel
-  windows). Without empty windows the tower's output is the same.
+  windows). Without empty windows the tower's output is the same. (Qwen2-VL's tower attends
+  over the whole image, without windows: nothing to repair there.)
 """
 
 from __future__ import annotations

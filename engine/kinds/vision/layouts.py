@@ -14,8 +14,8 @@ load error, never a wrong prompt.
   row, then the whole image resized to one tile (the global view) between
   `<fake_token_around_image><global-img>` and `<fake_token_around_image>`; an image that fits
   one tile is the global view alone;
-- qwen2_5_vl: the image token once per merged patch of the image resized by Qwen's rule (its
-  grid also gives the image's 3-D positions: positions.py)."""
+- qwen2_vl, qwen2_5_vl: the image token once per merged patch of the image resized by Qwen's
+  rule (its grid also gives the image's 3-D positions: positions.py)."""
 
 from __future__ import annotations
 

@@ -37,16 +37,16 @@ Families: those whose image features replace the image token's embeddings one fo
   tiles, each after `<fake_token_around_image><row_R_col_C>`, then the whole image as one more
   tile, the global view); the tower runs over an image's tiles at once and each tile's
   features fill its positions in order. A request's tiles are bounded (`prompt.MAX_TILES`).
-- qwen2_5_vl (a windowed ViT, a Qwen2 language model with 3-D rotary positions): the
-  template's `<|image_pad|>` becomes one per merged patch of the image as Qwen's processor
-  resizes it; the language model is given each row's positions (`positions.py`: from the
-  row's tokens and its images' grids, before every forward pass), and the tower the image's
-  grid.
+- qwen2_vl, qwen2_5_vl (a ViT, windowed in Qwen2.5-VL, and a Qwen2 language model with 3-D
+  rotary positions): the template's `<|image_pad|>` becomes one per merged patch of the image
+  as Qwen's processor resizes it (one rule for both); the language model is given each row's
+  positions (`positions.py`: from the row's tokens and its images' grids, before every
+  forward pass), and the tower the image's grid.
 Where the processor rewrites the marker (all but llava), admission does so in the rendered
 text (`layouts.py`) and tokenizes the result, as the processor does, and each image token
-there takes the image's next id. Other families (Qwen2-VL, untested; Qwen3-VL, whose tower
-also adds features inside the language model; llava-next's tiling) are refused at load with a
-message naming the supported families.
+there takes the image's next id. Other families (Qwen3-VL, whose tower also adds features
+inside the language model; llava-next's tiling) are refused at load with a message naming the
+supported families.
 """
 
 from __future__ import annotations
@@ -82,9 +82,11 @@ from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
-SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_5_vl"})
+SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl",
+                       "qwen2_5_vl"})
 TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
-POSITIONAL = frozenset({"qwen2_5_vl"})  # 3-D rotary positions that follow an image's grid
+# 3-D rotary positions that follow an image's grid
+POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl"})
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
@@ -283,7 +285,8 @@ class VisionLM(nn.Module):
         super().__init__()
         self.vlm = vlm
         self.images = images
-        # 3-D rotary positions (Qwen2.5-VL): each row's, from its tokens (positions.py)
+        # 3-D rotary positions (Qwen2-VL, Qwen2.5-VL): each row's, from its tokens
+        # (positions.py)
         self.positions = RowPositions(images.locate) if positional else None
 
     @property
@@ -374,8 +377,8 @@ class VisionParts:
     # Tiling families (idefics3, smolvlm): (width, height) -> the tiles the tower sees for the
     # image (the global view included), which a request's budget (MAX_TILES) bounds.
     tiles: Callable[[int, int], int] | None = None
-    # Positional families (qwen2_5_vl): (width, height) -> the image's merged-patch grid
-    # (frames, rows, columns), which its positions follow (positions.py).
+    # Positional families (qwen2_vl, qwen2_5_vl): (width, height) -> the image's merged-patch
+    # grid (frames, rows, columns), which its positions follow (positions.py).
     grid: Callable[[int, int], tuple[int, int, int]] | None = None
 
 
@@ -407,7 +410,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
     options: dict[str, Any] = {}  # the image processor's options, as the processor sets them
     unit = 0  # mistral3: pixels per merged patch (its image's positions follow from its size)
     per_tile = 0  # idefics3, smolvlm: positions per tile
-    grid: Callable[[int, int], tuple[int, int, int]] | None = None  # qwen2_5_vl
+    grid: Callable[[int, int], tuple[int, int, int]] | None = None  # POSITIONAL
     try:
         vlm = load_model(model_dir)
         fixes.apply(vlm, model_type)
