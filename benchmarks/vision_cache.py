@@ -8,7 +8,7 @@ at once against the same N one after the other (vision rows share the text batch
 vision tower's effect on a running text row: its inter-token gaps while a new image's request
 is admitted.
 
-    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl]
+    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl|qwen2_vl]
         [--rounds 5] [--stall-rounds 1]
         [--concurrency 4] [--out FILE] [--server-log FILE]
         [--hidden 2048 --layers 16 --vision-hidden 1024 --vision-layers 24 --vision-heads 16
@@ -54,6 +54,7 @@ from support.random_vlm import (  # shared with the tests
     write_random_gemma3,
     write_random_mistral3,
     write_random_qwen2_5_vl,
+    write_random_qwen2_vl,
     write_random_smolvlm,
     write_random_vlm,
 )
@@ -184,6 +185,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                         max_pixels=448 * 448, window_size=112, **sizes)
         grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
         positions = grid_rows * grid_cols
+    elif args.family == "qwen2_vl":  # the same resizing; a tower without windows
+        model = write_random_qwen2_vl(work / MODEL_NAME[0], min_pixels=56 * 56,
+                                      max_pixels=448 * 448, **sizes)
+        grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
+        positions = grid_rows * grid_cols
     else:
         model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
         positions = image_tokens(IMAGE_SIZE)
@@ -306,7 +312,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=["llava", "gemma3", "mistral3", "smolvlm",
-                                          "qwen2_5_vl"], default="llava")
+                                          "qwen2_5_vl", "qwen2_vl"], default="llava")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)
