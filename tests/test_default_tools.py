@@ -73,6 +73,35 @@ def test_without_a_system_message_one_is_added_or_the_prompt_folds_into_the_firs
     assert folded[0]["content"].endswith("\n\nWeather?")
 
 
+def test_turns_with_image_parts_join_as_text_does_and_keep_their_images_in_place():
+    """A vision model's turns carry lists of parts: tool results join the user turn and the
+    next question after them as text parts (strict templates alternate turns), the images stay
+    where the client put them, and the folded tool prompt leads the first turn's parts."""
+    image = {"type": "image"}
+    looked = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}],
+               "tool_calls": [{"id": "c1", "type": "function",
+                               "function": {"name": "get_time", "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+              {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image]}]
+    out = default_tools.with_tool_prompt(looked, TOOLS, fold=True)
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+    first = out[0]["content"]
+    assert first[0]["type"] == "text" and first[0]["text"].startswith("# Tools")
+    assert first[0]["text"].endswith("\n\n")
+    assert first[1:] == [image, {"type": "text", "text": "What is this?"}]
+    assert out[1]["content"].startswith("Let me check.\n<tool_call>")
+    assert out[2]["content"] == [
+        {"type": "text", "text": "<tool_response>\nnoon\n</tool_response>\n\n"},
+        {"type": "text", "text": "And this one?"}, image]
+    system = default_tools.with_tool_prompt(
+        [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *looked], TOOLS)
+    assert [m["role"] for m in system] == ["system", "user", "assistant", "user"]
+    assert system[0]["content"][0]["text"] == "Be brief.\n\n"
+    assert system[0]["content"][1]["text"].startswith("# Tools")
+    assert looked[3]["content"][1] is image, "the client's messages are not modified"
+
+
 # ---------------------------------------------------------------- the grammar
 
 @pytest.fixture(scope="module")

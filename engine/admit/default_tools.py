@@ -68,46 +68,70 @@ def tool_prompt(tools: list[dict]) -> str:
 def with_tool_prompt(messages: list[dict], tools: list[dict], fold: bool = False) -> list[dict]:
     """The conversation as a template without tools can render it: the tool prompt at the end of
     the system message (a new one first if there is none; with `fold`, for templates that
-    refuse a system role, at the start of the first user turn), calls and results as text."""
+    refuse a system role, at the start of the first user turn), calls and results as text.
+    A turn's content may be a list of parts (a vision model's images and text): text joins it
+    as a text part, so the images keep their places."""
     out: list[dict] = []
     from_tool = False  # the last message in `out` is (or ends with) tool results
     for m in messages:
         role = m.get("role")
         if role == "tool":
             text = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
-            if out and out[-1].get("role") == "user" and isinstance(out[-1].get("content"), str):
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+            if out and out[-1].get("role") == "user":
+                out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), "\n", text)}
             else:
                 out.append({"role": "user", "content": text})
             from_tool = True
             continue
-        if role == "user" and from_tool and isinstance(m.get("content"), str) \
-                and isinstance(out[-1].get("content"), str):
+        if role == "user" and from_tool and out:
             # templates that insist on alternating turns refuse two user turns in a row
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), "\n\n",
+                                                     m.get("content"))}
             from_tool = False
             continue
         from_tool = False
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(_call_text(c) for c in m["tool_calls"])
-            content = m.get("content")
-            text = f"{content}\n{calls}" if isinstance(content, str) and content else calls
+            content = _text(m.get("content"))
+            text = f"{content}\n{calls}" if content else calls
             out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
             continue
         out.append(dict(m))
     prompt = tool_prompt(tools)
     if fold:
         first_user = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
-        if first_user is not None and isinstance(out[first_user].get("content"), str):
+        if first_user is not None:
             m = out[first_user]
-            out[first_user] = {**m, "content": f"{prompt}\n\n{m['content']}"}
+            out[first_user] = {**m, "content": _joined(prompt, "\n\n", m.get("content"))}
             return out
-    if out and out[0].get("role") in ("system", "developer") \
-            and isinstance(out[0].get("content"), str):
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+    if out and out[0].get("role") in ("system", "developer"):
+        out[0] = {**out[0], "content": _joined(out[0].get("content"), "\n\n", prompt)}
     else:
         out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _joined(first: Any, sep: str, second: Any) -> Any:
+    """Two contents as one: text joined by `sep` where both are text (or empty), else the
+    parts of both in order, `sep` ending the first's last text part (or a part of its own)."""
+    a = "" if first is None else first
+    b = "" if second is None else second
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a}{sep}{b}" if a else b
+    parts, rest = _parts(a), _parts(b)
+    if parts and rest:
+        if parts[-1].get("type") == "text":
+            parts[-1] = {**parts[-1], "text": parts[-1]["text"] + sep}
+        else:
+            parts.append({"type": "text", "text": sep})
+    return parts + rest
+
+
+def _parts(content: Any) -> list[dict]:
+    if isinstance(content, list):
+        return [dict(p) for p in content if isinstance(p, dict)]
+    text = content if isinstance(content, str) else _text(content)
+    return [{"type": "text", "text": text}] if text else []
 
 
 def text_or_call_grammar(tools: list[dict], tok: Any = None) -> str:
