@@ -78,12 +78,13 @@ def test_turns_with_image_parts_join_as_text_does_and_keep_their_images_in_place
     next question after them as text parts (strict templates alternate turns), the images stay
     where the client put them, and the folded tool prompt leads the first turn's parts."""
     image = {"type": "image"}
-    looked = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]},
-              {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}],
-               "tool_calls": [{"id": "c1", "type": "function",
-                               "function": {"name": "get_time", "arguments": "{}"}}]},
-              {"role": "tool", "tool_call_id": "c1", "content": "noon"},
-              {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image]}]
+    looked: list[dict[str, Any]] = [
+        {"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}],
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image]}]
     out = default_tools.with_tool_prompt(looked, TOOLS, fold=True)
     assert [m["role"] for m in out] == ["user", "assistant", "user"]
     first = out[0]["content"]
