@@ -96,6 +96,7 @@ def test_a_schema_sent_again_is_compiled_once_and_its_key_order_kept(monkeypatch
     from mlxd.proxy.core import constraints
     from mlxd.proxy.errors import APIError
     monkeypatch.setattr(constraints, "_grammars", type(constraints._grammars)())
+    monkeypatch.setattr(constraints, "_grammars_chars", [0])
     compiled: list[int] = []
     real = llguidance.LLMatcher
 
@@ -117,3 +118,20 @@ def test_a_schema_sent_again_is_compiled_once_and_its_key_order_kept(monkeypatch
             constraints.schema_grammar({"type": "object", "properties": {"a": {"type": 7}}},
                                        "response_format")
     assert len(compiled) == 4
+
+
+def test_the_kept_grammars_stay_within_their_text_budget(monkeypatch):
+    """However many distinct schemas clients send, the proxy keeps at most GRAMMARS_KEPT of
+    them and GRAMMARS_KEPT_CHARS of text, the least recently used going first."""
+    from mlxd.proxy.core import constraints
+    monkeypatch.setattr(constraints, "_grammars", type(constraints._grammars)())
+    monkeypatch.setattr(constraints, "_grammars_chars", [0])
+    monkeypatch.setattr(constraints, "GRAMMARS_KEPT_CHARS", 20_000)
+    for i in range(60):
+        constraints.schema_grammar({"type": "object", "description": "x" * 2000,
+                                    "properties": {f"k{i}": {"type": "integer"}}}, "x")
+        kept = constraints._grammars
+        assert sum(len(k) + len(g) for k, g in kept.items()) == constraints._grammars_chars[0]
+        assert constraints._grammars_chars[0] <= 20_000 and len(kept) <= constraints.GRAMMARS_KEPT
+    assert 0 < len(constraints._grammars) < 60
+    assert '"k59"' in next(reversed(constraints._grammars))  # the newest stays

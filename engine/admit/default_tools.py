@@ -120,7 +120,7 @@ def _joined(first: Any, sep: str, second: Any) -> Any:
         return f"{a}{sep}{b}" if a else b
     parts, rest = _parts(a), _parts(b)
     if parts and rest:
-        if parts[-1].get("type") == "text":
+        if parts[-1].get("type") == "text" and isinstance(parts[-1].get("text"), str):
             parts[-1] = {**parts[-1], "text": parts[-1]["text"] + sep}
         else:
             parts.append({"type": "text", "text": sep})

@@ -58,8 +58,10 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
 # and compiling and validating one takes ~0.5-1 ms of the proxy's event loop, a burst's
 # requests one after the other.
 GRAMMARS_KEPT = 128
-GRAMMAR_KEY_CHARS = 64 << 10  # a larger schema is compiled each time (the memo stays small)
+GRAMMARS_KEPT_CHARS = 4 << 20  # the schemas' and grammars' text kept, in all (the proxy's memory)
+GRAMMAR_KEY_CHARS = 64 << 10  # a larger schema is compiled each time
 _grammars: OrderedDict[str, str] = OrderedDict()
+_grammars_chars = [0]
 _grammars_lock = threading.Lock()
 
 
@@ -81,9 +83,13 @@ def schema_grammar(schema: Any, param: str) -> str:
     grammar = _compile(schema, param)  # a 400 is not kept: raised again for the next one
     if key is not None:
         with _grammars_lock:
-            _grammars[key] = grammar
-            while len(_grammars) > GRAMMARS_KEPT:
-                _grammars.popitem(last=False)
+            if key not in _grammars:
+                _grammars[key] = grammar
+                _grammars_chars[0] += len(key) + len(grammar)
+            while _grammars and (len(_grammars) > GRAMMARS_KEPT
+                                 or _grammars_chars[0] > GRAMMARS_KEPT_CHARS):
+                old_key, old_grammar = _grammars.popitem(last=False)
+                _grammars_chars[0] -= len(old_key) + len(old_grammar)
     return grammar
 
 
