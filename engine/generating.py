@@ -28,7 +28,7 @@ from mlxd.engine.kinds.base import EngineKind, Host, Lookup
 from mlxd.engine.kv import quant
 from mlxd.engine.kv.prefix_cache import RestoredPrefix
 from mlxd.engine.kv.ssd_tier import SsdTier, open_ssd_tier
-from mlxd.engine.load.loader import load_draft, loaded_model
+from mlxd.engine.load.loader import load_draft, loaded_model, vocab_size
 from mlxd.engine.load.warm_up import warm_up
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK
@@ -104,7 +104,7 @@ class GeneratingEngine:
         if features.embeddings:  # they run between generation steps
             engine.embedding = Embedding(
                 CausalLMEmbedder(model, tokenizer, loaded.context_length,
-                                 int(config.get("vocab_size") or 0), stream),
+                                 vocab_size(config), stream),
                 outbox, launch.engine_id, launch.epoch,
                 wake=lambda: runner.inbox.put(Call(engine._run_embeddings)))
         return engine

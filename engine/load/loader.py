@@ -153,6 +153,15 @@ def load_draft(spec: str, cache_dir: Path, dtype: str, model: Any,
     return draft
 
 
+def vocab_size(config: dict) -> int:
+    """The model's vocabulary (its logits' width) as its config states it, at the top or, for
+    a multimodal checkpoint served as text, in its `text_config` (0: not stated)."""
+    for scope in (config, config.get("text_config") or {}):
+        if isinstance(scope.get("vocab_size"), int):
+            return int(scope["vocab_size"])
+    return 0
+
+
 def loaded_model(tokenizer: Any, config: dict) -> LoadedModel:
     """What the engine's threads read once the model is loaded."""
     from mlxd.engine.admit.piece_tokens import PieceTokenizer
@@ -164,5 +173,5 @@ def loaded_model(tokenizer: Any, config: dict) -> LoadedModel:
                        eos_ids=eos, max_token_bytes=max_token_bytes(tokenizer),
                        grammar_tokenizer=TokenizerCache(
                            hf_tokenizer(tokenizer),
-                           int(config.get("vocab_size") or len(tokenizer)), sorted(eos)),
+                           vocab_size(config) or len(tokenizer), sorted(eos)),
                        pieces=PieceTokenizer.for_tokenizer(hf_tokenizer(tokenizer)))

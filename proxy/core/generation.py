@@ -128,8 +128,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
             msg = msgspec.structs.replace(msg, adapter=adapter)
         if req.images:  # what the model can take first: a text model never sees them decoded
             if "vision" not in (engine.status.capabilities if engine.status else []):
-                raise bad_request(f"{engine.model_id} does not take images (it is not a "
-                                  "vision model)", code="invalid_request")
+                raise bad_request(f"{engine.model_id} does not take images (mlxd serves it "
+                                  "as a text model)", code="invalid_request")
             # a bad image is a 400 before the engine sees anything of the request
             images = await decode_images(list(req.images), state.allow_image_urls)
             msg = msgspec.structs.replace(msg, images=images)

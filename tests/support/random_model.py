@@ -109,6 +109,27 @@ def _qwen3_next(s: dict) -> dict:
             "max_position_embeddings": s["context"], "tie_word_embeddings": False}
 
 
+def _qwen3_5(s: dict) -> dict:
+    """Qwen3.5 as its checkpoints ship: one config for a multimodal model, the language
+    model's (gated delta-net layers with full attention every second layer) under
+    `text_config`; mlx-lm serves the language model alone."""
+    head_dim = s["hidden"] // s["heads"]
+    text = {"model_type": "qwen3_5_text", "hidden_size": s["hidden"],
+            "num_hidden_layers": s["layers"], "intermediate_size": s["intermediate"],
+            "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+            "head_dim": head_dim, "linear_num_value_heads": s["heads"],
+            "linear_num_key_heads": s["kv_heads"], "linear_key_head_dim": head_dim,
+            "linear_value_head_dim": head_dim, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2, "rms_norm_eps": 1e-6, "vocab_size": s["vocab"],
+            "max_position_embeddings": s["context"], "tie_word_embeddings": False,
+            "rope_parameters": {"type": "default", "mrope_section": [2, 1, 1],
+                                "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+    return {"model_type": "qwen3_5", "text_config": text,
+            "vision_config": {"model_type": "qwen3_5", "hidden_size": 32, "depth": 1,
+                              "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                              "out_hidden_size": s["hidden"]}}
+
+
 def _lfm2(s: dict) -> dict:
     """Short-convolution layers (ArraysCache) and attention layers (KVCache) in turn. Its
     output head is always the (tied) embedding."""
@@ -137,7 +158,8 @@ def _mamba2(s: dict) -> dict:
 
 # family (mlx-lm model type) -> (its config, its default number of layers)
 FAMILIES = {"llama": (_llama, 2), "gemma3_text": (_gemma3_text, 4), "gpt_oss": (_gpt_oss, 4),
-            "qwen3_next": (_qwen3_next, 4), "lfm2": (_lfm2, 4), "mamba2": (_mamba2, 4)}
+            "qwen3_next": (_qwen3_next, 4), "qwen3_5": (_qwen3_5, 4), "lfm2": (_lfm2, 4),
+            "mamba2": (_mamba2, 4)}
 
 
 def random_weights(config: dict, seed: int = 0) -> dict:
@@ -158,7 +180,8 @@ def random_weights(config: dict, seed: int = 0) -> dict:
     # lfm2 has no separate head: its output row is the embedding's, whose scale lfm2's first
     # norm mostly undoes on input.
     eos = config["eos_token_id"]
-    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    head = next((k for k in weights if k.endswith("lm_head.weight")),
+                next(k for k in weights if k.endswith("embed_tokens.weight")))
     rows = weights[head]
     weights[head] = mx.concatenate([rows[:eos], rows[eos:eos + 1] * 0.01, rows[eos + 1:]])
     return weights
