@@ -1,5 +1,6 @@
 """Every model family with state beyond plain KV cached, through real `--isolate` daemons:
-sliding windows (gemma3_text, gpt_oss), gated-delta and convolution hybrids (qwen3_next, lfm2)
+sliding windows (gemma3_text, gpt_oss), gated-delta and convolution hybrids (qwen3_next,
+qwen3_5 in its multimodal checkpoint's config, lfm2)
 and a pure recurrent model (mamba2), each a tiny random-weight model directory (plain KV, the
 llama family, is what test_ssd_tier.py, test_resume.py and test_runner_cache.py run).
 
@@ -31,7 +32,7 @@ from mlxd.cli.client import format_status
 from support.harness import Daemon
 from support.random_model import write_random_model
 
-FAMILIES = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "mamba2"]
+FAMILIES = ["gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5", "lfm2", "mamba2"]
 BLOCK = 16
 ANSWER = 12
 
