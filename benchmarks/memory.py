@@ -8,7 +8,10 @@ kernels built), then samples every process in the server's tree:
 - load: the peak over a round of `--streams` concurrent streaming requests (sampled every 50 ms).
 
 Per process it reports RSS (and USS where the platform gives it: memory no other process
-shares), and the tree's total. On Apple Silicon the model's weights and KV live in unified
+shares), and the tree's total. With `--maps` (Linux) it also splits the largest process's USS
+(the engine, or `mlx_lm.server`) by what is mapped (`/proc/PID/smaps`: the heap, anonymous
+mappings by size, each library, shared memory, device files) after the load round, and lists
+the categories where the targets differ most: where an engine's extra memory lives. On Apple Silicon the model's weights and KV live in unified
 memory and show in the engine's footprint; on a CUDA machine they live on the GPU and RSS is
 the host side only.
 
@@ -60,6 +63,46 @@ def sample(root: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _category(path: str, size_kb: int) -> str:
+    if not path:  # anonymous: glibc's per-thread arenas are 64 MB reservations
+        return "anon >= 32 MB" if size_kb >= 32 << 10 else "anon < 32 MB"
+    if path.startswith("["):
+        return path
+    if path.startswith("/dev/shm/"):
+        return "/dev/shm"
+    if path.startswith("/dev/"):
+        return path.split(" ")[0]
+    return Path(path.split(" ")[0]).name
+
+
+def uss_by_mapping(pid: int) -> dict[str, float]:
+    """{mapping category: private (USS) MB} for one process (Linux `smaps`)."""
+    out: dict[str, float] = {}
+    cat, size = "", 0
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            size = (hi - lo) >> 10
+            cat = _category(head[5] if len(head) > 5 else "", size)
+        elif head[0] in ("Private_Clean:", "Private_Dirty:"):
+            out[cat] = out.get(cat, 0.0) + int(head[1]) / 1024
+    return out
+
+
+def largest(root: int) -> psutil.Process | None:
+    try:
+        top = psutil.Process(root)
+        procs = [top, *top.children(recursive=True)]
+        return max(procs, key=lambda p: p.memory_info().rss)
+    except (psutil.Error, ValueError):
+        return None
+
+
 def _merge_peak(peak: dict[str, tuple[float, float]], now: dict[str, tuple[float, float]]) -> None:
     for k, (rss, uss) in now.items():
         old = peak.get(k, (0.0, 0.0))
@@ -67,7 +110,7 @@ def _merge_peak(peak: dict[str, tuple[float, float]], now: dict[str, tuple[float
 
 
 async def measure(target: str, model_dir: str, streams: int, max_tokens: int,
-                  dtype: str) -> dict:
+                  dtype: str, maps: bool = False) -> dict:
     server, base, model = start_target(target, model_dir, None, dtype)
     try:
         await server.wait()
@@ -83,8 +126,12 @@ async def measure(target: str, model_dir: str, streams: int, max_tokens: int,
             _merge_peak(peak, sample(server.proc.pid))
             await asyncio.sleep(0.05)
         r = load.result()
-        return {"target": target, "idle": idle, "peak": peak, "tok_s": r.tok_s,
-                "errors": r.errors}
+        out = {"target": target, "idle": idle, "peak": peak, "tok_s": r.tok_s,
+               "errors": r.errors}
+        if maps and (big := largest(server.proc.pid)) is not None:
+            out["maps"] = uss_by_mapping(big.pid)
+            out["maps_process"] = f"{_role(big)} ({big.pid}), {big.num_threads()} threads"
+        return out
     finally:
         server.stop()
 
@@ -110,6 +157,21 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     for res in results:
         lines.append(f"- {res['target']}: {res['tok_s']:,.0f} tok/s during the load round, "
                      f"{res['errors']} broken streams")
+    mapped = [r for r in results if "maps" in r]
+    if mapped:
+        cats = sorted({c for r in mapped for c in r["maps"]},
+                      key=lambda c: -(max(r["maps"].get(c, 0.0) for r in mapped)
+                                      - min(r["maps"].get(c, 0.0) for r in mapped)))
+        lines += ["", "USS MB by mapping after the load round, the largest process of each "
+                  "(categories ordered by their spread between targets):", "",
+                  "| mapping | " + " | ".join(f"{r['target']}: {r['maps_process']}"
+                                             for r in mapped) + " |",
+                  "|---|" + "---|" * len(mapped)]
+        for c in cats[:25]:
+            lines.append(f"| {c} | " + " | ".join(f"{r['maps'].get(c, 0.0):,.1f}"
+                                                 for r in mapped) + " |")
+        lines.append("| **all** | " + " | ".join(f"**{sum(r['maps'].values()):,.1f}**"
+                                                for r in mapped) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -123,10 +185,13 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--maps", action="store_true",
+                    help="split the largest process's USS by mapping (Linux)")
     args = ap.parse_args()
     model_dir = model_for(args)
     assert len(PROMPTS) >= args.streams
-    results = [asyncio.run(measure(t, model_dir, args.streams, args.max_tokens, args.dtype))
+    results = [asyncio.run(measure(t, model_dir, args.streams, args.max_tokens, args.dtype,
+                                   args.maps))
                for t in args.targets.split(",")]
     save(args.out, report(results, args), json.loads(json.dumps(results)))
 
