@@ -126,3 +126,23 @@ def test_a_qwen3_5_checkpoint_is_served_as_text_and_refuses_images(tmp_path):
         assert "served as a text model" in d.log()
     finally:
         stop(d)
+
+
+def test_a_gemma3_text_conversion_routes_to_text_and_the_text_loader_loads_it(tmp_path):
+    """What `mlx_lm.convert` makes of Gemma 3: its multimodal config, no tower's weights."""
+    from mlxd.engine.kinds.vision.model import SUPPORTED
+    from mlxd.engine.load.loader import load_model
+    from support.random_vlm import write_random_gemma3
+
+    d = write_random_gemma3(tmp_path / "gemma3", image_size=56, image_tokens=4)
+    loaded = mx.load(str(d / "model.safetensors"))
+    assert isinstance(loaded, dict)
+    text = {k: v for k, v in loaded.items()
+            if not k.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert len(text) < len(loaded)
+    config = json.loads((d / "config.json").read_text())
+    assert route_vision_config(config, weight_names(d), SUPPORTED, mlx_lm_loads).kind == "vision"
+    mx.save_safetensors(str(d / "model.safetensors"), text, metadata={"format": "mlx"})
+    assert route_vision_config(config, weight_names(d), SUPPORTED, mlx_lm_loads).kind == "text"
+    model, _, _ = load_model(str(d), tmp_path / "cache")
+    assert model(mx.array([[1, 2, 3]])).shape[:2] == (1, 3)
