@@ -35,6 +35,9 @@ class AddRequest:
     # snapshots them while prefilling, so that another prompt sharing the head up to there
     # restores it (a vision prompt: where each image ends).
     snapshot_at: tuple[int, ...] = ()
+    # False: its row never speculates (a vision prompt with images: a verify pass would have
+    # to feed their features again)
+    speculate: bool = True
 
 
 @dataclass

@@ -35,13 +35,16 @@ class Row:
     # its output grammar when a budget guards it: a document closed in the last token is
     # complete (finish: stop, not length)
     grammar: Any = None
+    speculate: bool = True  # False: never in a speculative step (`AddRequest.speculate`)
 
 
 class RowTable:
     def __init__(self) -> None:
         self._by_uid: dict[int, Row] = {}
         self._by_rid: dict[str, Row] = {}
-        self.logprob_uids: set[int] = set()  # rows asking for log-probabilities
+        # rows that never speculate: they ask for log-probabilities (a verify pass reports
+        # none), or their prompt holds images
+        self.plain_uids: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._by_uid)
@@ -52,8 +55,8 @@ class RowTable:
     def add(self, row: Row) -> None:
         self._by_uid[row.uid] = row
         self._by_rid[row.request_id] = row
-        if row.logprobs >= 0:
-            self.logprob_uids.add(row.uid)
+        if row.logprobs >= 0 or not row.speculate:
+            self.plain_uids.add(row.uid)
 
     def get(self, uid: int) -> Row | None:
         return self._by_uid.get(uid)
@@ -65,7 +68,7 @@ class RowTable:
         row = self._by_uid.pop(uid, None)
         if row is not None:
             del self._by_rid[row.request_id]
-            self.logprob_uids.discard(uid)
+            self.plain_uids.discard(uid)
         return row
 
     def request_ids(self) -> list[str]:
@@ -77,7 +80,7 @@ class RowTable:
     def clear(self) -> None:
         self._by_uid.clear()
         self._by_rid.clear()
-        self.logprob_uids.clear()
+        self.plain_uids.clear()
 
 
 @dataclass

@@ -483,7 +483,8 @@ class Runner:
         row = Row(uid, add.request_id, len(prompt), add.received_at, time.monotonic(),
                   add.logprobs, cached, snap_at=frozenset(points),
                   grammar=next((p for p in add.processors
-                                if getattr(p, "budget", None) is not None), None))
+                                if getattr(p, "budget", None) is not None), None),
+                  speculate=add.speculate)
         self.rows.add(row)
         c = self.counters
         c.prompt_tokens += len(prompt)
@@ -593,7 +594,7 @@ class Runner:
         try:
             with self._grammar.step(self._gen):
                 prompt_responses, responses = (self._gen.next() if self.spec is None else
-                                               self.spec.next(self._gen, self.rows.logprob_uids))
+                                               self.spec.next(self._gen, self.rows.plain_uids))
             self._next_done = time.perf_counter()
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")

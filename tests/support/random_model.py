@@ -180,8 +180,9 @@ def random_weights(config: dict, seed: int = 0) -> dict:
     # lfm2 has no separate head: its output row is the embedding's, whose scale lfm2's first
     # norm mostly undoes on input.
     eos = config["eos_token_id"]
-    head = next((k for k in weights if k.endswith("lm_head.weight")),
-                next(k for k in weights if k.endswith("embed_tokens.weight")))
+    heads = [k for k in weights if k.endswith("lm_head.weight")] or \
+        [k for k in weights if k.endswith("embed_tokens.weight")]
+    head = heads[0]
     rows = weights[head]
     weights[head] = mx.concatenate([rows[:eos], rows[eos:eos + 1] * 0.01, rows[eos + 1:]])
     return weights

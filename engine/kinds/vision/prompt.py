@@ -136,7 +136,8 @@ class VisionAdmission:
                                        parts.image_token_id),
                              restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
-                             group_size=msg.group_size, snapshot_at=tuple(ends))
+                             group_size=msg.group_size, snapshot_at=tuple(ends),
+                             speculate=False)
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
 
     def _marked_tokens(self, msg: Generate, tok: Any,
