@@ -11,7 +11,8 @@ Per process it reports RSS (and USS where the platform gives it: memory no other
 shares), and the tree's total. With `--maps` (Linux) it also splits the largest process's USS
 (the engine, or `mlx_lm.server`) by what is mapped (`/proc/PID/smaps`: the heap, anonymous
 mappings by size, each library, shared memory, device files) after the load round, and lists
-the categories where the targets differ most: where an engine's extra memory lives. On Apple Silicon the model's weights and KV live in unified
+the categories where the targets differ most: where an engine's extra memory lives.
+On Apple Silicon the model's weights and KV live in unified
 memory and show in the engine's footprint; on a CUDA machine they live on the GPU and RSS is
 the host side only.
 

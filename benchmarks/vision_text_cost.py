@@ -118,7 +118,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         counts = {name: await prompt_tokens(base, model)
                   for name, (_, base, model) in servers.items()}
         assert counts["vision"] == counts["text"], counts
-        for name, (_, base, model) in servers.items():  # kernels built, caches warm
+        for _, base, model in servers.values():  # kernels built, caches warm
             await measured_http("mlxd-isolate", base, model, max(args.concurrency), 8)
         for rep in range(args.reps):
             for c in args.concurrency:
@@ -155,7 +155,7 @@ def report(r: dict[str, Any]) -> str:
         engine = [v["first_token"] / t["first_token"] for v, t in pairs
                   if v["first_token"] and t["first_token"]]
 
-        def med(t: str, k: str) -> float:
+        def med(t: str, k: str, by: dict[str, list[dict]] = by) -> float:
             return statistics.median(x[k] for x in by[t])
         lines.append(f"| {c} | {med('vision', 'tok_s'):,.1f} | {med('text', 'tok_s'):,.1f} | "
                      f"**{statistics.median(tok):.3f}** ({min(tok):.3f}-{max(tok):.3f}) | "
