@@ -25,7 +25,6 @@ from mlxd.protocol.models import adapters_of
 from mlxd.protocol.settings import EngineLaunch
 
 
-
 class VisionKind(SingleProcessKind):
     name: KindName = "vision"
 
