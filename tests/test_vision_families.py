@@ -8,11 +8,13 @@ directory the test writes:
   on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after;
 - SmolVLM (Idefics3's scheme): an image resized and cut into tiles plus a global view, each
   tile's positions after `<fake_token_around_image><row_R_col_C>`; a request's tiles bounded;
-- Qwen2-VL and Qwen2.5-VL (the same language model and processor rule; Qwen2.5-VL's tower
-  windowed): an image's positions follow its grid of merged patches in three rotary
-  dimensions, and the text after it resumes past the grid: every row's positions come from
-  its tokens, so a row restored from a cached prefix through an image, or resumed after a
-  kill, continues where mlx-vlm's own generation does.
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the same processor rule, over 28-pixel merged patches,
+  32 in Qwen3-VL; Qwen2.5-VL's tower windowed): an image's positions follow its grid of
+  merged patches in three rotary dimensions, and the text after it resumes past the grid:
+  every row's positions come from its tokens, so a row restored from a cached prefix through
+  an image, or resumed after a kill, continues where mlx-vlm's own generation does. Qwen3-VL's
+  tower also gives DeepStack features, which its language model adds after its first layers
+  at the image's positions: each forward pass gets those of the image positions it holds.
 For each: every dialect's greedy answer (OpenAI, Anthropic, Ollama chat and generate) equals
 mlx-vlm's own generation for the same image and prompt (mlx-vlm's processor and
 `stream_generate`), with two images too, and with image rows batched beside a text row; the
@@ -33,6 +35,7 @@ import pytest
 
 from conftest import start_daemon, stop_and_check
 from support.harness import engine_pid, stream_chat
+from support.random_qwen3_vl import qwen3_vl_grid, write_random_qwen3_vl
 from support.random_vlm import (
     GEMMA_IMAGE,
     MISTRAL_IMAGE,
@@ -71,6 +74,11 @@ def qwen_positions(width: int, height: int) -> int:
     return rows * cols
 
 
+def qwen3_positions(width: int, height: int) -> int:
+    rows, cols = qwen3_vl_grid(width, height)
+    return rows * cols
+
+
 @dataclass(frozen=True)
 class Family:
     write: Callable[[Path], Path]
@@ -94,8 +102,10 @@ FAMILIES = {
                          qwen_positions, (100, 30)),
     "qwen2_vl": Family(write_random_qwen2_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
                        qwen_positions, (100, 30)),
+    "qwen3_vl": Family(write_random_qwen3_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
+                       qwen3_positions, (100, 30)),
 }
-QWEN = ("qwen2_vl", "qwen2_5_vl")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -358,7 +368,8 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
         assert parts.tiles is not None and parts.tiles(64, 48) == 10
         assert parts.layout(100, 30)[1] == 4 * TILE_TOKENS  # 1 x 3 tiles and the global view
         assert [type(c) for c in caches] == [KVCache, KVCache]
-    elif family in QWEN:  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels)
+    elif family in QWEN:  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels; in
+        # Qwen3-VL's 32-pixel units, 160 x 128, at least 128 x 128)
         assert parts.layout(64, 48) == (QWEN_IMAGE * 20, 20)
         assert parts.grid is not None and parts.grid(64, 48) == (1, 4, 5)
         assert [type(c) for c in caches] == [KVCache, KVCache]
@@ -435,8 +446,8 @@ def test_idefics3_answers_as_mlx_vlm_through_the_vision_model(tmp_path):
 @pytest.mark.parametrize("qwen", QWEN)
 def test_qwen_positions_survive_a_cached_prefix(tmp_path, qwen):
     """The logits (not only the greedy tokens, which a tiny random model may not change) of a
-    Qwen2-VL or Qwen2.5-VL row equal mlx-vlm's own forward pass of the whole prompt, however
-    the row's cache was filled: in one pass, restored to the middle of the image and
+    Qwen2-VL, Qwen2.5-VL or Qwen3-VL row equal mlx-vlm's own forward pass of the whole prompt,
+    however the row's cache was filled: in one pass, restored to the middle of the image and
     continued, or restored past the image; and a decode step after it (the rope delta).
     Positions as if the text were 1-D do not: the check sees them."""
     import mlx.core as mx
@@ -453,7 +464,8 @@ def test_qwen_positions_survive_a_cached_prefix(tmp_path, qwen):
     width, height = 100, 30
     pixels = picture(7, size=(width, height))
     frames, rows, cols = parts.grid(width, height)
-    assert (rows, cols) == qwen2_5_vl_grid(width, height) == (3, 8)  # positions: 8 - 24
+    assert (rows, cols) == qwen2_5_vl_grid(width, height) == qwen3_vl_grid(width, height) \
+        == (3, 8)  # positions: 8 - 24
     text, n = parts.layout(width, height)
     messages = [{"role": "user", "content": [{"type": "image"},
                                              {"type": "text", "text": QUESTION}]}]

@@ -83,10 +83,12 @@ from mlxd.protocol.messages import ImageInput, image_key
 log = logging.getLogger("mlxd.engine")
 
 SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl",
-                       "qwen2_5_vl"})
+                       "qwen2_5_vl", "qwen3_vl"})
 TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
 # 3-D rotary positions that follow an image's grid
-POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl"})
+POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+# The tower's features also go into the language model's first layers (DeepStack)
+DEEPSTACK = frozenset({"qwen3_vl"})
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
@@ -115,6 +117,12 @@ def pixels_key(width: int, height: int, pixels: bytes) -> bytes:
     return image_key(width, height, pixels)
 
 
+# What the vision tower gives for an image: its features (tokens, hidden), or for a DeepStack
+# family (Qwen3-VL) those and the features its language model adds to the hidden states of
+# its first layers (levels, tokens, hidden)
+Encoded = mx.array | tuple[mx.array, mx.array]
+
+
 @dataclass
 class _Image:
     image: ImageInput | None  # the decoded pixels, until encoded
@@ -124,6 +132,17 @@ class _Image:
     used: float
     nbytes: int
     grid: tuple[int, int, int] | None = None  # positional families: (frames, rows, columns)
+    deepstack: mx.array | None = None  # DeepStack families: (levels, tokens, hidden)
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What one forward pass is fed for its image tokens."""
+    embeds: mx.array  # (batch, length, hidden): image features in place of image token ids
+    # DeepStack families: where the pass's image tokens are (batch, length), and their
+    # DeepStack features (levels, image tokens in row-major order, hidden)
+    mask: mx.array | None = None
+    deepstack: mx.array | None = None
 
 
 class ImageTable:
@@ -134,7 +153,7 @@ class ImageTable:
 
     def __init__(self, encode: Any, preprocess: Any,
                  max_bytes: int = IMAGE_TABLE_BYTES) -> None:
-        # (pixel_values (numpy), grid or None) -> features (tokens, hidden); MLX thread
+        # (pixel_values (numpy), grid or None) -> Encoded; MLX thread or an admission lane
         self._encode = encode
         self.preprocess = preprocess  # ImageInput -> pixel_values (numpy); the processor
         self._max_bytes = max_bytes
@@ -204,22 +223,26 @@ class ImageTable:
             if img is None or img.features is not None or img.pixel_values is None:
                 return
             values, grid = img.pixel_values, img.grid
-        feats = self._tower(values, grid)
+        encoded = self._tower(values, grid)
         with self._lock:
             if img.features is None and self._images.get(key) is img:
-                self._set_features(img, feats)
+                self._set_features(img, encoded)
 
-    def _tower(self, values: np.ndarray, grid: tuple[int, int, int] | None) -> mx.array:
+    def _tower(self, values: np.ndarray, grid: tuple[int, int, int] | None
+               ) -> tuple[mx.array, mx.array | None]:
         faults.hit("engine.vision.encode")  # tests: `delay:MS` is a slow vision tower
-        feats = self._encode(values, grid)
-        mx.eval(feats)
-        return feats
+        got = self._encode(values, grid)
+        feats, deep = got if isinstance(got, tuple) else (got, None)
+        mx.eval(feats, *([deep] if deep is not None else []))
+        return feats, deep
 
-    def _set_features(self, img: _Image, feats: mx.array) -> None:
+    def _set_features(self, img: _Image, encoded: tuple[mx.array, mx.array | None]) -> None:
+        feats, deep = encoded
+        nbytes = feats.nbytes + (deep.nbytes if deep is not None else 0)
         self.encoded += 1
-        self._bytes += feats.nbytes - img.nbytes
-        img.features, img.pixel_values, img.image = feats, None, None
-        img.nbytes = feats.nbytes
+        self._bytes += nbytes - img.nbytes
+        img.features, img.deepstack, img.pixel_values, img.image = feats, deep, None, None
+        img.nbytes = nbytes
 
     def locate(self, token: int) -> tuple[int, tuple[int, int, int]] | None:
         """An image token's index in its image and the image's grid (`positions.Locate`);
@@ -236,8 +259,16 @@ class ImageTable:
 
     def embed(self, inputs: mx.array, embed_tokens: Any) -> mx.array | None:
         """On the MLX thread: the input embeddings of `inputs` (batch, length) with image
-        features in place of image token ids, or None when there are none. Sampled tokens
-        (uint32, decode steps) are never image tokens and are not even looked at."""
+        features in place of image token ids, or None when there are none."""
+        fed = self.feed(inputs, embed_tokens)
+        return fed.embeds if fed is not None else None
+
+    def feed(self, inputs: mx.array, embed_tokens: Any) -> Fed | None:
+        """On the MLX thread: what a forward pass over `inputs` (batch, length) is fed for its
+        image tokens (`Fed`), or None when there are none. Sampled tokens (uint32, decode
+        steps) are never image tokens and are not even looked at. Each image token takes the
+        features of its image's position, whichever pass, chunk or cached prefix holds the
+        image's other positions: so do its DeepStack features."""
         if inputs.dtype == mx.uint32:
             return None
         ids = np.array(inputs)
@@ -246,6 +277,7 @@ class ImageTable:
             return None
         rows = np.zeros(ids.shape, dtype=np.int32)
         tables: list[mx.array] = []
+        deeps: list[mx.array | None] = []
         offsets: dict[bytes, int] = {}
         total = 0
         with self._lock:
@@ -255,17 +287,27 @@ class ImageTable:
                     raise RuntimeError("an image token of a prompt names no known image")
                 key, i = where
                 if key not in offsets:
-                    feats = self._features(key)
+                    feats, deep = self._features(key)
                     offsets[key] = total
                     tables.append(feats)
+                    deeps.append(deep)
                     total += feats.shape[0]
                 rows[pos] = offsets[key] + i
         base = embed_tokens(mx.array(np.where(virtual, 0, ids)))
         table = mx.concatenate(tables) if len(tables) > 1 else tables[0]
         feats = table[mx.array(rows)].astype(base.dtype)
-        return mx.where(mx.array(virtual)[..., None], feats, base)
+        mask = mx.array(virtual)
+        embeds = mx.where(mask[..., None], feats, base)
+        present = [d for d in deeps if d is not None]
+        if not present:
+            return Fed(embeds)
+        if len(present) != len(deeps):
+            raise RuntimeError("an image without DeepStack features in a DeepStack model")
+        deep_table = mx.concatenate(present, axis=1) if len(present) > 1 else present[0]
+        # row-major over (batch, length): the order the language model adds them in
+        return Fed(embeds, mask, deep_table[:, mx.array(rows[virtual])].astype(base.dtype))
 
-    def _features(self, key: bytes) -> mx.array:
+    def _features(self, key: bytes) -> tuple[mx.array, mx.array | None]:
         img = self._images[key]
         img.used = time.monotonic()
         if img.features is None:
@@ -274,7 +316,7 @@ class ImageTable:
                 img.pixel_values = self.preprocess(img.image)
             self._set_features(img, self._tower(img.pixel_values, img.grid))
         assert img.features is not None
-        return img.features
+        return img.features, img.deepstack
 
 
 class VisionLM(nn.Module):
@@ -314,8 +356,12 @@ class VisionLM(nn.Module):
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         lm = self.vlm.language_model
         # the token embedding: under `model` (llava, gemma3, mistral3) or the LM's own (idefics3)
-        embeds = self.images.embed(inputs, getattr(lm, "model", lm).embed_tokens)
+        fed = self.images.feed(inputs, getattr(lm, "model", lm).embed_tokens)
+        embeds = fed.embeds if fed is not None else None
         extra: dict[str, Any] = {}
+        if fed is not None and fed.deepstack is not None:  # Qwen3-VL: this pass's only
+            extra["visual_pos_masks"] = fed.mask
+            extra["deepstack_visual_embeds"] = fed.deepstack
         if self.positions is not None:
             rows = self.positions(*inputs.shape[:2])
             if rows is not None:
@@ -468,7 +514,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
     if n < 1:
         raise ModelLoadError(f"{model_dir.name}: its processor gives an image no image tokens")
 
-    def encode(pixel_values: np.ndarray, grid_of: tuple[int, int, int] | None) -> mx.array:
+    def encode(pixel_values: np.ndarray, grid_of: tuple[int, int, int] | None) -> Encoded:
         extra: dict[str, Any] = {}
         count = n
         if unit:  # the pixels' size (one image: no padding) says how many positions
@@ -485,6 +531,8 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         ids = mx.array([[image_token_id] * count])
         got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values),
                                        mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
+        if model_type in DEEPSTACK:  # a list of (tokens, hidden), one per level
+            return got.inputs_embeds[0], mx.stack(list(got.deepstack_visual_embeds))
         return got.inputs_embeds[0]
 
     def preprocess(image: ImageInput) -> np.ndarray:
