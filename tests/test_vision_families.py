@@ -4,8 +4,9 @@ directory the test writes:
   newlines, `<start_of_image>` and `<end_of_image>`; a language model of sliding-window (16
   tokens, shorter than the prompts) and global layers, whose window layers are mlx-lm's
   rotating caches, snapshotted by the prefix cache;
-- Mistral 3 (Pixtral): a tower at the image's own resolution, so an image's positions depend
-  on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after;
+- Mistral 3 (Pixtral's tower) and Pixtral: a tower at the image's own resolution, so an
+  image's positions depend on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between
+  and `[IMG_END]` after (Mistral 3 merges 2 x 2 patches into a position, Pixtral does not);
 - SmolVLM (Idefics3's scheme): an image resized and cut into tiles plus a global view, each
   tile's positions after `<fake_token_around_image><row_R_col_C>`; a request's tiles bounded;
 - Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the same processor rule, over 28-pixel merged patches,
@@ -35,6 +36,7 @@ import pytest
 
 from conftest import start_daemon, stop_and_check
 from support.harness import engine_pid, stream_chat
+from support.random_pixtral import pixtral_image_tokens, write_random_pixtral
 from support.random_qwen3_vl import qwen3_vl_grid, write_random_qwen3_vl
 from support.random_vlm import (
     GEMMA_IMAGE,
@@ -96,6 +98,8 @@ FAMILIES = {
                      lambda width, height: IMAGE_TOKENS),
     "mistral3": Family(lambda p: write_random_mistral3(p, longest_edge=112), MISTRAL_IMAGE,
                        "[IMG]", "</s>", mistral3_image_tokens, (100, 30)),
+    "pixtral": Family(write_random_pixtral, MISTRAL_IMAGE, "[IMG]", "</s>", pixtral_image_tokens,
+                      (100, 30)),
     "smolvlm": Family(lambda p: write_random_smolvlm(p, longest_edge=168, tile=56), SMOL_IMAGE,
                       SMOL_IMAGE, SMOL_EOS, smolvlm_positions, (100, 30)),
     "qwen2_5_vl": Family(write_random_qwen2_5_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
@@ -379,6 +383,18 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
             IMAGE_TOKENS)
         assert [type(c) for c in caches] == [RotatingKVCache, KVCache]
         assert caches[0].max_size == 16
+    elif family == "pixtral":  # 64 x 48: 3 rows of 4 patches (16 pixels); 640 x 480: 112 x 84
+        assert parts.layout(64, 48) == ("[IMG_BREAK]".join(["[IMG]" * 4] * 3) + "[IMG_END]", 12)
+        assert parts.layout(640, 480) == ("[IMG_BREAK]".join(["[IMG]" * 7] * 6) + "[IMG_END]",
+                                          42)
+        assert [type(c) for c in caches] == [KVCache, KVCache]
+        # Hugging Face's Pixtral config (llava with a pixtral tower), which mlx-vlm's llava
+        # cannot load: refused at load, saying so.
+        from mlxd.engine.load.loader import ModelLoadError
+        other = write_random_pixtral(vlm.parent / "tiny-pixtral-as-llava", llava=True)
+        with pytest.raises(ModelLoadError, match="a llava vision model with a pixtral vision "
+                                                 "tower is not served .*model_type \"pixtral\""):
+            load_vision(other, "float32")
     else:  # 64 x 48 pixels: 2 rows of 3 merged patches (28 pixels); 640 x 480: 112 x 84
         assert parts.layout(64, 48) == ("[IMG]" * 3 + "[IMG_BREAK]" + "[IMG]" * 3 + "[IMG_END]",
                                         6)

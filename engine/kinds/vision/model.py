@@ -37,16 +37,22 @@ Families: those whose image features replace the image token's embeddings one fo
   tiles, each after `<fake_token_around_image><row_R_col_C>`, then the whole image as one more
   tile, the global view); the tower runs over an image's tiles at once and each tile's
   features fill its positions in order. A request's tiles are bounded (`prompt.MAX_TILES`).
-- qwen2_vl, qwen2_5_vl (a ViT, windowed in Qwen2.5-VL, and a Qwen2 language model with 3-D
-  rotary positions): the template's `<|image_pad|>` becomes one per merged patch of the image
-  as Qwen's processor resizes it (one rule for both); the language model is given each row's
-  positions (`positions.py`: from the row's tokens and its images' grids, before every
-  forward pass), and the tower the image's grid.
+- qwen2_vl, qwen2_5_vl, qwen3_vl (a ViT, windowed in Qwen2.5-VL, and a Qwen2 or Qwen3
+  language model with 3-D rotary positions, interleaved in Qwen3-VL): the template's
+  `<|image_pad|>` becomes one per merged patch of the image as Qwen's processor resizes it
+  (one rule for all three, over 28-pixel merged patches, 32-pixel in Qwen3-VL); the language
+  model is given each row's positions (`positions.py`: from the row's tokens and its images'
+  grids, before every forward pass; Qwen3-VL numbers them as Qwen2-VL does), and the tower the
+  image's grid. Qwen3-VL's tower also gives DeepStack features (`DEEPSTACK`): one set per
+  level, which its language model adds to its hidden states at the image's positions after
+  each of its first layers. The table keeps them with the image's features, and each forward
+  pass is given those of the image tokens it holds, looked up by their ids as the features
+  are (`ImageTable.feed`), so an image split over prefill chunks, partly restored from a
+  cache or batched with other rows gets each of its positions' own.
 Where the processor rewrites the marker (all but llava), admission does so in the rendered
 text (`layouts.py`) and tokenizes the result, as the processor does, and each image token
-there takes the image's next id. Other families (Qwen3-VL, whose tower also adds features
-inside the language model; llava-next's tiling) are refused at load with a message naming the
-supported families.
+there takes the image's next id. Other families (Qwen3-VL-MoE; llava-next's tiling) are
+refused at load with a message naming the supported families.
 """
 
 from __future__ import annotations
@@ -82,8 +88,10 @@ from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
-SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl",
-                       "qwen2_5_vl", "qwen3_vl"})
+SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "pixtral", "idefics3", "smolvlm",
+                       "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+PIXTRAL = frozenset({"mistral3", "pixtral"})  # Pixtral's tower: images at their own size
+LLAVA_TOWERS = frozenset({"clip_vision_model", "siglip_vision_model"})  # mlx-vlm's llava's
 TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
 # 3-D rotary positions that follow an image's grid
 POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
@@ -327,7 +335,7 @@ class VisionLM(nn.Module):
         super().__init__()
         self.vlm = vlm
         self.images = images
-        # 3-D rotary positions (Qwen2-VL, Qwen2.5-VL): each row's, from its tokens
+        # 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each row's, from its tokens
         # (positions.py)
         self.positions = RowPositions(images.locate) if positional else None
 
@@ -423,7 +431,7 @@ class VisionParts:
     # Tiling families (idefics3, smolvlm): (width, height) -> the tiles the tower sees for the
     # image (the global view included), which a request's budget (MAX_TILES) bounds.
     tiles: Callable[[int, int], int] | None = None
-    # Positional families (qwen2_vl, qwen2_5_vl): (width, height) -> the image's merged-patch
+    # Positional families (the Qwen ones): (width, height) -> the image's merged-patch
     # grid (frames, rows, columns), which its positions follow (positions.py).
     grid: Callable[[int, int], tuple[int, int, int]] | None = None
 
@@ -451,10 +459,18 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         raise ModelLoadError(f"{model_dir.name}: a mistral3 vision model with a "
                              f"{config['text_config']['model_type']} language model is not "
                              "served (Mistral Small 3.1 / 3.2's mistral one is)")
+    tower = str((config.get("vision_config") or {}).get("model_type", ""))
+    if model_type == "llava" and tower not in LLAVA_TOWERS:
+        hint = (" (Pixtral as Hugging Face's mistral-community/pixtral-12b writes it: mlx-vlm "
+                "serves Pixtral under model_type \"pixtral\", as its conversions write it)"
+                if tower == "pixtral" else "")
+        raise ModelLoadError(f"{model_dir.name}: a llava vision model with a {tower or 'unknown'}"
+                             f" vision tower is not served{hint}; mlxd serves llava with "
+                             f"{' or '.join(sorted(LLAVA_TOWERS))} towers")
     layout: Layout | None = None
     tiling: Tiling | None = None
     options: dict[str, Any] = {}  # the image processor's options, as the processor sets them
-    unit = 0  # mistral3: pixels per merged patch (its image's positions follow from its size)
+    unit = 0  # mistral3, pixtral: pixels per merged patch (an image's positions follow its size)
     per_tile = 0  # idefics3, smolvlm: positions per tile
     grid: Callable[[int, int], tuple[int, int, int]] | None = None  # POSITIONAL
     try:
@@ -477,7 +493,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
             marker = str(processor.boi_token)
             layout = gemma3_layout(processor, image_token)
             options = {"do_pan_and_scan": False}
-        elif model_type == "mistral3":
+        elif model_type in PIXTRAL:
             layout = pixtral_layout(processor, image_processor)
             unit = int(processor.patch_size) * int(processor.spatial_merge_size)
             options = {"patch_size": unit}
