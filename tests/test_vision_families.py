@@ -108,8 +108,10 @@ FAMILIES = {
                        qwen_positions, (100, 30)),
     "qwen3_vl": Family(write_random_qwen3_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
                        qwen3_positions, (100, 30)),
+    "qwen3_vl_moe": Family(lambda p: write_random_qwen3_vl(p, experts=4), QWEN_IMAGE,
+                           QWEN_IMAGE, "<|im_end|>", qwen3_positions, (100, 30)),
 }
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -4,7 +4,8 @@ layers. mlxd keeps them in the `ImageTable` with the image's features and feeds 
 pass those of the image tokens it holds, so an image whose positions are split over prefill
 chunks, partly in a cached prefix, or in rows batched together, is answered as mlx-vlm answers
 the whole prompt at once (the family tests in test_vision_families.py run the rest: every
-dialect, the caches, resume). A random-weight Qwen3-VL directory; no download."""
+dialect, the caches, resume). Random-weight Qwen3-VL and Qwen3-VL-MoE directories; no
+download."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ TOKENS = 12
 IMAGE_PAD = "<|image_pad|>"
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> Path:
-    return write_random_qwen3_vl(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl")
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def qwen3(request, tmp_path_factory) -> Path:
+    """A dense Qwen3-VL, or a Qwen3-VL-MoE (the same tower and DeepStack, experts in the
+    language model's MLPs)."""
+    return write_random_qwen3_vl(tmp_path_factory.mktemp("models") / f"tiny-{request.param}",
+                                 experts=4 if request.param == "qwen3_vl_moe" else 0)
 
 
 def _prompt(tok: Any, images: int) -> str:
@@ -187,3 +191,29 @@ def test_an_image_split_over_prefill_chunks_by_a_decoding_row_answers_as_mlx_vlm
         beside.join()
     finally:
         stop_and_check(d)
+
+
+def test_qwen3_vl_grid_is_transformers_processors_for_many_sizes(qwen3):
+    """Qwen3-VL's image processor (transformers' Qwen2-VL one with 16-pixel patches and the
+    pixel bounds of `size`) resizes to whole 32-pixel units: the grid mlxd lays an image out
+    by, for sizes below, inside and above the bounds and of extreme aspect ratios, is the one
+    transformers' processor gives (mlx-vlm's port is checked against it at load, by probes)."""
+    import json
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from mlxd.engine.kinds.vision.model import load_vision
+    _, _, _, parts = load_vision(qwen3, "float32")
+    assert parts.grid is not None
+    config = json.loads((qwen3 / "preprocessor_config.json").read_text())
+    reference = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                         size=config["size"])
+    sizes = [(1, 1), (17, 300), (32, 32), (64, 48), (100, 30), (129, 127), (160, 128),
+             (191, 250), (400, 300), (1000, 7), (7, 1000), (1920, 1080)]
+    grids = reference(images=[Image.new("RGB", s) for s in sizes],
+                      return_tensors="np")["image_grid_thw"].tolist()
+    for (width, height), (t, h, w) in zip(sizes, grids, strict=True):
+        assert parts.grid(width, height) == (t, h // 2, w // 2), (width, height)

@@ -8,7 +8,8 @@ grid as in Qwen2-VL. DeepStack: the tower also gives features from some of its b
 (`deepstack_visual_indexes`), each through its own merger, and the language model adds the
 k-th to its hidden states at the image's positions after its k-th layer. The chat template
 writes `<|vision_start|><|image_pad|><|vision_end|>` for an image; the processor repeats
-`<|image_pad|>` once per merged patch.
+`<|image_pad|>` once per merged patch. Qwen3-VL-MoE (`qwen3_vl_moe`): the same with a
+mixture-of-experts language model (`experts`).
 """
 
 from __future__ import annotations
@@ -65,15 +66,17 @@ def write_random_qwen3_vl(out: Path, *, min_pixels: int = 128 * 128,
                           vision_hidden: int = 32, vision_layers: int = 2,
                           vision_heads: int = 2, deepstack: tuple[int, ...] = (0, 1),
                           vocab: int = 512, context: int = 1024, seed: int = 0,
-                          dtype: str = "float32") -> Path:
+                          dtype: str = "float32", experts: int = 0) -> Path:
     """A random-weight Qwen3-VL directory, laid out as the released ones are (`text_config`
     and `vision_config` nested, the processor's pixel bounds in `size`). `deepstack`: the
     tower blocks whose features the language model adds after its first len(deepstack)
-    layers."""
+    layers. `experts`: a Qwen3-VL-MoE, every layer's MLP that many experts (two a token)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import qwen3_vl
+    from mlx_vlm.models import qwen3_vl, qwen3_vl_moe
     from tokenizers import Tokenizer
+
+    model_type, module = ("qwen3_vl_moe", qwen3_vl_moe) if experts else ("qwen3_vl", qwen3_vl)
 
     out.mkdir(parents=True, exist_ok=True)
     real_vocab = write_tokenizer(out, vocab, QWEN_TEMPLATE, extra_special=QWEN_SPECIAL)
@@ -85,28 +88,33 @@ def write_random_qwen3_vl(out: Path, *, min_pixels: int = 128 * 128,
     head_dim = hidden // heads
     half = head_dim // 2  # the rotary frequencies, interleaved over time, rows, columns
     section = [half - 2 * (half // 3), half // 3, half // 3]
-    text = {"model_type": "qwen3_vl_text", "hidden_size": hidden, "num_hidden_layers": layers,
+    text = {"model_type": f"{model_type}_text", "hidden_size": hidden, "num_hidden_layers": layers,
             "intermediate_size": intermediate, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6,
             "vocab_size": real_vocab, "rope_theta": 5_000_000.0,
             "max_position_embeddings": context, "tie_word_embeddings": False,
             "rope_scaling": {"mrope_interleaved": True, "mrope_section": section,
                              "rope_type": "default"}, "eos_token_id": eos}
-    vision = {"model_type": "qwen3_vl", "depth": vision_layers, "hidden_size": vision_hidden,
+    if experts:
+        text |= {"num_experts": experts, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "moe_intermediate_size": intermediate // 2}
+    vision = {"model_type": model_type, "depth": vision_layers, "hidden_size": vision_hidden,
               "intermediate_size": vision_hidden * 2, "out_hidden_size": hidden,
               "num_heads": vision_heads, "patch_size": QWEN3_PATCH, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "num_position_embeddings": 64, "in_channels": 3,
               "deepstack_visual_indexes": list(deepstack)}
-    config = {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+    config = {"model_type": model_type, "architectures": [
+                  "Qwen3VLMoeForConditionalGeneration" if experts
+                  else "Qwen3VLForConditionalGeneration"],
               "text_config": text, "vision_config": vision,
               "image_token_id": ids[QWEN_IMAGE], "video_token_id": ids["<|video_pad|>"],
               "vision_start_token_id": ids[QWEN_START], "vision_end_token_id": ids[QWEN_END],
               "tie_word_embeddings": False}
     mx.random.seed(seed)
-    cfg = qwen3_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    cfg.text_config = qwen3_vl.TextConfig.from_dict(json.loads(json.dumps(text)))
-    cfg.vision_config = qwen3_vl.VisionConfig.from_dict(vision)
-    model = qwen3_vl.Model(cfg)
+    cfg = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    cfg.text_config = module.TextConfig.from_dict(json.loads(json.dumps(text)))
+    cfg.vision_config = module.VisionConfig.from_dict(vision)
+    model = module.Model(cfg)
     weights = dict(tree_flatten(model.parameters()))
     # Random norms in the deepstack mergers (their initial ones would make each merger's
     # features nearly alike for every image), and as in random_model.py, a smaller token

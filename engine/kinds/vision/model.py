@@ -89,14 +89,14 @@ from mlxd.protocol.messages import ImageInput, image_key
 log = logging.getLogger("mlxd.engine")
 
 SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "pixtral", "idefics3", "smolvlm",
-                       "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+                       "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 PIXTRAL = frozenset({"mistral3", "pixtral"})  # Pixtral's tower: images at their own size
 LLAVA_TOWERS = frozenset({"clip_vision_model", "siglip_vision_model"})  # mlx-vlm's llava's
 TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
 # 3-D rotary positions that follow an image's grid
-POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 # The tower's features also go into the language model's first layers (DeepStack)
-DEEPSTACK = frozenset({"qwen3_vl"})
+DEEPSTACK = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
