@@ -54,8 +54,8 @@ def test_deepstack_features_follow_each_passs_image_tokens(qwen3, monkeypatch):
     from mlxd.engine.kinds.vision.model import Fed, load_vision
     from mlxd.protocol.messages import ImageInput, image_key
     model, tok, _, parts = load_vision(qwen3, "float32")
-    positions = model.positions
-    assert positions is not None and parts.grid is not None and parts.layout is not None
+    positions, layout, grid_of = model.positions, parts.layout, parts.grid
+    assert positions is not None and grid_of is not None and layout is not None
     vlm, processor = load(str(qwen3))
     sizes = [(64, 48), (100, 30)]
 
@@ -66,7 +66,7 @@ def test_deepstack_features_follow_each_passs_image_tokens(qwen3, monkeypatch):
         text, values, grids = pieces[0], [], []
         for pixels, piece in zip(pictures, pieces[1:], strict=True):
             height, width = pixels.shape[:2]
-            text += parts.layout(width, height)[0] + piece
+            text += layout(width, height)[0] + piece
         real = list(tok.encode(text, add_special_tokens=False))
         ids = list(real)
         at = [k for k, t in enumerate(real) if t == parts.image_token_id]
@@ -74,7 +74,7 @@ def test_deepstack_features_follow_each_passs_image_tokens(qwen3, monkeypatch):
             height, width = pixels.shape[:2]
             raw = pixels.tobytes()
             image = ImageInput(width, height, raw, image_key(width, height, raw))
-            grid = parts.grid(width, height)
+            grid = grid_of(width, height)
             n = grid[1] * grid[2]
             values.append(parts.images.preprocess(image))
             grids.append([grid[0], grid[1] * 2, grid[2] * 2])
@@ -104,7 +104,8 @@ def test_deepstack_features_follow_each_passs_image_tokens(qwen3, monkeypatch):
     at = [k for k, t in enumerate(real) if t == parts.image_token_id]
     assert len(at) == 20 + 24
     want = theirs(real, values, grids)
-    cuts = ([], [at[5]], [at[3], at[17], at[30]], [at[20] + 1, at[40]])  # mid-image cuts
+    # none; the first image cut; both cut (three passes); the second cut twice
+    cuts: list[list[int]] = [[], [at[5]], [at[3], at[17], at[30]], [at[20] + 1, at[40]]]
     for splits in cuts:
         np.testing.assert_allclose(ours([ids], splits), want[:1], rtol=1e-4, atol=1e-4)
 

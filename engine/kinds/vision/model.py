@@ -28,31 +28,33 @@ Families: those whose image features replace the image token's embeddings one fo
   causal, as in mlx-vlm's own generation (Hugging Face's Gemma 3 lets an image's tokens see
   each other both ways; mlx-vlm does not, and mlxd answers as mlx-vlm does). Pan-and-scan
   (extra crops of an image) is not applied;
-- mistral3 (Pixtral's tower, a mistral language model): an image's positions follow its size;
-  the template's `[IMG]` becomes the processor's rows of `[IMG]` (one per merged patch of the
-  resized image), `[IMG_BREAK]` between rows and `[IMG_END]` after, and the tower is told the
-  image's size;
+- mistral3 (Pixtral's tower, a mistral language model) and pixtral (Pixtral-12B; its config
+  as mlx-vlm has it: Hugging Face's llava with a pixtral tower is refused at load, mlx-vlm's
+  llava having no such tower): an image's positions follow its size; the template's `[IMG]`
+  becomes the processor's rows of `[IMG]` (one per merged patch of the resized image; a
+  patch in Pixtral, which merges none), `[IMG_BREAK]` between rows and `[IMG_END]` after,
+  and the tower is told the image's size;
 - idefics3, smolvlm (a SigLIP tower, a pixel-shuffle connector, a llama language model): the
   template's `<image>` becomes the processor's tiles (the image cut into rows x columns of
   tiles, each after `<fake_token_around_image><row_R_col_C>`, then the whole image as one more
   tile, the global view); the tower runs over an image's tiles at once and each tile's
   features fill its positions in order. A request's tiles are bounded (`prompt.MAX_TILES`).
-- qwen2_vl, qwen2_5_vl, qwen3_vl (a ViT, windowed in Qwen2.5-VL, and a Qwen2 or Qwen3
-  language model with 3-D rotary positions, interleaved in Qwen3-VL): the template's
+- qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe (a ViT, windowed in Qwen2.5-VL, and a Qwen2
+  or Qwen3 language model with 3-D rotary positions, interleaved in Qwen3-VL): the template's
   `<|image_pad|>` becomes one per merged patch of the image as Qwen's processor resizes it
-  (one rule for all three, over 28-pixel merged patches, 32-pixel in Qwen3-VL); the language
+  (one rule for all, over 28-pixel merged patches, 32-pixel in Qwen3-VL); the language
   model is given each row's positions (`positions.py`: from the row's tokens and its images'
   grids, before every forward pass; Qwen3-VL numbers them as Qwen2-VL does), and the tower the
-  image's grid. Qwen3-VL's tower also gives DeepStack features (`DEEPSTACK`): one set per
-  level, which its language model adds to its hidden states at the image's positions after
-  each of its first layers. The table keeps them with the image's features, and each forward
-  pass is given those of the image tokens it holds, looked up by their ids as the features
-  are (`ImageTable.feed`), so an image split over prefill chunks, partly restored from a
-  cache or batched with other rows gets each of its positions' own.
+  image's grid. Qwen3-VL's tower (MoE's too) also gives DeepStack features (`DEEPSTACK`):
+  one set per level, which its language model adds to its hidden states at the image's
+  positions after each of its first layers. The table keeps them with the image's features,
+  and each forward pass is given those of the image tokens it holds, looked up by their ids
+  as the features are (`ImageTable.feed`), so an image split over prefill chunks, partly
+  restored from a cache or batched with other rows gets each of its positions' own.
 Where the processor rewrites the marker (all but llava), admission does so in the rendered
 text (`layouts.py`) and tokenizes the result, as the processor does, and each image token
-there takes the image's next id. Other families (Qwen3-VL-MoE; llava-next's tiling) are
-refused at load with a message naming the supported families.
+there takes the image's next id. Other families (llava-next's tiling, say) are refused at
+load with a message naming the supported families.
 """
 
 from __future__ import annotations
