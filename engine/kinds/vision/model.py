@@ -369,7 +369,7 @@ class VisionLM(nn.Module):
         fed = self.images.feed(inputs, getattr(lm, "model", lm).embed_tokens)
         embeds = fed.embeds if fed is not None else None
         extra: dict[str, Any] = {}
-        if fed is not None and fed.deepstack is not None:  # Qwen3-VL: this pass's only
+        if fed is not None and fed.deepstack is not None:  # this pass's image positions
             extra["visual_pos_masks"] = fed.mask
             extra["deepstack_visual_embeds"] = fed.deepstack
         if self.positions is not None:
@@ -549,8 +549,9 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         ids = mx.array([[image_token_id] * count])
         got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values),
                                        mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
-        if model_type in DEEPSTACK:  # a list of (tokens, hidden), one per level
-            return got.inputs_embeds[0], mx.stack(list(got.deepstack_visual_embeds))
+        levels = list(got.deepstack_visual_embeds or []) if model_type in DEEPSTACK else []
+        if levels:  # each (tokens, hidden)
+            return got.inputs_embeds[0], mx.stack(levels)
         return got.inputs_embeds[0]
 
     def preprocess(image: ImageInput) -> np.ndarray:
