@@ -8,7 +8,8 @@ at once against the same N one after the other (vision rows share the text batch
 vision tower's effect on a running text row: its inter-token gaps while a new image's request
 is admitted.
 
-    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl|qwen2_vl]
+    python benchmarks/vision_cache.py [--family llava|gemma3|mistral3|smolvlm|qwen2_5_vl|qwen2_vl
+        |qwen3_vl]
         [--rounds 5] [--stall-rounds 1]
         [--concurrency 4] [--out FILE] [--server-log FILE]
         [--hidden 2048 --layers 16 --vision-hidden 1024 --vision-layers 24 --vision-heads 16
@@ -20,7 +21,9 @@ into 448 pixels: the 400 x 300 images here take 11 x 15 = 165 positions, plus ro
 `--family smolvlm`: a random-weight SmolVLM (images resized to 448 pixels and cut into 224-pixel
 tiles of 64 positions: 2 x 2 tiles and the global view, 320 positions); `--family qwen2_5_vl`:
 a random-weight Qwen2.5-VL (at most 448 x 448 pixels: a 400 x 300 image takes 11 x 14 = 154
-positions, with 3-D rotary positions).
+positions, with 3-D rotary positions); `--family qwen3_vl`: a random-weight Qwen3-VL (32-pixel
+merged patches, at most 448 x 448 pixels: a 400 x 300 image takes 9 x 12 = 108 positions;
+DeepStack features added after the language model's first two layers).
 
 `--stall-rounds N`: the text row's gaps measured N times, each with a new image (medians and
 the range reported). Under `MLXD_STAGE_TRACE=DIR` the server writes its stage clock there
@@ -47,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.random_qwen3_vl import qwen3_vl_grid, write_random_qwen3_vl
 from support.random_vlm import (  # shared with the tests
     image_tokens,
     mistral3_image_tokens,
@@ -190,6 +194,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                       max_pixels=448 * 448, **sizes)
         grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
         positions = grid_rows * grid_cols
+    elif args.family == "qwen3_vl":
+        model = write_random_qwen3_vl(work / MODEL_NAME[0], min_pixels=64 * 64,
+                                      max_pixels=448 * 448, **sizes)
+        grid_rows, grid_cols = qwen3_vl_grid(400, 300, 64 * 64, 448 * 448)
+        positions = grid_rows * grid_cols
     else:
         model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
         positions = image_tokens(IMAGE_SIZE)
@@ -312,7 +321,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=["llava", "gemma3", "mistral3", "smolvlm",
-                                          "qwen2_5_vl", "qwen2_vl"], default="llava")
+                                          "qwen2_5_vl", "qwen2_vl", "qwen3_vl"],
+                    default="llava")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)

@@ -4,15 +4,18 @@ directory the test writes:
   newlines, `<start_of_image>` and `<end_of_image>`; a language model of sliding-window (16
   tokens, shorter than the prompts) and global layers, whose window layers are mlx-lm's
   rotating caches, snapshotted by the prefix cache;
-- Mistral 3 (Pixtral): a tower at the image's own resolution, so an image's positions depend
-  on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between and `[IMG_END]` after;
+- Mistral 3 (Pixtral's tower) and Pixtral: a tower at the image's own resolution, so an
+  image's positions depend on its size, laid out in rows of `[IMG]` with `[IMG_BREAK]` between
+  and `[IMG_END]` after (Mistral 3 merges 2 x 2 patches into a position, Pixtral does not);
 - SmolVLM (Idefics3's scheme): an image resized and cut into tiles plus a global view, each
   tile's positions after `<fake_token_around_image><row_R_col_C>`; a request's tiles bounded;
-- Qwen2-VL and Qwen2.5-VL (the same language model and processor rule; Qwen2.5-VL's tower
-  windowed): an image's positions follow its grid of merged patches in three rotary
-  dimensions, and the text after it resumes past the grid: every row's positions come from
-  its tokens, so a row restored from a cached prefix through an image, or resumed after a
-  kill, continues where mlx-vlm's own generation does.
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the same processor rule, over 28-pixel merged patches,
+  32 in Qwen3-VL; Qwen2.5-VL's tower windowed): an image's positions follow its grid of
+  merged patches in three rotary dimensions, and the text after it resumes past the grid:
+  every row's positions come from its tokens, so a row restored from a cached prefix through
+  an image, or resumed after a kill, continues where mlx-vlm's own generation does. Qwen3-VL's
+  tower also gives DeepStack features, which its language model adds after its first layers
+  at the image's positions: each forward pass gets those of the image positions it holds.
 For each: every dialect's greedy answer (OpenAI, Anthropic, Ollama chat and generate) equals
 mlx-vlm's own generation for the same image and prompt (mlx-vlm's processor and
 `stream_generate`), with two images too, and with image rows batched beside a text row; the
@@ -33,6 +36,8 @@ import pytest
 
 from conftest import start_daemon, stop_and_check
 from support.harness import engine_pid, stream_chat
+from support.random_pixtral import pixtral_image_tokens, write_random_pixtral
+from support.random_qwen3_vl import qwen3_vl_grid, write_random_qwen3_vl
 from support.random_vlm import (
     GEMMA_IMAGE,
     MISTRAL_IMAGE,
@@ -71,6 +76,11 @@ def qwen_positions(width: int, height: int) -> int:
     return rows * cols
 
 
+def qwen3_positions(width: int, height: int) -> int:
+    rows, cols = qwen3_vl_grid(width, height)
+    return rows * cols
+
+
 @dataclass(frozen=True)
 class Family:
     write: Callable[[Path], Path]
@@ -88,14 +98,20 @@ FAMILIES = {
                      lambda width, height: IMAGE_TOKENS),
     "mistral3": Family(lambda p: write_random_mistral3(p, longest_edge=112), MISTRAL_IMAGE,
                        "[IMG]", "</s>", mistral3_image_tokens, (100, 30)),
+    "pixtral": Family(write_random_pixtral, MISTRAL_IMAGE, "[IMG]", "</s>", pixtral_image_tokens,
+                      (100, 30)),
     "smolvlm": Family(lambda p: write_random_smolvlm(p, longest_edge=168, tile=56), SMOL_IMAGE,
                       SMOL_IMAGE, SMOL_EOS, smolvlm_positions, (100, 30)),
     "qwen2_5_vl": Family(write_random_qwen2_5_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
                          qwen_positions, (100, 30)),
     "qwen2_vl": Family(write_random_qwen2_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
                        qwen_positions, (100, 30)),
+    "qwen3_vl": Family(write_random_qwen3_vl, QWEN_IMAGE, QWEN_IMAGE, "<|im_end|>",
+                       qwen3_positions, (100, 30)),
+    "qwen3_vl_moe": Family(lambda p: write_random_qwen3_vl(p, experts=4), QWEN_IMAGE,
+                           QWEN_IMAGE, "<|im_end|>", qwen3_positions, (100, 30)),
 }
-QWEN = ("qwen2_vl", "qwen2_5_vl")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -358,7 +374,8 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
         assert parts.tiles is not None and parts.tiles(64, 48) == 10
         assert parts.layout(100, 30)[1] == 4 * TILE_TOKENS  # 1 x 3 tiles and the global view
         assert [type(c) for c in caches] == [KVCache, KVCache]
-    elif family in QWEN:  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels)
+    elif family in QWEN:  # 64 x 48: scaled up to 140 x 112 (at least 112 x 112 pixels; in
+        # Qwen3-VL's 32-pixel units, 160 x 128, at least 128 x 128)
         assert parts.layout(64, 48) == (QWEN_IMAGE * 20, 20)
         assert parts.grid is not None and parts.grid(64, 48) == (1, 4, 5)
         assert [type(c) for c in caches] == [KVCache, KVCache]
@@ -368,6 +385,18 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
             IMAGE_TOKENS)
         assert [type(c) for c in caches] == [RotatingKVCache, KVCache]
         assert caches[0].max_size == 16
+    elif family == "pixtral":  # 64 x 48: 3 rows of 4 patches (16 pixels); 640 x 480: 112 x 84
+        assert parts.layout(64, 48) == ("[IMG_BREAK]".join(["[IMG]" * 4] * 3) + "[IMG_END]", 12)
+        assert parts.layout(640, 480) == ("[IMG_BREAK]".join(["[IMG]" * 7] * 6) + "[IMG_END]",
+                                          42)
+        assert [type(c) for c in caches] == [KVCache, KVCache]
+        # Hugging Face's Pixtral config (llava with a pixtral tower), which mlx-vlm's llava
+        # cannot load: refused at load, saying so.
+        from mlxd.engine.load.loader import ModelLoadError
+        other = write_random_pixtral(vlm.parent / "tiny-pixtral-as-llava", llava=True)
+        with pytest.raises(ModelLoadError, match="a llava vision model with a pixtral vision "
+                                                 "tower is not served .*model_type \"pixtral\""):
+            load_vision(other, "float32")
     else:  # 64 x 48 pixels: 2 rows of 3 merged patches (28 pixels); 640 x 480: 112 x 84
         assert parts.layout(64, 48) == ("[IMG]" * 3 + "[IMG_BREAK]" + "[IMG]" * 3 + "[IMG_END]",
                                         6)
@@ -435,8 +464,8 @@ def test_idefics3_answers_as_mlx_vlm_through_the_vision_model(tmp_path):
 @pytest.mark.parametrize("qwen", QWEN)
 def test_qwen_positions_survive_a_cached_prefix(tmp_path, qwen):
     """The logits (not only the greedy tokens, which a tiny random model may not change) of a
-    Qwen2-VL or Qwen2.5-VL row equal mlx-vlm's own forward pass of the whole prompt, however
-    the row's cache was filled: in one pass, restored to the middle of the image and
+    Qwen2-VL, Qwen2.5-VL or Qwen3-VL row equal mlx-vlm's own forward pass of the whole prompt,
+    however the row's cache was filled: in one pass, restored to the middle of the image and
     continued, or restored past the image; and a decode step after it (the rope delta).
     Positions as if the text were 1-D do not: the check sees them."""
     import mlx.core as mx
@@ -453,7 +482,8 @@ def test_qwen_positions_survive_a_cached_prefix(tmp_path, qwen):
     width, height = 100, 30
     pixels = picture(7, size=(width, height))
     frames, rows, cols = parts.grid(width, height)
-    assert (rows, cols) == qwen2_5_vl_grid(width, height) == (3, 8)  # positions: 8 - 24
+    assert (rows, cols) == qwen2_5_vl_grid(width, height) == qwen3_vl_grid(width, height) \
+        == (3, 8)  # positions: 8 - 24
     text, n = parts.layout(width, height)
     messages = [{"role": "user", "content": [{"type": "image"},
                                              {"type": "text", "text": QUESTION}]}]

@@ -2,7 +2,7 @@
 
 Such a directory is not always one to serve images from:
 - many families ship one config for their text and vision parts (Qwen3.5, Gemma 3 and 4,
-  Llama 4, Qwen3-VL, ...), and mlx-lm serves their language model alone (its `sanitize`
+  Llama 4, ...), and mlx-lm serves their language model alone (its `sanitize`
   drops the tower's weights); a conversion for text (`mlx_lm.convert`) keeps that config but
   holds no tower at all;
 - mlxd's vision engine serves images for some families only (`vision/model.py`, `SUPPORTED`).

@@ -14,8 +14,8 @@ load error, never a wrong prompt.
   row, then the whole image resized to one tile (the global view) between
   `<fake_token_around_image><global-img>` and `<fake_token_around_image>`; an image that fits
   one tile is the global view alone;
-- qwen2_vl, qwen2_5_vl: the image token once per merged patch of the image resized by Qwen's
-  rule (its grid also gives the image's 3-D positions: positions.py)."""
+- qwen2_vl, qwen2_5_vl, qwen3_vl: the image token once per merged patch of the image resized
+  by Qwen's rule (its grid also gives the image's 3-D positions: positions.py)."""
 
 from __future__ import annotations
 
@@ -152,10 +152,10 @@ def _as_dict(size: Any) -> dict:
 
 
 def qwen_grid(image_processor: Any) -> Callable[[int, int], tuple[int, int, int]]:
-    """Qwen2-VL's and Qwen2.5-VL's image grid in merged patches (frames, rows, columns): the
-    image resized by the processor's own size rule (whole `patch_size * merge_size` units,
-    between its `min_pixels` and `max_pixels`; an aspect ratio over 200 is its ValueError),
-    one frame for a still image."""
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image grid in merged patches (frames, rows,
+    columns): the image resized by the processor's own size rule (whole `patch_size *
+    merge_size` units, 28 pixels or Qwen3-VL's 32, between its `min_pixels` and
+    `max_pixels`; an aspect ratio over 200 is its ValueError), one frame for a still image."""
     merge = int(image_processor.merge_size)
     unit = int(image_processor.patch_size) * merge
 

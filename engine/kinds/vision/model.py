@@ -28,25 +28,33 @@ Families: those whose image features replace the image token's embeddings one fo
   causal, as in mlx-vlm's own generation (Hugging Face's Gemma 3 lets an image's tokens see
   each other both ways; mlx-vlm does not, and mlxd answers as mlx-vlm does). Pan-and-scan
   (extra crops of an image) is not applied;
-- mistral3 (Pixtral's tower, a mistral language model): an image's positions follow its size;
-  the template's `[IMG]` becomes the processor's rows of `[IMG]` (one per merged patch of the
-  resized image), `[IMG_BREAK]` between rows and `[IMG_END]` after, and the tower is told the
-  image's size;
+- mistral3 (Pixtral's tower, a mistral language model) and pixtral (Pixtral-12B; its config
+  as mlx-vlm has it: Hugging Face's llava with a pixtral tower is refused at load, mlx-vlm's
+  llava having no such tower): an image's positions follow its size; the template's `[IMG]`
+  becomes the processor's rows of `[IMG]` (one per merged patch of the resized image; a
+  patch in Pixtral, which merges none), `[IMG_BREAK]` between rows and `[IMG_END]` after,
+  and the tower is told the image's size;
 - idefics3, smolvlm (a SigLIP tower, a pixel-shuffle connector, a llama language model): the
   template's `<image>` becomes the processor's tiles (the image cut into rows x columns of
   tiles, each after `<fake_token_around_image><row_R_col_C>`, then the whole image as one more
   tile, the global view); the tower runs over an image's tiles at once and each tile's
   features fill its positions in order. A request's tiles are bounded (`prompt.MAX_TILES`).
-- qwen2_vl, qwen2_5_vl (a ViT, windowed in Qwen2.5-VL, and a Qwen2 language model with 3-D
-  rotary positions): the template's `<|image_pad|>` becomes one per merged patch of the image
-  as Qwen's processor resizes it (one rule for both); the language model is given each row's
-  positions (`positions.py`: from the row's tokens and its images' grids, before every
-  forward pass), and the tower the image's grid.
+- qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe (a ViT, windowed in Qwen2.5-VL, and a Qwen2
+  or Qwen3 language model with 3-D rotary positions, interleaved in Qwen3-VL): the template's
+  `<|image_pad|>` becomes one per merged patch of the image as Qwen's processor resizes it
+  (one rule for all, over 28-pixel merged patches, 32-pixel in Qwen3-VL); the language
+  model is given each row's positions (`positions.py`: from the row's tokens and its images'
+  grids, before every forward pass; Qwen3-VL numbers them as Qwen2-VL does), and the tower the
+  image's grid. Qwen3-VL's tower (MoE's too) also gives DeepStack features (`DEEPSTACK`):
+  one set per level, which its language model adds to its hidden states at the image's
+  positions after each of its first layers. The table keeps them with the image's features,
+  and each forward pass is given those of the image tokens it holds, looked up by their ids
+  as the features are (`ImageTable.feed`), so an image split over prefill chunks, partly
+  restored from a cache or batched with other rows gets each of its positions' own.
 Where the processor rewrites the marker (all but llava), admission does so in the rendered
 text (`layouts.py`) and tokenizes the result, as the processor does, and each image token
-there takes the image's next id. Other families (Qwen3-VL, whose tower also adds features
-inside the language model; llava-next's tiling) are refused at load with a message naming the
-supported families.
+there takes the image's next id. Other families (llava-next's tiling, say) are refused at
+load with a message naming the supported families.
 """
 
 from __future__ import annotations
@@ -82,11 +90,15 @@ from mlxd.protocol.messages import ImageInput, image_key
 
 log = logging.getLogger("mlxd.engine")
 
-SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl",
-                       "qwen2_5_vl"})
+SUPPORTED = frozenset({"llava", "gemma3", "mistral3", "pixtral", "idefics3", "smolvlm",
+                       "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+PIXTRAL = frozenset({"mistral3", "pixtral"})  # Pixtral's tower: images at their own size
+LLAVA_TOWERS = frozenset({"clip_vision_model", "siglip_vision_model"})  # mlx-vlm's llava's
 TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
 # 3-D rotary positions that follow an image's grid
-POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl"})
+POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+# The tower's features also go into the language model's first layers (DeepStack)
+DEEPSTACK = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
@@ -115,6 +127,12 @@ def pixels_key(width: int, height: int, pixels: bytes) -> bytes:
     return image_key(width, height, pixels)
 
 
+# What the vision tower gives for an image: its features (tokens, hidden), or for a DeepStack
+# family (Qwen3-VL) those and the features its language model adds to the hidden states of
+# its first layers (levels, tokens, hidden)
+Encoded = mx.array | tuple[mx.array, mx.array]
+
+
 @dataclass
 class _Image:
     image: ImageInput | None  # the decoded pixels, until encoded
@@ -124,6 +142,17 @@ class _Image:
     used: float
     nbytes: int
     grid: tuple[int, int, int] | None = None  # positional families: (frames, rows, columns)
+    deepstack: mx.array | None = None  # DeepStack families: (levels, tokens, hidden)
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What one forward pass is fed for its image tokens."""
+    embeds: mx.array  # (batch, length, hidden): image features in place of image token ids
+    # DeepStack families: where the pass's image tokens are (batch, length), and their
+    # DeepStack features (levels, image tokens in row-major order, hidden)
+    mask: mx.array | None = None
+    deepstack: mx.array | None = None
 
 
 class ImageTable:
@@ -134,7 +163,7 @@ class ImageTable:
 
     def __init__(self, encode: Any, preprocess: Any,
                  max_bytes: int = IMAGE_TABLE_BYTES) -> None:
-        # (pixel_values (numpy), grid or None) -> features (tokens, hidden); MLX thread
+        # (pixel_values (numpy), grid or None) -> Encoded; MLX thread or an admission lane
         self._encode = encode
         self.preprocess = preprocess  # ImageInput -> pixel_values (numpy); the processor
         self._max_bytes = max_bytes
@@ -204,22 +233,26 @@ class ImageTable:
             if img is None or img.features is not None or img.pixel_values is None:
                 return
             values, grid = img.pixel_values, img.grid
-        feats = self._tower(values, grid)
+        encoded = self._tower(values, grid)
         with self._lock:
             if img.features is None and self._images.get(key) is img:
-                self._set_features(img, feats)
+                self._set_features(img, encoded)
 
-    def _tower(self, values: np.ndarray, grid: tuple[int, int, int] | None) -> mx.array:
+    def _tower(self, values: np.ndarray, grid: tuple[int, int, int] | None
+               ) -> tuple[mx.array, mx.array | None]:
         faults.hit("engine.vision.encode")  # tests: `delay:MS` is a slow vision tower
-        feats = self._encode(values, grid)
-        mx.eval(feats)
-        return feats
+        got = self._encode(values, grid)
+        feats, deep = got if isinstance(got, tuple) else (got, None)
+        mx.eval(feats, *([deep] if deep is not None else []))
+        return feats, deep
 
-    def _set_features(self, img: _Image, feats: mx.array) -> None:
+    def _set_features(self, img: _Image, encoded: tuple[mx.array, mx.array | None]) -> None:
+        feats, deep = encoded
+        nbytes = feats.nbytes + (deep.nbytes if deep is not None else 0)
         self.encoded += 1
-        self._bytes += feats.nbytes - img.nbytes
-        img.features, img.pixel_values, img.image = feats, None, None
-        img.nbytes = feats.nbytes
+        self._bytes += nbytes - img.nbytes
+        img.features, img.deepstack, img.pixel_values, img.image = feats, deep, None, None
+        img.nbytes = nbytes
 
     def locate(self, token: int) -> tuple[int, tuple[int, int, int]] | None:
         """An image token's index in its image and the image's grid (`positions.Locate`);
@@ -236,8 +269,16 @@ class ImageTable:
 
     def embed(self, inputs: mx.array, embed_tokens: Any) -> mx.array | None:
         """On the MLX thread: the input embeddings of `inputs` (batch, length) with image
-        features in place of image token ids, or None when there are none. Sampled tokens
-        (uint32, decode steps) are never image tokens and are not even looked at."""
+        features in place of image token ids, or None when there are none."""
+        fed = self.feed(inputs, embed_tokens)
+        return fed.embeds if fed is not None else None
+
+    def feed(self, inputs: mx.array, embed_tokens: Any) -> Fed | None:
+        """On the MLX thread: what a forward pass over `inputs` (batch, length) is fed for its
+        image tokens (`Fed`), or None when there are none. Sampled tokens (uint32, decode
+        steps) are never image tokens and are not even looked at. Each image token takes the
+        features of its image's position, whichever pass, chunk or cached prefix holds the
+        image's other positions: so do its DeepStack features."""
         if inputs.dtype == mx.uint32:
             return None
         ids = np.array(inputs)
@@ -246,6 +287,7 @@ class ImageTable:
             return None
         rows = np.zeros(ids.shape, dtype=np.int32)
         tables: list[mx.array] = []
+        deeps: list[mx.array | None] = []
         offsets: dict[bytes, int] = {}
         total = 0
         with self._lock:
@@ -255,17 +297,27 @@ class ImageTable:
                     raise RuntimeError("an image token of a prompt names no known image")
                 key, i = where
                 if key not in offsets:
-                    feats = self._features(key)
+                    feats, deep = self._features(key)
                     offsets[key] = total
                     tables.append(feats)
+                    deeps.append(deep)
                     total += feats.shape[0]
                 rows[pos] = offsets[key] + i
         base = embed_tokens(mx.array(np.where(virtual, 0, ids)))
         table = mx.concatenate(tables) if len(tables) > 1 else tables[0]
         feats = table[mx.array(rows)].astype(base.dtype)
-        return mx.where(mx.array(virtual)[..., None], feats, base)
+        mask = mx.array(virtual)
+        embeds = mx.where(mask[..., None], feats, base)
+        present = [d for d in deeps if d is not None]
+        if not present:
+            return Fed(embeds)
+        if len(present) != len(deeps):
+            raise RuntimeError("an image without DeepStack features in a DeepStack model")
+        deep_table = mx.concatenate(present, axis=1) if len(present) > 1 else present[0]
+        # row-major over (batch, length): the order the language model adds them in
+        return Fed(embeds, mask, deep_table[:, mx.array(rows[virtual])].astype(base.dtype))
 
-    def _features(self, key: bytes) -> mx.array:
+    def _features(self, key: bytes) -> tuple[mx.array, mx.array | None]:
         img = self._images[key]
         img.used = time.monotonic()
         if img.features is None:
@@ -274,7 +326,7 @@ class ImageTable:
                 img.pixel_values = self.preprocess(img.image)
             self._set_features(img, self._tower(img.pixel_values, img.grid))
         assert img.features is not None
-        return img.features
+        return img.features, img.deepstack
 
 
 class VisionLM(nn.Module):
@@ -285,7 +337,7 @@ class VisionLM(nn.Module):
         super().__init__()
         self.vlm = vlm
         self.images = images
-        # 3-D rotary positions (Qwen2-VL, Qwen2.5-VL): each row's, from its tokens
+        # 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each row's, from its tokens
         # (positions.py)
         self.positions = RowPositions(images.locate) if positional else None
 
@@ -314,8 +366,12 @@ class VisionLM(nn.Module):
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         lm = self.vlm.language_model
         # the token embedding: under `model` (llava, gemma3, mistral3) or the LM's own (idefics3)
-        embeds = self.images.embed(inputs, getattr(lm, "model", lm).embed_tokens)
+        fed = self.images.feed(inputs, getattr(lm, "model", lm).embed_tokens)
+        embeds = fed.embeds if fed is not None else None
         extra: dict[str, Any] = {}
+        if fed is not None and fed.deepstack is not None:  # this pass's image positions
+            extra["visual_pos_masks"] = fed.mask
+            extra["deepstack_visual_embeds"] = fed.deepstack
         if self.positions is not None:
             rows = self.positions(*inputs.shape[:2])
             if rows is not None:
@@ -377,7 +433,7 @@ class VisionParts:
     # Tiling families (idefics3, smolvlm): (width, height) -> the tiles the tower sees for the
     # image (the global view included), which a request's budget (MAX_TILES) bounds.
     tiles: Callable[[int, int], int] | None = None
-    # Positional families (qwen2_vl, qwen2_5_vl): (width, height) -> the image's merged-patch
+    # Positional families (the Qwen ones): (width, height) -> the image's merged-patch
     # grid (frames, rows, columns), which its positions follow (positions.py).
     grid: Callable[[int, int], tuple[int, int, int]] | None = None
 
@@ -405,10 +461,18 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         raise ModelLoadError(f"{model_dir.name}: a mistral3 vision model with a "
                              f"{config['text_config']['model_type']} language model is not "
                              "served (Mistral Small 3.1 / 3.2's mistral one is)")
+    tower = str((config.get("vision_config") or {}).get("model_type", ""))
+    if model_type == "llava" and tower not in LLAVA_TOWERS:
+        hint = (" (Pixtral as Hugging Face's mistral-community/pixtral-12b writes it: mlx-vlm "
+                "serves Pixtral under model_type \"pixtral\", as its conversions write it)"
+                if tower == "pixtral" else "")
+        raise ModelLoadError(f"{model_dir.name}: a llava vision model with a {tower or 'unknown'}"
+                             f" vision tower is not served{hint}; mlxd serves llava with "
+                             f"{' or '.join(sorted(LLAVA_TOWERS))} towers")
     layout: Layout | None = None
     tiling: Tiling | None = None
     options: dict[str, Any] = {}  # the image processor's options, as the processor sets them
-    unit = 0  # mistral3: pixels per merged patch (its image's positions follow from its size)
+    unit = 0  # mistral3, pixtral: pixels per merged patch (an image's positions follow its size)
     per_tile = 0  # idefics3, smolvlm: positions per tile
     grid: Callable[[int, int], tuple[int, int, int]] | None = None  # POSITIONAL
     try:
@@ -431,7 +495,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
             marker = str(processor.boi_token)
             layout = gemma3_layout(processor, image_token)
             options = {"do_pan_and_scan": False}
-        elif model_type == "mistral3":
+        elif model_type in PIXTRAL:
             layout = pixtral_layout(processor, image_processor)
             unit = int(processor.patch_size) * int(processor.spatial_merge_size)
             options = {"patch_size": unit}
@@ -468,7 +532,7 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
     if n < 1:
         raise ModelLoadError(f"{model_dir.name}: its processor gives an image no image tokens")
 
-    def encode(pixel_values: np.ndarray, grid_of: tuple[int, int, int] | None) -> mx.array:
+    def encode(pixel_values: np.ndarray, grid_of: tuple[int, int, int] | None) -> Encoded:
         extra: dict[str, Any] = {}
         count = n
         if unit:  # the pixels' size (one image: no padding) says how many positions
@@ -485,6 +549,9 @@ def load_vision(model_dir: Path, dtype: str) -> tuple[VisionLM, Any, dict, Visio
         ids = mx.array([[image_token_id] * count])
         got = vlm.get_input_embeddings(input_ids=ids, pixel_values=mx.array(pixel_values),
                                        mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
+        levels = list(got.deepstack_visual_embeds or []) if model_type in DEEPSTACK else []
+        if levels:  # each (tokens, hidden)
+            return got.inputs_embeds[0], mx.stack(levels)
         return got.inputs_embeds[0]
 
     def preprocess(image: ImageInput) -> np.ndarray:

@@ -1,5 +1,7 @@
-"""3-D rotary positions (Qwen2-VL's and Qwen2.5-VL's M-RoPE) for the rows of a batch, derived
-from each row's tokens alone, so that they survive every cache.
+"""3-D rotary positions (Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's M-RoPE) for the rows of a
+batch, derived from each row's tokens alone, so that they survive every cache. (Qwen3-VL
+interleaves the three components' frequencies inside its rotary embedding; the positions
+themselves follow the same rule, mlx-vlm's `get_rope_index` for each.)
 
 In those models a text token's three position components are equal and an image's token at
 (frame t, row h, column w) of its merged-patch grid takes (s + t, s + h, s + w), where s is the
