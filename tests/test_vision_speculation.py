@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +17,17 @@ from conftest import start_daemon
 from conftest import stop_and_check as stop
 from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.kinds.vision.model import load_vision
-from support.random_vlm import write_random_gemma3, write_random_qwen2_5_vl, write_random_vlm
+from support.random_vlm import (
+    write_random_gemma3,
+    write_random_mistral3,
+    write_random_qwen2_5_vl,
+    write_random_smolvlm,
+    write_random_vlm,
+)
 from test_speculative import CODE, drive, forced, greedy
 
-WRITERS = {"llava": write_random_vlm, "gemma3": write_random_gemma3}
+WRITERS: dict[str, Callable[[Path], Path]] = {"llava": write_random_vlm, "gemma3": write_random_gemma3,
+           "mistral3": write_random_mistral3, "smolvlm": write_random_smolvlm}
 
 
 @pytest.mark.parametrize("family", sorted(WRITERS))
