@@ -26,8 +26,9 @@ from support.random_vlm import (
 )
 from test_speculative import CODE, drive, forced, greedy
 
-WRITERS: dict[str, Callable[[Path], Path]] = {"llava": write_random_vlm, "gemma3": write_random_gemma3,
-           "mistral3": write_random_mistral3, "smolvlm": write_random_smolvlm}
+WRITERS: dict[str, Callable[[Path], Path]] = {
+    "llava": write_random_vlm, "gemma3": write_random_gemma3,
+    "mistral3": write_random_mistral3, "smolvlm": write_random_smolvlm}
 
 
 @pytest.mark.parametrize("family", sorted(WRITERS))
