@@ -263,7 +263,7 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
     entry be evicted before the prefill, the MLX thread computes them after all."""
     import mlx.core as mx
 
-    from mlxd.engine.kinds.vision.model import VIRTUAL_BASE, ImageTable
+    from mlxd.engine.kinds.vision.image_table import VIRTUAL_BASE, ImageTable
     from mlxd.protocol.messages import ImageInput, image_key
     calls: list[str] = []
 
@@ -297,7 +297,7 @@ def test_an_image_encoded_on_an_admission_lane_is_ready_for_the_mlx_thread():
 
     import mlx.core as mx
 
-    from mlxd.engine.kinds.vision.model import ImageTable
+    from mlxd.engine.kinds.vision.image_table import ImageTable
     from mlxd.protocol.messages import ImageInput, image_key
     towers: list[str] = []
 

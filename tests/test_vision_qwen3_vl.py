@@ -51,7 +51,8 @@ def test_deepstack_features_follow_each_passs_image_tokens(qwen3, monkeypatch):
     from mlx_vlm import load, stream_generate
     from PIL import Image
 
-    from mlxd.engine.kinds.vision.model import Fed, load_vision
+    from mlxd.engine.kinds.vision.image_table import Fed
+    from mlxd.engine.kinds.vision.model import load_vision
     from mlxd.protocol.messages import ImageInput, image_key
     model, tok, _, parts = load_vision(qwen3, "float32")
     positions, layout, grid_of = model.positions, parts.layout, parts.grid

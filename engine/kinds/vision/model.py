@@ -6,17 +6,9 @@ own language model behind the call mlx-lm's `BatchGenerator` makes (`model(token
 so vision rows join the same continuous batch as text rows, and the RAM prefix cache, the SSD
 tier, checkpoints and resume work on them unchanged.
 
-An image's place in a prompt is held by *image tokens*: ids above the vocabulary
-(`VIRTUAL_BASE` and up), one per position the image takes, each derived from the blake3 of the
-image's decoded pixels and the position (`image_token_ids`). The prompt's token ids therefore
-name the image's content: the prefix cache's trie and the SSD tier's chained block keys, which
-are built from token ids alone, hit on the same image and never on another one. `VisionLM`
-looks those ids up in its `ImageTable` and feeds the image's features in their place. The
-vision tower and projector run at admission, on the admission lane's thread and its own MLX
-stream, for images a cache did not cover (`ImageTable.encode_now`): their time is never inside
-a step, so rows already decoding keep their pace while an image is admitted (what they share
-is the device). Only an image whose cached prefix was evicted between admission and prefill
-is encoded on the MLX thread.
+An image's place in a prompt is held by *image tokens*, ids that name the image's content
+(`image_table.py`); `VisionLM` looks them up in its `ImageTable` and feeds the image's
+features in their place.
 
 Families: those whose image features replace the image token's embeddings one for one
 (`SUPPORTED`):
@@ -61,9 +53,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,9 +61,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from blake3 import blake3
 
 from mlxd.engine.kinds.vision import fixes
+from mlxd.engine.kinds.vision.image_table import Encoded, ImageTable
 from mlxd.engine.kinds.vision.layouts import (
     Layout,
     Tiling,
@@ -85,8 +74,7 @@ from mlxd.engine.kinds.vision.layouts import (
     tiled_layout,
 )
 from mlxd.engine.kinds.vision.positions import RowPositions
-from mlxd.protocol import faults
-from mlxd.protocol.messages import ImageInput, image_key
+from mlxd.protocol.messages import ImageInput
 
 log = logging.getLogger("mlxd.engine")
 
@@ -99,9 +87,6 @@ TILED = frozenset({"idefics3", "smolvlm"})  # images cut into tiles (layouts.py)
 POSITIONAL = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 # The tower's features also go into the language model's first layers (DeepStack)
 DEEPSTACK = frozenset({"qwen3_vl", "qwen3_vl_moe"})
-VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
-IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
-IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
 
 
 def is_vision_dir(model_dir: Path) -> bool:
@@ -111,222 +96,6 @@ def is_vision_dir(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
-
-
-def image_token_ids(key: bytes, n: int) -> list[int]:
-    """The `n` ids an image with content hash `key` takes in a prompt: position i's id is 30
-    bits of blake3(key, i) above VIRTUAL_BASE, so a sequence of them names the image (two
-    images share one id by chance at 2^-30; all of a prompt's, never in practice)."""
-    return [VIRTUAL_BASE | (int.from_bytes(blake3(key + i.to_bytes(4, "little")).digest(4),
-                                           "little") & (VIRTUAL_BASE - 1))
-            for i in range(n)]
-
-
-def pixels_key(width: int, height: int, pixels: bytes) -> bytes:
-    """The content hash of a decoded RGB image (what the proxy computed and sent)."""
-    return image_key(width, height, pixels)
-
-
-# What the vision tower gives for an image: its features (tokens, hidden), or for a DeepStack
-# family (Qwen3-VL) those and the features its language model adds to the hidden states of
-# its first layers (levels, tokens, hidden)
-Encoded = mx.array | tuple[mx.array, mx.array]
-
-
-@dataclass
-class _Image:
-    image: ImageInput | None  # the decoded pixels, until encoded
-    pixel_values: np.ndarray | None  # the processor's output, until encoded
-    features: mx.array | None  # (tokens, hidden), once the vision tower ran
-    ids: list[int]
-    used: float
-    nbytes: int
-    grid: tuple[int, int, int] | None = None  # positional families: (frames, rows, columns)
-    deepstack: mx.array | None = None  # DeepStack families: (levels, tokens, hidden)
-
-
-@dataclass(frozen=True)
-class Fed:
-    """What one forward pass is fed for its image tokens."""
-    embeds: mx.array  # (batch, length, hidden): image features in place of image token ids
-    # DeepStack families: where the pass's image tokens are (batch, length), and their
-    # DeepStack features (levels, image tokens in row-major order, hidden)
-    mask: mx.array | None = None
-    deepstack: mx.array | None = None
-
-
-class ImageTable:
-    """Image token id -> (image, position), and each image's pixels or features. Registered
-    on an admission lane, read on the MLX thread (one lock). An image registered without
-    pixel values (a cache covered it at admission) gets them on the MLX thread if a cache
-    eviction in between makes its features needed after all."""
-
-    def __init__(self, encode: Any, preprocess: Any,
-                 max_bytes: int = IMAGE_TABLE_BYTES) -> None:
-        # (pixel_values (numpy), grid or None) -> Encoded; MLX thread or an admission lane
-        self._encode = encode
-        self.preprocess = preprocess  # ImageInput -> pixel_values (numpy); the processor
-        self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._images: OrderedDict[bytes, _Image] = OrderedDict()
-        self._where: dict[int, tuple[bytes, int]] = {}
-        self._bytes = 0
-        self.encoded = 0  # images the vision tower ran for (a figure for tests and stats)
-
-    def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None,
-                 grid: tuple[int, int, int] | None = None) -> list[int]:
-        """The image's token ids; `pixel_values` None: not computed (a cache covers it);
-        `grid`: the image's merged-patch grid, for a family whose positions follow it."""
-        key = image.key
-        ids = image_token_ids(key, n)
-        with self._lock:
-            img = self._images.get(key)
-            if img is not None:
-                img.used = time.monotonic()
-                self._images.move_to_end(key)
-                if img.features is None and img.pixel_values is None \
-                        and pixel_values is not None:
-                    img.pixel_values = pixel_values
-                    img.nbytes += pixel_values.nbytes
-                    self._bytes += pixel_values.nbytes
-                return img.ids
-            for i, vid in enumerate(ids):
-                if self._where.get(vid, (key, i)) != (key, i):
-                    raise ValueError("two images' token ids collide; send the request again "
-                                     "with the image re-encoded")
-            for i, vid in enumerate(ids):
-                self._where[vid] = (key, i)
-            nbytes = len(image.pixels) + (pixel_values.nbytes if pixel_values is not None
-                                          else 0)
-            self._images[key] = _Image(image, pixel_values, None, ids, time.monotonic(), nbytes,
-                                       grid)
-            self._bytes += nbytes
-            self._evict()
-        return ids
-
-    def _evict(self) -> None:
-        old = time.monotonic() - IMAGE_TTL_S
-        while self._bytes > self._max_bytes and self._images:
-            key, img = next(iter(self._images.items()))
-            if img.used > old:
-                return
-            del self._images[key]
-            self._bytes -= img.nbytes
-            for vid in img.ids:
-                self._where.pop(vid, None)
-
-    def encoded_image(self, key: bytes) -> bool:
-        """Whether the image's features are here already (an earlier request's admission ran
-        its tower): its pixels need no preprocessing."""
-        with self._lock:
-            img = self._images.get(key)
-            return img is not None and img.features is not None
-
-    def encode_now(self, key: bytes) -> None:
-        """On an admission lane: run the vision tower for a registered image whose features
-        are not there yet, so that the MLX thread's prefill finds them ready. The tower then
-        runs beside the decode steps (on the lane thread's own MLX stream), never inside one:
-        running rows keep their pace while an image is admitted (issue 36). The table's lock
-        is not held meanwhile; an image the MLX thread encoded first is left as it is."""
-        with self._lock:
-            img = self._images.get(key)
-            if img is None or img.features is not None or img.pixel_values is None:
-                return
-            values, grid = img.pixel_values, img.grid
-        encoded = self._tower(values, grid)
-        with self._lock:
-            if img.features is None and self._images.get(key) is img:
-                self._set_features(img, encoded)
-
-    def _tower(self, values: np.ndarray, grid: tuple[int, int, int] | None
-               ) -> tuple[mx.array, mx.array | None]:
-        faults.hit("engine.vision.encode")  # tests: `delay:MS` is a slow vision tower
-        got = self._encode(values, grid)
-        feats, deep = got if isinstance(got, tuple) else (got, None)
-        mx.eval(feats, *([deep] if deep is not None else []))
-        return feats, deep
-
-    def _set_features(self, img: _Image, encoded: tuple[mx.array, mx.array | None]) -> None:
-        feats, deep = encoded
-        nbytes = feats.nbytes + (deep.nbytes if deep is not None else 0)
-        self.encoded += 1
-        self._bytes += nbytes - img.nbytes
-        img.features, img.deepstack, img.pixel_values, img.image = feats, deep, None, None
-        img.nbytes = nbytes
-
-    def locate(self, token: int) -> tuple[int, tuple[int, int, int]] | None:
-        """An image token's index in its image and the image's grid (`positions.Locate`);
-        None for a text token. An image token of no known image, or of an image without a
-        grid, is an error (the table keeps a running row's images: see IMAGE_TTL_S)."""
-        if token < VIRTUAL_BASE:
-            return None
-        with self._lock:
-            where = self._where.get(token)
-            img = self._images.get(where[0]) if where is not None else None
-            if where is None or img is None or img.grid is None:
-                raise RuntimeError("an image token of a prompt names no known image")
-            return where[1], img.grid
-
-    def embed(self, inputs: mx.array, embed_tokens: Any) -> mx.array | None:
-        """On the MLX thread: the input embeddings of `inputs` (batch, length) with image
-        features in place of image token ids, or None when there are none."""
-        fed = self.feed(inputs, embed_tokens)
-        return fed.embeds if fed is not None else None
-
-    def feed(self, inputs: mx.array, embed_tokens: Any) -> Fed | None:
-        """On the MLX thread: what a forward pass over `inputs` (batch, length) is fed for its
-        image tokens (`Fed`), or None when there are none. Sampled tokens (uint32, decode
-        steps) are never image tokens and are not even looked at. Each image token takes the
-        features of its image's position, whichever pass, chunk or cached prefix holds the
-        image's other positions: so do its DeepStack features."""
-        if inputs.dtype == mx.uint32:
-            return None
-        ids = np.array(inputs)
-        virtual = ids >= VIRTUAL_BASE
-        if not virtual.any():
-            return None
-        rows = np.zeros(ids.shape, dtype=np.int32)
-        tables: list[mx.array] = []
-        deeps: list[mx.array | None] = []
-        offsets: dict[bytes, int] = {}
-        total = 0
-        with self._lock:
-            for pos in zip(*np.nonzero(virtual), strict=True):
-                where = self._where.get(int(ids[pos]))
-                if where is None:
-                    raise RuntimeError("an image token of a prompt names no known image")
-                key, i = where
-                if key not in offsets:
-                    feats, deep = self._features(key)
-                    offsets[key] = total
-                    tables.append(feats)
-                    deeps.append(deep)
-                    total += feats.shape[0]
-                rows[pos] = offsets[key] + i
-        base = embed_tokens(mx.array(np.where(virtual, 0, ids)))
-        table = mx.concatenate(tables) if len(tables) > 1 else tables[0]
-        feats = table[mx.array(rows)].astype(base.dtype)
-        mask = mx.array(virtual)
-        embeds = mx.where(mask[..., None], feats, base)
-        present = [d for d in deeps if d is not None]
-        if not present:
-            return Fed(embeds)
-        if len(present) != len(deeps):
-            raise RuntimeError("an image without DeepStack features in a DeepStack model")
-        deep_table = mx.concatenate(present, axis=1) if len(present) > 1 else present[0]
-        # row-major over (batch, length): the order the language model adds them in
-        return Fed(embeds, mask, deep_table[:, mx.array(rows[virtual])].astype(base.dtype))
-
-    def _features(self, key: bytes) -> tuple[mx.array, mx.array | None]:
-        img = self._images[key]
-        img.used = time.monotonic()
-        if img.features is None:
-            if img.pixel_values is None:  # a cache covered it at admission, not any more
-                assert img.image is not None
-                img.pixel_values = self.preprocess(img.image)
-            self._set_features(img, self._tower(img.pixel_values, img.grid))
-        assert img.features is not None
-        return img.features, img.deepstack
 
 
 class VisionLM(nn.Module):

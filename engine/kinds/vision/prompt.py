@@ -20,7 +20,8 @@ from mlxd.engine.admit import prepare as admission
 from mlxd.engine.admit.prepare import Admitted, Answered, ClientError
 from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.kinds.base import Lookup
-from mlxd.engine.kinds.vision.model import VIRTUAL_BASE, VisionParts, image_token_ids, pixels_key
+from mlxd.engine.kinds.vision.image_table import VIRTUAL_BASE, image_token_ids, pixels_key
+from mlxd.engine.kinds.vision.model import VisionParts
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import Delta, Generate, ImageInput
 
