@@ -1,11 +1,11 @@
 """A vision engine: mlx-vlm's language model behind the call mlx-lm's generator makes, images
 turned into hash-derived token ids at admission (`prompt.py`) and into features in the
 forward pass (`model.py`). Rows whose prompt holds images run plain steps (a verify pass would
-feed their features again); rows without images speculate as a text model's do (prompt
-lookup), except in the families whose positions follow their images (Qwen's 3-D positions are
-recomputed from a row's tokens before each pass, which a rejected draft would leave behind) and
-with `--draft-model` (a draft model is checked against text models only). mlxd does not make
-its caches (no `--kv-bits`)."""
+feed their features again, and in the Qwen families their 3-D positions); rows without images
+speculate as a text model's do, by prompt lookup (a verify pass is outside the generator's
+hooks: in the Qwen families its positions are the cache's offsets, which are a row's own
+where no image came before), not with `--draft-model` (a draft model is checked against text
+models only). mlxd does not make its caches (no `--kv-bits`)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,11 @@ class VisionKind(SingleProcessKind):
     def __init__(self, launch: EngineLaunch) -> None:
         self.launch = launch
         self.admission: VisionAdmission | None = None  # set by `load`
-        self.positional = True  # its positions follow its images (known at load)
 
     @property
     def features(self) -> Features:
         settings = self.launch.settings
-        return Features(speculative=settings.speculative and not self.positional
+        return Features(speculative=settings.speculative
                         and not settings.draft_model, prompt_batch=False, kv_quant=False)
 
     def load(self, model_dir: Path, progress: ProgressFn) -> Weights:
@@ -44,7 +43,6 @@ class VisionKind(SingleProcessKind):
             raise AdapterError("LoRA adapters apply to text models served by one engine "
                                "(not to a sharded or a vision model)")
         model, tokenizer, config, parts = load_vision(model_dir, self.launch.settings.dtype)
-        self.positional = model.positions is not None
         if model.positions is not None:  # its rows' positions follow their tokens' images
             from mlxd.engine.mlx_lm_internals import hook_row_tokens
             hook_row_tokens(lambda m: getattr(m, "positions", None))
