@@ -45,6 +45,16 @@ def test_text_rows_of_a_vision_model_speculate_with_the_plain_tokens(tmp_path, f
     got, _ = drive(model, spec, [AddRequest("a", prompt, 60, greedy(), [])])
     assert got == plain and len(plain["a"]) == 60
     assert spec.counters.steps > 0 and spec.counters.accepted > 0
+    # two text rows decoding together speculate in one verify pass, each with its own tokens
+    other = tok.encode(CODE.replace("hello", "goodbye"))
+    rows = [AddRequest("r1", prompt, 40, greedy(), []), AddRequest("r2", other, 40, greedy(), [])]
+    plain2, _ = drive(model, None, rows)
+    spec = forced(4)
+    got2, _ = drive(model, spec, [AddRequest("r1", prompt, 40, greedy(), []),
+                                  AddRequest("r2", other, 40, greedy(), [])])
+    assert got2 == plain2 and plain2["r1"] == plain["a"][:40]
+    # (several rows verify together on plain KV layers only: not Gemma 3's sliding windows)
+    assert (spec.counters.batched > 0) == (family != "gemma3")
     # a row that must not speculate (a prompt with images) decodes plain, alone or batched
     spec = forced(4)
     alone, _ = drive(model, spec, [AddRequest("b", prompt, 30, greedy(), [], speculate=False)])
