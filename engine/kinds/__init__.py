@@ -16,8 +16,6 @@ def open_engine(host: Host) -> Engine:
     a text engine (ModelLoadError and kin: it cannot load). A `vision_config` directory
     whose family the vision engine does not serve, or which holds no vision tower, is a text
     engine where mlx-lm loads it (`route.py`)."""
-    from pathlib import Path
-
     from mlxd.engine.embeddings.models import model_use
     from mlxd.engine.kinds.vision.model import is_vision_dir
     from mlxd.engine.load.loader import resolve_model_dir
