@@ -73,6 +73,8 @@ def test_weight_names_come_from_the_index_or_each_files_header(tmp_path):
     mx.save_safetensors(str(tmp_path / "a.safetensors"), {"visual.w": mx.zeros((2,))})
     mx.save_safetensors(str(tmp_path / "b.safetensors"), {"lm_head.weight": mx.zeros((2,))})
     assert sorted(weight_names(tmp_path)) == ["lm_head.weight", "visual.w"]
+    (tmp_path / "c.safetensors").write_bytes((1 << 62).to_bytes(8, "little") + b"{}")
+    assert sorted(weight_names(tmp_path)) == ["lm_head.weight", "visual.w"]  # damaged: skipped
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"x.weight": "a.safetensors"}}))
     assert weight_names(tmp_path) == ["x.weight"]

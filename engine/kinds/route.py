@@ -25,6 +25,7 @@ from typing import Literal
 # A weight belongs to the vision side when one of its name's first two parts says so:
 # "vision_tower.", "vision_model.", "visual.", "model.visual.", "model.vision_tower.", ...
 VISION_NAME_PARTS = ("vision", "visual")
+HEADER_MAX = 100 << 20  # the safetensors format's own bound on a header
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def weight_names(model_dir: Path) -> list[str]:
         try:
             with path.open("rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
+                if n > HEADER_MAX:  # not a safetensors file (a damaged one): no names
+                    continue
                 header = json.loads(f.read(n))
         except (OSError, ValueError, struct.error):
             continue

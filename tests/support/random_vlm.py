@@ -222,9 +222,26 @@ def write_random_mistral3(out: Path, *, longest_edge: int = 112, hidden: int = 6
                           vision_layers: int = 2, vision_heads: int = 2, vocab: int = 512,
                           context: int = 512, seed: int = 0, dtype: str = "float32") -> Path:
     """A random-weight Mistral 3 directory; images are resized to fit `longest_edge` pixels."""
+    from mlx_vlm.models import mistral3
+    return write_pixtral_tower_model(
+        out, mistral3, {"model_type": "mistral3",
+                        "architectures": ["Mistral3ForConditionalGeneration"],
+                        "spatial_merge_size": MISTRAL_MERGE, "multimodal_projector_bias": False},
+        MISTRAL_PATCH, MISTRAL_MERGE, longest_edge=longest_edge, hidden=hidden, layers=layers,
+        heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+        vision_hidden=vision_hidden, vision_layers=vision_layers, vision_heads=vision_heads,
+        vocab=vocab, context=context, seed=seed, dtype=dtype)
+
+
+def write_pixtral_tower_model(out: Path, module: Any, top: dict, patch: int, merge: int, *,
+                              longest_edge: int, hidden: int, layers: int, heads: int,
+                              kv_heads: int, intermediate: int, vision_hidden: int,
+                              vision_layers: int, vision_heads: int, vocab: int, context: int,
+                              seed: int, dtype: str) -> Path:
+    """A random-weight directory of mlx-vlm's `module` (mistral3, pixtral: Pixtral's tower and
+    a Mistral language model), `top` the config's own keys (model type, architecture, ...)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import mistral3
     from tokenizers import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -247,18 +264,16 @@ def write_random_mistral3(out: Path, *, longest_edge: int = 112, hidden: int = 6
     vision = {"model_type": "pixtral", "hidden_size": vision_hidden,
               "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
               "num_attention_heads": vision_heads, "head_dim": vision_hidden // vision_heads,
-              "image_size": longest_edge, "patch_size": MISTRAL_PATCH, "num_channels": 3,
+              "image_size": longest_edge, "patch_size": patch, "num_channels": 3,
               "rope_theta": 10000.0}
-    config = {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
-              "text_config": text, "vision_config": vision,
-              "image_token_index": ids[MISTRAL_IMAGE], "spatial_merge_size": MISTRAL_MERGE,
-              "vision_feature_layer": -1, "multimodal_projector_bias": False,
+    config = {**top, "text_config": text, "vision_config": vision,
+              "image_token_index": ids[MISTRAL_IMAGE], "vision_feature_layer": -1,
               "projector_hidden_act": "gelu", "vocab_size": real_vocab, "eos_token_id": eos}
     mx.random.seed(seed)
-    cfg = mistral3.ModelConfig.from_dict(config)
-    cfg.text_config = mistral3.TextConfig.from_dict(text)
-    cfg.vision_config = mistral3.VisionConfig.from_dict(vision)
-    model = mistral3.Model(cfg)
+    cfg = module.ModelConfig.from_dict(config)
+    cfg.text_config = module.TextConfig.from_dict(text)
+    cfg.vision_config = module.VisionConfig.from_dict(vision)
+    model = module.Model(cfg)
     weights = dict(tree_flatten(model.parameters()))
     key = "language_model.lm_head.weight"
     head = weights[key]
@@ -269,12 +284,12 @@ def write_random_mistral3(out: Path, *, longest_edge: int = 112, hidden: int = 6
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
         "do_resize": True, "size": {"longest_edge": longest_edge},
-        "patch_size": {"height": MISTRAL_PATCH, "width": MISTRAL_PATCH}, "resample": 3,
+        "patch_size": {"height": patch, "width": patch}, "resample": 3,
         "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True}, indent=2))
     (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "PixtralProcessor", "patch_size": MISTRAL_PATCH,
-        "spatial_merge_size": MISTRAL_MERGE, "image_token": MISTRAL_IMAGE,
+        "processor_class": "PixtralProcessor", "patch_size": patch,
+        "spatial_merge_size": merge, "image_token": MISTRAL_IMAGE,
         "image_break_token": MISTRAL_BREAK, "image_end_token": MISTRAL_END}, indent=2))
     return out
 
