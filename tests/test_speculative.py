@@ -8,6 +8,7 @@ identical text."""
 from __future__ import annotations
 
 import queue
+from typing import cast
 
 import pytest
 from mlx_lm.sample_utils import greedy_sampler
@@ -336,6 +337,85 @@ def test_rows_asking_for_logprobs_or_with_penalties_are_decoded_plain(models):
     drive(target, spec, [AddRequest("c", prompt, 20, greedy(), []),
                          AddRequest("d", prompt, 20, greedy(), [], logprobs=2)])
     assert spec.counters.batched == 0
+
+
+def _greedy_continuation(model, context: list[int], k: int) -> list[int]:
+    """What a draft model proposes for one row on its own: greedy after the whole context."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([context]), cache=cache)[:, -1]
+    out: list[int] = []
+    for _ in range(k):
+        y = mx.argmax(logits, axis=-1)
+        out.append(cast(int, y.item()))
+        logits = model(y[:, None], cache=cache)[:, -1]
+    return out
+
+
+def test_a_draft_model_drafts_for_all_rows_in_one_pass_per_position(models):
+    """DraftRows: k drafts for each of several rows (different lengths: padded rows) in k
+    passes of the draft model, each row's drafts those it would propose alone; after rows
+    accepted different counts, again k passes; rows behind by plain steps caught up in one
+    pass together; a row leaving and one joining keep the others' drafts right."""
+    from mlxd.engine.speculative.draft_rows import DraftRows
+    target, other, tok = models
+    draft = DraftRows(other, prefill_step=64)
+    contexts = {u: tok.encode(p) for u, p in enumerate(ROW_PROMPTS[:3])}
+
+    def propose(k: int = 4) -> dict[int, list[int]]:
+        uids = list(contexts)
+        got = draft.propose(uids, [contexts[u][:-1] for u in uids],
+                            [contexts[u][-1] for u in uids], k, [None] * len(uids))
+        for u, d in zip(uids, got, strict=True):
+            assert d == _greedy_continuation(other, contexts[u], k), u
+        return dict(zip(uids, got, strict=True))
+
+    before = draft.passes
+    got = propose()
+    new_rows = sum(-(-(len(c) - 1) // 64) for c in contexts.values())  # each prefilled alone
+    assert draft.passes - before == new_rows + 4
+    # row 0 accepted all four (its cache lacks the last), row 1 two, row 2 none
+    for u, n in zip(contexts, (4, 2, 0), strict=True):
+        contexts[u] += [*got[u][:n], 7]
+    before = draft.passes
+    got = propose()
+    assert draft.passes - before == 4
+    # ten plain steps for every row: one catch-up pass for all, then the drafts
+    for u in contexts:
+        contexts[u] += list(range(20, 30))
+    before = draft.passes
+    propose()
+    assert draft.passes - before == 1 + 4
+    # row 1 leaves, row 3 joins: only row 3 is prefilled
+    del contexts[1]
+    contexts[3] = tok.encode(ROW_PROMPTS[3])
+    before = draft.passes
+    propose(3)
+    assert draft.passes - before == -(-(len(contexts[3]) - 1) // 64) + 3
+
+
+def test_rows_joining_and_leaving_a_batch_drafted_by_a_model_keep_plain_tokens(models):
+    """Rows decoding with a draft model (the target itself: all accepted; another model: few),
+    two joining while the others speculate and rows finishing at different steps: every row's
+    tokens are plain decoding's, and the draft model ran batched (a pass per drafted position
+    for all rows, not one per row)."""
+    target, other, tok = models
+    for draft in (target, other):
+        def requests():
+            rows = several_rows(tok)
+            return rows[:2], {8: rows[2], 15: rows[3]}
+        plain, _ = drive(target, None, *requests())
+        spec = forced(4, draft)
+        got, _ = drive(target, spec, *requests())
+        assert got == plain
+        c = spec.counters
+        assert c.batched > 0
+        assert spec.draft_rows is not None
+        # row by row would be at least 2 rows x 4 drafts per batched step
+        assert spec.draft_rows.passes < 8 * c.batched
+        if draft is target:
+            assert c.accepted == c.drafted
 
 
 # ------------------------------------------------------------------ a daemon

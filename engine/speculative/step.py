@@ -32,10 +32,12 @@ from mlxd.engine.mlx_lm_internals import (
     RunningBatch,
     decoding_alone,
     decoding_only,
+    decoding_rows,
     device_async_eval,
     device_eval,
     running_batch,
 )
+from mlxd.engine.speculative.draft_rows import DraftRows, batchable
 from mlxd.engine.speculative.policy import NgramIndex, SpecCounters, SpecPolicy, accepted
 from mlxd.engine.speculative.rewind import Rewind, needs_rewind, speculable
 
@@ -154,6 +156,9 @@ class Speculator:
                                       counters=self.policy.counters)
         self._draft_model, self._prefill_step = draft_model, prefill_step
         self.drafter = self._new_drafter()
+        # several rows' drafts from one batched draft cache (plain KV draft models)
+        self.draft_rows = DraftRows(draft_model, prefill_step) \
+            if draft_model is not None and batchable(draft_model) else None
         self._row_drafters: dict[int, NgramDrafter | DraftModelDrafter] = {}
         self._prev = ""  # this or the previous step: "spec", "lone" (plain, one row), "rows"
         # (plain, several rows that could have speculated), "miss" (waited for the unfed
@@ -175,6 +180,8 @@ class Speculator:
                 self._prev = "spec"
                 return [], out
         rows = None if batch is not None else self._rows(gen, exclude)
+        if self.draft_rows is not None and decoding_rows(gen) < 2:
+            self.draft_rows.clear()
         if rows is not None:
             out = self._speculate_rows(gen, rows)
             if out is not None:
@@ -231,9 +238,11 @@ class Speculator:
         return drafter
 
     def _speculate_rows(self, gen: Any, batch: RunningBatch) -> list[Any] | None:
-        """Each row drafts on its own; one forward pass of the target verifies every row's
-        drafts (rows with fewer, or none, filled up to the longest: their extra positions are
-        dropped as rejected drafts are); each row keeps what its own sampler confirms."""
+        """Each row drafts its own tokens (prompt lookup per row; a draft model for all rows
+        in one batched pass per drafted position, `DraftRows`); one forward pass of the
+        target verifies every row's drafts (rows with fewer, or none, filled up to the
+        longest: their extra positions are dropped as rejected drafts are); each row keeps
+        what its own sampler confirms."""
         uids = batch.uids
         for gone in [u for u in self._row_drafters if u not in uids]:
             del self._row_drafters[gone]
@@ -241,7 +250,7 @@ class Speculator:
         k = self.rows_policy.draft_len(max(remaining))
         if k <= 0:
             return None
-        drafters = [self._row_drafter(u) for u in uids]
+        drafters = [] if self.draft_rows is not None else [self._row_drafter(u) for u in uids]
         # every row's index brought up to date here, outside the step's timing (a new row's
         # is built over its whole context once): not `any`, which would stop at the first
         if self.mode == "ngram" and not any([
@@ -252,19 +261,29 @@ class Speculator:
             device_eval(batch.pending)  # the previous step's work ends here, not in our timing
             t0 = time.perf_counter()
             lasts = cast(list[int], batch.pending.tolist())
-            drafts: list[list[int]] = []
             positions: list[tuple[list[int] | None, int]] = []
-            for i, (drafter, uid) in enumerate(zip(drafters, uids, strict=True)):
+            draws: list[Draw | None] = []
+            for i in range(len(uids)):
                 sampler = batch.sampler(i)
                 position = None if sampler is greedy_sampler else sampler_position(sampler)
                 draw, start = _drawer(sampler, position)
-                room = min(k, remaining[i] - 1)
-                got = drafter.propose((id(gen), uid), batch.history(i), lasts[i], room,
-                                      draw)[:room] if room > 0 else []
+                positions.append((position, start))
+                draws.append(None if position is None else draw)
+            rooms = [min(k, r - 1) for r in remaining]
+            if self.draft_rows is not None:
+                proposed = self.draft_rows.propose(
+                    [(id(gen), u) for u in uids], [batch.history(i) for i in range(len(uids))],
+                    lasts, max(rooms), draws)
+                drafts = [got[:room] if room > 0 else []
+                          for got, room in zip(proposed, rooms, strict=True)]
+            else:
+                drafts = [drafter.propose((id(gen), uid), batch.history(i), lasts[i], room,
+                                          draw or _greedy_draw)[:room] if room > 0 else []
+                          for i, (drafter, uid, room, draw) in enumerate(
+                              zip(drafters, uids, rooms, draws, strict=True))]
+            for position, start in positions:
                 if position is not None:
                     position[0] = start
-                drafts.append(got)
-                positions.append((position, start))
             width = max(len(d) for d in drafts)
             if width == 0:
                 self.rows_policy.record_miss()
@@ -296,7 +315,8 @@ class Speculator:
                 nexts.append(sampled[n])
             out = batch.advance_rows(rows, width + 1,
                                      mx.array(nexts, dtype=batch.pending.dtype))
-        catch_up = sum(getattr(d, "catch_up_s", 0.0) for d in drafters)
+        catch_up = self.draft_rows.catch_up_s if self.draft_rows is not None else sum(
+            getattr(d, "catch_up_s", 0.0) for d in drafters)
         self.rows_policy.record_spec(time.perf_counter() - t0 - catch_up,
                                      sum(len(d) for d in drafts), accepted_total, len(out),
                                      rows=len(rows))
@@ -347,10 +367,14 @@ class Speculator:
         return out
 
 
+def _greedy_draw(logits: mx.array, j: int) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
 def _drawer(sampler: Callable[..., Any], position: list[int] | None) -> tuple[Draw, int]:
     """How a draft model draws its j-th token: as the target will sample that position."""
     if position is None:
-        return (lambda logits, j: mx.argmax(logits, axis=-1)), 0
+        return _greedy_draw, 0
     start = position[0]
 
     def draw(logits: mx.array, j: int) -> mx.array:
