@@ -25,6 +25,14 @@ positions, with 3-D rotary positions); `--family qwen3_vl`: a random-weight Qwen
 merged patches, at most 448 x 448 pixels: a 400 x 300 image takes 9 x 12 = 108 positions;
 DeepStack features added after the language model's first two layers).
 
+Image sizes: `--image WxH` (400x300 by default) and the families' resizing limits, small by
+default (cheap on this CPU); `--max-pixels N` (the Qwen families; their processors ship
+12845056, about 3584 x 3584) and `--longest-edge N` (Mistral 3 and SmolVLM; they ship 1540
+and 1536) let them be what the shipped processors do, e.g. a 1280x800 screenshot at
+`--max-pixels 12845056` or `--longest-edge 1540`. Gemma 3 and LLaVA resize every image to
+their one size. The image's prompt tokens are measured (the first turn's prompt against a
+text-only one) and reported with the computed positions.
+
 `--stall-rounds N`: the text row's gaps measured N times, each with a new image (medians and
 the range reported). Under `MLXD_STAGE_TRACE=DIR` the server writes its stage clock there
 (`python benchmarks/request_stages.py DIR`: the requests in order, the warm-up first, then each
@@ -75,9 +83,13 @@ IMAGE_SIZE = 336
 QUESTION = "Describe this picture in detail."
 
 
+IMAGE = [(400, 300)]  # (width, height) of every image sent, from --image
+
+
 def image_b64(seed: int, change: bool = False) -> str:
     from PIL import Image
-    pixels = np.random.default_rng(seed).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    width, height = IMAGE[0]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     if change:
         pixels[7, 11, 0] ^= 1
     buf = io.BytesIO()
@@ -171,33 +183,36 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "vision_layers": args.vision_layers, "vision_heads": args.vision_heads,
         "context": 4096, "dtype": args.model_dtype}
     MODEL_NAME[0] = f"bench-{args.family}"
+    width, height = IMAGE[0] = args.image
+    edge, pixels = args.longest_edge, args.max_pixels
+    positions: int | None
     if args.family == "gemma3":
         model = write_random_gemma3(work / MODEL_NAME[0], image_size=224, image_tokens=256,
                                     sliding_window=512, **sizes)
         positions = 256
     elif args.family == "mistral3":
-        model = write_random_mistral3(work / MODEL_NAME[0], longest_edge=448, **sizes)
-        positions = mistral3_image_tokens(400, 300, 448)
+        model = write_random_mistral3(work / MODEL_NAME[0], longest_edge=edge, **sizes)
+        positions = mistral3_image_tokens(width, height, edge)
     elif args.family == "smolvlm":
-        model = write_random_smolvlm(work / MODEL_NAME[0], longest_edge=448, tile=224, **sizes)
-        positions = 5 * 64
+        model = write_random_smolvlm(work / MODEL_NAME[0], longest_edge=edge, tile=224, **sizes)
+        positions = 5 * 64 if (edge, width, height) == (448, 400, 300) else None
     elif args.family == "qwen2_5_vl":
         # Qwen2.5-VL's own 112-pixel attention windows (the writer's default, 56, makes every
         # even grid side end in an empty window: mlx-vlm's tower then attends over zero
         # tokens, which kills the process on CUDA; see write_random_qwen2_5_vl)
         model = write_random_qwen2_5_vl(work / MODEL_NAME[0], min_pixels=56 * 56,
-                                        max_pixels=448 * 448, window_size=112, **sizes)
-        grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
+                                        max_pixels=pixels, window_size=112, **sizes)
+        grid_rows, grid_cols = qwen2_5_vl_grid(width, height, 56 * 56, pixels)
         positions = grid_rows * grid_cols
     elif args.family == "qwen2_vl":  # the same resizing; a tower without windows
         model = write_random_qwen2_vl(work / MODEL_NAME[0], min_pixels=56 * 56,
-                                      max_pixels=448 * 448, **sizes)
-        grid_rows, grid_cols = qwen2_5_vl_grid(400, 300, 56 * 56, 448 * 448)
+                                      max_pixels=pixels, **sizes)
+        grid_rows, grid_cols = qwen2_5_vl_grid(width, height, 56 * 56, pixels)
         positions = grid_rows * grid_cols
     elif args.family == "qwen3_vl":
         model = write_random_qwen3_vl(work / MODEL_NAME[0], min_pixels=64 * 64,
-                                      max_pixels=448 * 448, **sizes)
-        grid_rows, grid_cols = qwen3_vl_grid(400, 300, 64 * 64, 448 * 448)
+                                      max_pixels=pixels, **sizes)
+        grid_rows, grid_cols = qwen3_vl_grid(width, height, 64 * 64, pixels)
         positions = grid_rows * grid_cols
     else:
         model = write_random_vlm(work / MODEL, image_size=IMAGE_SIZE, **sizes)
@@ -219,7 +234,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     try:
         await srv.wait()
-        await ask(base, [turn(image_b64(999))])  # warm-up: kernels for these shapes
+        # warm-up (kernels for these shapes); the image's prompt tokens against none
+        _, _, with_image = await ask(base, [turn(image_b64(999))])
+        _, _, text_only = await ask(base, [{"role": "user", "content": QUESTION}])
+        image_prompt_tokens = int(with_image.get("prompt_tokens", 0)) - int(
+            text_only.get("prompt_tokens", 0))
         for i in range(args.rounds):
             img = image_b64(i)
             first_s, answer, u1 = await ask(base, [turn(img)])
@@ -270,7 +289,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                                               "changed_s")}
     return {"rows": rows, "median": med, "ratio": med["second_s"] / med["first_s"],
             "changed_ratio": med["changed_s"] / med["first_s"],
-            "image_tokens": positions, "family": args.family, "concurrency": n,
+            "image_tokens": positions, "image_prompt_tokens": image_prompt_tokens,
+            "image": f"{width}x{height}", "family": args.family, "concurrency": n,
             "sequential_s": sequential, "together_s": together,
             "sequential_hit_s": sequential_hit, "together_hit_s": together_hit,
             "batch_tokens": args.batch_tokens, "tower_stall": stall, "tower_stalls": stalls,
@@ -289,8 +309,12 @@ def report(r: dict[str, Any]) -> str:
     size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(r.get("dtype", ""), 0)
     params = (f", about {r['weights_bytes'] / size / 1e9:.2f}B parameters in all"
               if size and r.get("weights_bytes") else "")
+    prompt_tokens = (f", {r['image_prompt_tokens']} prompt tokens each"
+                     if r.get("image_prompt_tokens") else "")
     return "\n".join([f"`python benchmarks/vision_cache.py {' '.join(sys.argv[1:])}`", "",
-        f"# Vision prefix cache ({r['family']}: {r['image_tokens']} image tokens, "
+        f"# Vision prefix cache ({r['family']}: {r.get('image', '400x300')} images, "
+        f"{r['image_tokens'] if r['image_tokens'] else 'uncomputed'} image positions"
+        f"{prompt_tokens}, "
         f"{len(r['rows'])} rounds, "
         f"medians{params})", "",
         "| turn | time to first text | range over rounds | vs first turn |",
@@ -324,6 +348,12 @@ def main() -> None:
                                           "qwen2_5_vl", "qwen2_vl", "qwen3_vl"],
                     default="llava")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--image", type=lambda v: tuple(int(x) for x in v.lower().split("x")),
+                    default=(400, 300), help="WxH of the images sent (default 400x300)")
+    ap.add_argument("--max-pixels", type=int, default=448 * 448,
+                    help="the Qwen families' processor limit (shipped: 12845056)")
+    ap.add_argument("--longest-edge", type=int, default=448,
+                    help="Mistral 3's and SmolVLM's processor limit (shipped: 1540, 1536)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--stall-tokens", type=int, default=400,

@@ -26,6 +26,7 @@ prefix on the SSD tier."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -363,6 +364,11 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
     from mlxd.engine.kinds.vision.model import load_vision
     model, _, _, parts = load_vision(vlm, "float32")
     assert parts.layout is not None and parts.image_token == FAMILIES[family].marker
+    # the tower is evaluated block by block (its output is mlx-vlm's: the dialect tests)
+    vision = json.loads((vlm / "config.json").read_text())["vision_config"]
+    tower = getattr(model.vlm, "vision_tower", None) or model.vlm.vision_model
+    assert sum(bool(getattr(type(m), "paced", False)) for _, m in tower.named_modules()) == (
+        vision.get("depth") or vision["num_hidden_layers"])
     caches = make_prompt_cache(model)
     if family == "smolvlm":  # 64 x 48: resized to 168 x 126, then to 3 x 3 tiles of 56 pixels
         tile = "<image>" * TILE_TOKENS
@@ -405,7 +411,6 @@ def test_each_family_loads_with_its_image_layout_and_caches(family, vlm):
         assert [type(c) for c in caches] == [KVCache, KVCache]
         # Ministral 3's language model scales attention by one position for the whole batch:
         # refused at load, not served wrong.
-        import json
         import shutil
 
         from mlxd.engine.load.loader import ModelLoadError

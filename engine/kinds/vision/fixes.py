@@ -9,6 +9,12 @@ library's files), each with the version it was found in and what goes wrong with
   whose merged grid has a side divisible by the window (448 x 448 with Qwen's 112-pixel
   windows). Without empty windows the tower's output is the same. (Qwen2-VL's tower attends
   over the whole image, without windows: nothing to repair there.)
+- Every family's vision tower is evaluated one block at a time (`paced`). Left whole, a large
+  image's tower is one graph of thousands of operations handed to MLX at once, on the
+  admission lane's thread; with MLX 0.32's CPU backend the engine's decode steps on their own
+  stream then waited seconds at a time while it ran (a 1280 x 800 image in a random
+  Qwen2.5-VL on this CPU: a running row's decode step took 13 s). Block by block, the tower's
+  work is handed over in pieces the decode steps interleave with; its output is the same.
 """
 
 from __future__ import annotations
@@ -22,6 +28,42 @@ import mlx.core as mx
 def apply(vlm: Any, model_type: str) -> None:
     if model_type == "qwen2_5_vl":
         _drop_empty_windows(vlm.vision_tower)
+    paced(vlm)
+
+
+BLOCK_LISTS = ("layers", "blocks")  # the towers' names for their lists of blocks
+
+
+def paced(vlm: Any) -> int:
+    """Make each block of the vision tower evaluate its output when it returns; the number of
+    blocks so made."""
+    tower = getattr(vlm, "vision_tower", None) or getattr(vlm, "vision_model", None)
+    if tower is None:
+        return 0
+    made: dict[type, type] = {}
+    count = 0
+    for name, module in tower.named_modules():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in BLOCK_LISTS or not parts[-1].isdigit():
+            continue
+        cls = type(module)
+        if cls not in made:
+            made[cls] = _evaluating(cls)
+        module.__class__ = made[cls]
+        count += 1
+    return count
+
+
+def _evaluating(cls: type) -> type:
+    call = cls.__call__
+
+    def evaluated_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = call(self, *args, **kwargs)
+        arrays = [x for x in (out if isinstance(out, (tuple, list)) else [out])
+                  if isinstance(x, mx.array)]
+        mx.eval(arrays)
+        return out
+    return type(cls.__name__, (cls,), {"__call__": evaluated_call, "paced": True})
 
 
 def _drop_empty_windows(tower: Any) -> None:
