@@ -13,8 +13,12 @@ library's files), each with the version it was found in and what goes wrong with
   image's tower is one graph of thousands of operations handed to MLX at once, on the
   admission lane's thread; with MLX 0.32's CPU backend the engine's decode steps on their own
   stream then waited seconds at a time while it ran (a 1280 x 800 image in a random
-  Qwen2.5-VL on this CPU: a running row's decode step took 13 s). Block by block, the tower's
-  work is handed over in pieces the decode steps interleave with; its output is the same.
+  Qwen2.5-VL on this CPU: a running row's decode step took 13 s). The cause: MLX lets at most
+  10 tasks be in flight across all streams before an `eval` waits for one to end, and on the
+  CPU each operation is a task, some of a large tower's seconds long. Block by block (3.3 s
+  there), the tower's work is handed over in pieces the decode steps interleave with; its
+  output is the same. Module by module took the stall away in a script but broke Pixtral's
+  tower on the lane thread ("There is no Stream(cpu, 0) in current thread"), cause not found.
 """
 
 from __future__ import annotations
