@@ -9,16 +9,17 @@ library's files), each with the version it was found in and what goes wrong with
   whose merged grid has a side divisible by the window (448 x 448 with Qwen's 112-pixel
   windows). Without empty windows the tower's output is the same. (Qwen2-VL's tower attends
   over the whole image, without windows: nothing to repair there.)
-- Every family's vision tower is evaluated one block at a time (`paced`). Left whole, a large
-  image's tower is one graph of thousands of operations handed to MLX at once, on the
-  admission lane's thread; with MLX 0.32's CPU backend the engine's decode steps on their own
-  stream then waited seconds at a time while it ran (a 1280 x 800 image in a random
-  Qwen2.5-VL on this CPU: a running row's decode step took 13 s). The cause: MLX lets at most
-  10 tasks be in flight across all streams before an `eval` waits for one to end, and on the
-  CPU each operation is a task, some of a large tower's seconds long. Block by block (3.3 s
-  there), the tower's work is handed over in pieces the decode steps interleave with; its
-  output is the same. Module by module took the stall away in a script but broke Pixtral's
-  tower on the lane thread ("There is no Stream(cpu, 0) in current thread"), cause not found.
+- Every family's vision tower is evaluated in pieces (`paced`): one block at a time, and on
+  MLX's CPU backend each of its modules. Left whole, a large image's tower is one graph of
+  thousands of operations handed to MLX at once, on the admission lane's thread; MLX (0.32)
+  lets at most 10 tasks be in flight across all streams before an `eval` waits for one to end,
+  and on the CPU every operation is a task, some of a large tower's seconds long: the engine's
+  decode steps, on their own stream, then waited behind the tower's operations (a 1280 x 800
+  image in a random Qwen2.5-VL on this CPU: a running row's decode step took 13 s; 3.3 s with
+  the tower evaluated block by block). Evaluated module by module, the tower has a few
+  operations in flight at a time. On a GPU a task is a command buffer of many operations, and
+  an evaluation per module would cost a synchronisation each: there, block by block. The
+  tower's output is the same either way.
 """
 
 from __future__ import annotations
@@ -38,17 +39,20 @@ def apply(vlm: Any, model_type: str) -> None:
 BLOCK_LISTS = ("layers", "blocks")  # the towers' names for their lists of blocks
 
 
-def paced(vlm: Any) -> int:
-    """Make each block of the vision tower evaluate its output when it returns; the number of
-    blocks so made."""
+def paced(vlm: Any, every_module: bool | None = None) -> int:
+    """Make each block of the vision tower (`every_module`: each of its modules; by default on
+    the CPU) evaluate its output when it returns; the number of modules so made."""
     tower = getattr(vlm, "vision_tower", None) or getattr(vlm, "vision_model", None)
     if tower is None:
         return 0
+    if every_module is None:
+        every_module = mx.default_device() == mx.cpu
     made: dict[type, type] = {}
     count = 0
     for name, module in tower.named_modules():
         parts = name.split(".")
-        if len(parts) < 2 or parts[-2] not in BLOCK_LISTS or not parts[-1].isdigit():
+        block = len(parts) >= 2 and parts[-2] in BLOCK_LISTS and parts[-1].isdigit()
+        if not name or not (block or every_module) or getattr(type(module), "paced", False):
             continue
         cls = type(module)
         if cls not in made:
@@ -67,7 +71,10 @@ def _evaluating(cls: type) -> type:
                   if isinstance(x, mx.array)]
         mx.eval(arrays)
         return out
-    return type(cls.__name__, (cls,), {"__call__": evaluated_call, "paced": True})
+    # the class keeps its module's name: model.py's `_held_arrays` looks into mlx-vlm's
+    # objects by it (Pixtral's rotary table, on a plain object, would be left unevaluated)
+    return type(cls.__name__, (cls,), {"__call__": evaluated_call, "paced": True,
+                                      "__module__": cls.__module__})
 
 
 def _drop_empty_windows(tower: Any) -> None:
