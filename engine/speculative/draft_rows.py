@@ -121,7 +121,7 @@ class DraftRows:
             width = 1
         self._cut_back([len(t) - (len(c) - width)
                         for t, c in zip(self._tokens, contexts, strict=True)])
-        while width > 2:  # rows behind after plain steps: caught up together, apart
+        while width > 2:  # rows behind after plain steps: caught up together, untimed
             step = min(width - 1, self.prefill_step)
             self._forward(mx.array([c[len(c) - width:len(c) - width + step] for c in contexts]),
                           self._cache)
@@ -130,13 +130,12 @@ class DraftRows:
         self.catch_up_s = time.perf_counter() - t0
         for toks, c in zip(self._tokens, contexts, strict=True):
             toks[:] = c
-        greedy = mx.argmax
 
         def draw_all(logits: mx.array, j: int) -> mx.array:
             if all(d is None for d in draws):
-                y = greedy(logits, axis=-1)
+                y = mx.argmax(logits, axis=-1)
             else:
-                y = mx.concatenate([greedy(logits[i:i + 1], axis=-1) if d is None
+                y = mx.concatenate([mx.argmax(logits[i:i + 1], axis=-1) if d is None
                                     else d(logits[i:i + 1], j) for i, d in enumerate(draws)])
             device_async_eval(y)
             return y
