@@ -220,15 +220,7 @@ class RunningBatch:
                     break
             kept.append(tokens[:produced])
             finishes.append(finish)
-        drop = [fed - len(t) for t in kept]
-        shared = min(drop)
-        extra = [d - shared for d in drop]
-        for c in b.prompt_cache:
-            if shared:
-                c.trim(shared)
-            if any(extra):
-                c.prepare(right_padding=extra)
-                c.finalize()
+        cut_rows_back(b.prompt_cache, [fed - len(t) for t in kept])
         response = type(b).Response
         out: list[Any] = []
         keep: list[int] = []
@@ -252,6 +244,21 @@ class RunningBatch:
         if len(keep) < len(rows):
             b.filter(keep)
         return out
+
+
+def cut_rows_back(cache: list[Any], drop: list[int]) -> None:
+    """Row i of a batch's `BatchKVCache` layers loses its last `drop[i]` positions: the count
+    all rows share is trimmed, the rest of each row moved into its left padding by mlx-lm's own
+    right-padding roll (`prepare` + `finalize`, as a prefill of prompts of different lengths
+    ends), so the rows stay aligned at the end."""
+    shared = min(drop)
+    extra = [d - shared for d in drop]
+    for c in cache:
+        if shared:
+            c.trim(shared)
+        if any(extra):
+            c.prepare(right_padding=extra)
+            c.finalize()
 
 
 def running_batch(gen: Any) -> RunningBatch | None:

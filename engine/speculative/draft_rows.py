@@ -16,7 +16,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlxd.engine.mlx_lm_internals import device_async_eval, device_eval
+from mlxd.engine.mlx_lm_internals import cut_rows_back, device_async_eval, device_eval
 
 # row i's sampler at its j-th verified position; None: greedy (one argmax for all rows)
 Draw = Callable[[mx.array, int], mx.array] | None
@@ -89,16 +89,8 @@ class DraftRows:
         self.keys = list(keys)
 
     def _cut_back(self, drop: list[int]) -> None:
-        """Row i loses its last `drop[i]` positions: the count all share is trimmed, the rest
-        moved into each row's left padding (as the target's rows are after a verify pass)."""
-        shared = min(drop)
-        extra = [d - shared for d in drop]
-        for c in self._cache:
-            if shared:
-                c.trim(shared)
-            if any(extra):
-                c.prepare(right_padding=extra)
-                c.finalize()
+        """Row i loses its last `drop[i]` positions (as the target's rows after a verify)."""
+        cut_rows_back(self._cache, drop)
         for toks, d in zip(self._tokens, drop, strict=True):
             if d:
                 del toks[len(toks) - d:]
