@@ -84,12 +84,23 @@ QUESTION = "Describe this picture in detail."
 
 
 IMAGE = [(400, 300)]  # (width, height) of every image sent, from --image
+IMAGE_KIND = ["noise"]  # from --image-kind
 
 
 def image_b64(seed: int, change: bool = False) -> str:
+    """A PNG, base64: every pixel random ("noise": incompressible, ~3 MB at 1280 x 800), or
+    ("screenshot") a flat background around a coarsely quantized random panel, as
+    `image_decode.py` makes (~0.8 MB at 1280 x 800); `seed` makes each image its own."""
     from PIL import Image
     width, height = IMAGE[0]
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    rng = np.random.default_rng(seed)
+    if IMAGE_KIND[0] == "noise":
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    else:
+        pixels = np.full((height, width, 3), 240, np.uint8)
+        y0, x0 = height // 8, width // 12
+        panel = rng.integers(0, 256, (height - 2 * y0, width - 2 * x0, 3), dtype=np.uint8)
+        pixels[y0:height - y0, x0:width - x0] = panel // 32 * 32
     if change:
         pixels[7, 11, 0] ^= 1
     buf = io.BytesIO()
@@ -184,18 +195,24 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "context": 4096, "dtype": args.model_dtype}
     MODEL_NAME[0] = f"bench-{args.family}"
     width, height = IMAGE[0] = args.image
+    IMAGE_KIND[0] = args.image_kind
     edge, pixels = args.longest_edge, args.max_pixels
+    if args.shipped:  # what the families' own processors ship
+        pixels = 12845056
+        edge = 1536 if args.family == "smolvlm" else 1540
+    gemma_size, tile, scale = (896, 384, 3) if args.shipped else (224, 224, 2)
     positions: int | None
     if args.family == "gemma3":
-        model = write_random_gemma3(work / MODEL_NAME[0], image_size=224, image_tokens=256,
+        model = write_random_gemma3(work / MODEL_NAME[0], image_size=gemma_size, image_tokens=256,
                                     sliding_window=512, **sizes)
         positions = 256
     elif args.family == "mistral3":
         model = write_random_mistral3(work / MODEL_NAME[0], longest_edge=edge, **sizes)
         positions = mistral3_image_tokens(width, height, edge)
     elif args.family == "smolvlm":
-        model = write_random_smolvlm(work / MODEL_NAME[0], longest_edge=edge, tile=224, **sizes)
-        positions = 5 * 64 if (edge, width, height) == (448, 400, 300) else None
+        model = write_random_smolvlm(work / MODEL_NAME[0], longest_edge=edge, tile=tile,
+                                     scale_factor=scale, **sizes)
+        positions = 5 * 64 if (edge, width, height, tile) == (448, 400, 300, 224) else None
     elif args.family == "qwen2_5_vl":
         # Qwen2.5-VL's own 112-pixel attention windows (the writer's default, 56, makes every
         # even grid side end in an empty window: mlx-vlm's tower then attends over zero
@@ -282,7 +299,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                   f"before, longest {one['max_gap_during_image_s'] * 1e3:.1f} ms while a new "
                   f"image's request waited {one['image_first_token_s']:.3f} s for its first "
                   f"token", flush=True)
-        stall = {k: statistics.median(x[k] for x in stalls) for k in stalls[0]}
+        stall = ({k: statistics.median(x[k] for x in stalls) for k in stalls[0]}
+                 if stalls else None)
     finally:
         srv.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in ("first_s", "second_s",
@@ -290,7 +308,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"rows": rows, "median": med, "ratio": med["second_s"] / med["first_s"],
             "changed_ratio": med["changed_s"] / med["first_s"],
             "image_tokens": positions, "image_prompt_tokens": image_prompt_tokens,
-            "image": f"{width}x{height}", "family": args.family, "concurrency": n,
+            "image": f"{width}x{height}", "image_kind": args.image_kind,
+            "image_png_bytes": len(image_b64(0)) * 3 // 4, "family": args.family, "concurrency": n,
             "sequential_s": sequential, "together_s": together,
             "sequential_hit_s": sequential_hit, "together_hit_s": together_hit,
             "batch_tokens": args.batch_tokens, "tower_stall": stall, "tower_stalls": stalls,
@@ -305,14 +324,18 @@ def report(r: dict[str, Any]) -> str:
     m = r["median"]
     rows = r["rows"]
     ratios = [x["second_s"] / x["first_s"] for x in rows]
-    stalls = r.get("tower_stalls") or [r["tower_stall"]]
+    stalls = r.get("tower_stalls") or ([r["tower_stall"]] if r.get("tower_stall") else [])
     size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(r.get("dtype", ""), 0)
     params = (f", about {r['weights_bytes'] / size / 1e9:.2f}B parameters in all"
               if size and r.get("weights_bytes") else "")
+    png_size = (f", {r['image_png_bytes'] // 1000:,} kB PNG" if r.get("image_png_bytes")
+                else "")
     prompt_tokens = (f", {r['image_prompt_tokens']} prompt tokens each"
                      if r.get("image_prompt_tokens") else "")
     return "\n".join([f"`python benchmarks/vision_cache.py {' '.join(sys.argv[1:])}`", "",
-        f"# Vision prefix cache ({r['family']}: {r.get('image', '400x300')} images, "
+        f"# Vision prefix cache ({r['family']}: {r.get('image', '400x300')} "
+        f"{r.get('image_kind', 'noise')} images"
+        f"{png_size}, "
         f"{r['image_tokens'] if r['image_tokens'] else 'uncomputed'} image positions"
         f"{prompt_tokens}, "
         f"{len(r['rows'])} rounds, "
@@ -338,7 +361,7 @@ def report(r: dict[str, Any]) -> str:
         f"{r['tower_stall']['max_gap_during_image_s'] * 1e3:.1f} ms "
         f"({spread([x['max_gap_during_image_s'] * 1e3 for x in stalls], '{:.1f}')}) while the "
         f"image's request waited {r['tower_stall']['image_first_token_s']:.3f} s for its first "
-        "token", ""])
+        "token" if stalls else "The text row's gaps were not measured (--stall-rounds 0)", ""])
 
 
 def main() -> None:
@@ -354,6 +377,13 @@ def main() -> None:
                     help="the Qwen families' processor limit (shipped: 12845056)")
     ap.add_argument("--longest-edge", type=int, default=448,
                     help="Mistral 3's and SmolVLM's processor limit (shipped: 1540, 1536)")
+    ap.add_argument("--image-kind", choices=["noise", "screenshot"], default="noise",
+                    help="every pixel random (the PNG incompressible), or screenshot-like")
+    ap.add_argument("--shipped", action="store_true",
+                    help="every family's shipped image limits: Qwen 12845056 pixels, Mistral 3 "
+                         "1540 and SmolVLM 1536 pixels' longest edge (SmolVLM in 384-pixel "
+                         "tiles of 81 positions), Gemma 3's tower at 896 pixels (4,096 patches "
+                         "pooled to 256)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--stall-tokens", type=int, default=400,
