@@ -1,6 +1,7 @@
 """Where each request's time to first token went, from a stage-clock trace directory
 (`MLXD_STAGE_TRACE=DIR` in the daemon's environment; `protocol/stage_trace.py`): per request,
-in the order they reached the proxy, the milliseconds between its stages (proxy, engine I/O
+in the order they reached the proxy, the milliseconds between its stages (proxy: the body
+read and parsed after the headers, then the request checked and sent; engine I/O
 thread, admission lane: templating and tokenizing, the tiers asked, the MLX thread's inbox and
 insert) and from its insert to its first token read back, written by the proxy.
 
@@ -15,7 +16,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-STAGES = ("proxy_in", "sending", "engine_in", "lane", "tokenized", "restore_checked",
+STAGES = ("http_in", "proxy_in", "sending", "engine_in", "lane", "tokenized", "restore_checked",
           "prepared", "taken", "inserted", "read_back", "written")
 
 
@@ -39,8 +40,8 @@ def spans(st: dict[str, int]) -> dict[str, float]:
     present = [s for s in STAGES if s in st]
     out = {f"{a}->{b}": (st[b] - st[a]) / 1e6
            for a, b in zip(present, present[1:], strict=False)}
-    if "proxy_in" in st and "written" in st:
-        out["total"] = (st["written"] - st["proxy_in"]) / 1e6
+    if present and "written" in st:  # from the headers read where the trace has them
+        out["total"] = (st["written"] - st[present[0]]) / 1e6
     return out
 
 

@@ -63,6 +63,7 @@ STAGES = (*ENGINE_STAGES, *PROXY_STAGES, CLIENT_STAGE)
 # A request's way to its first step, before it has a token: one record per request and
 # process, `index` 0 (see `stamp_request`), for the burst table of benchmarks/burst.py.
 REQUEST_STAGES = (
+    "http_in",  # proxy: the request's headers read, its route begun (its body not yet read)
     "proxy_in",  # proxy: the request parsed and checked, its engine chosen next
     "sending",  # proxy: the Generate handed to ZeroMQ
     "engine_in",  # engine I/O thread: received, handed to an admission lane

@@ -15,9 +15,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from mlxd.protocol import stage_trace
 from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
 from mlxd.protocol.messages import EngineStats
 from mlxd.proxy import admin_routes, metrics, model_routes, security
+from mlxd.proxy import stage_trace as proxy_trace
 from mlxd.proxy.core.generation import ResumeStats
 from mlxd.proxy.core.sampling import Defaults
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
@@ -48,8 +50,9 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
              request_stop: Callable[[], None] = lambda: None) -> web.Application:
     """The app with every route, its state under STATE. `client_max_size` is the body limit
     (the error middleware reads it from each request)."""
+    traced = [proxy_trace.middleware] if stage_trace.ON else []
     app = web.Application(client_max_size=listen.max_body, middlewares=[
-        error_middleware, metrics.middleware, security.middleware(listen.access)])
+        *traced, error_middleware, metrics.middleware, security.middleware(listen.access)])
     app.on_response_prepare.append(security.cors_signal(listen.access))
     registry = metrics.new_registry()
     app[STATE] = ProxyState(client=client, router=router, defaults=defaults, listen=listen,

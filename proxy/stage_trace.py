@@ -7,12 +7,34 @@ stamps only until the proxy forgets them with their request."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+from typing import Any
+
+from aiohttp import web
+
 from mlxd.protocol.messages import Delta
 from mlxd.protocol.stage_trace import TokenTrace, TraceFile, flush_requests, now
 
 _file: TraceFile | None = None
 # (request id, token index) -> (received, decoded), until its route takes the delta
 _arrivals: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+# when the request being handled had its headers read (`middleware`): its body's read and
+# parse are what comes between this and its `proxy_in`
+_http_in: ContextVar[int] = ContextVar("http_in", default=0)
+
+
+@web.middleware
+async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Installed only while the clock is on: stamps each request's route as it begins."""
+    _http_in.set(now())
+    return await handler(request)
+
+
+def http_in() -> int:
+    """The `http_in` stamp of the request this task handles (0 outside a traced route)."""
+    return _http_in.get()
 
 
 def trace_file() -> TraceFile:

@@ -19,6 +19,7 @@ import msgspec
 
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta, Generate, TokenLogprob
+from mlxd.proxy import stage_trace as proxy_trace
 from mlxd.proxy.core.images import ImageRef, check_image_count, decode_images
 from mlxd.proxy.core.sampling import SEED_MASK, CheckedSampling
 from mlxd.proxy.core.validation import check_prompt_fits
@@ -136,6 +137,8 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
         check_prompt_fits(msg, engine.status)
         for one in group_messages(msg, n):
             if traced_at:
+                if began := proxy_trace.http_in():
+                    stage_trace.stamp_request(one.request_id, "http_in", "proxy", at=began)
                 stage_trace.stamp_request(one.request_id, "proxy_in", "proxy", at=traced_at)
             gens.append(Generation(state.client, engine, one, resume=state.resume,
                                    load_wait=router.load_wait, stats=state.resume_stats,
