@@ -38,6 +38,11 @@ def main() -> int:
     try:
         return worker.run(wake_r)
     finally:
+        # A later SIGTERM (the supervisor's, after the group's) must not find the wakeup fd
+        # pointing at a closed socket: Python would print its failed write as a traceback.
+        signal.set_wakeup_fd(-1)
+        wake_w.close()
+        wake_r.close()
         ctx.destroy(linger=0)
 
 
