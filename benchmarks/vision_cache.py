@@ -30,8 +30,12 @@ default (cheap on this CPU); `--max-pixels N` (the Qwen families; their processo
 12845056, about 3584 x 3584) and `--longest-edge N` (Mistral 3 and SmolVLM; they ship 1540
 and 1536) let them be what the shipped processors do, e.g. a 1280x800 screenshot at
 `--max-pixels 12845056` or `--longest-edge 1540`. Gemma 3 and LLaVA resize every image to
-their one size. The image's prompt tokens are measured (the first turn's prompt against a
-text-only one) and reported with the computed positions.
+their one size. `--shipped` sets every family's shipped limits at once (SmolVLM's 384-pixel
+tiles and Gemma 3's 896-pixel tower too). `--image-kind screenshot` sends screenshot-like PNGs
+(~0.8 MB at 1280 x 800) instead of all-noise ones (~3 MB: their base64 is 4 MB of every
+request's JSON, which the client's own encoding and sending pay on every turn). The image's
+prompt tokens are measured (the first turn's prompt against a text-only one) and reported with
+the computed positions.
 
 `--stall-rounds N`: the text row's gaps measured N times, each with a new image (medians and
 the range reported). Under `MLXD_STAGE_TRACE=DIR` the server writes its stage clock there

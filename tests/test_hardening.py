@@ -71,7 +71,11 @@ def test_hung_engine_stream_is_resumed_like_a_crashed_one(tiny_model):
         assert text == reference
         assert usage["resumes"] == 1 and usage["completion_tokens"] == 30
         child = next(c for c in d.stats()["children"] if c["role"] == "engine")
-        assert child["epoch"] == 1 and child["last_exit"] in ("signal SIGABRT", "signal SIGKILL")
+        assert any("is hung" in line and "SIGABRT" in line for line in d.lines), d.log()
+        # the abort's all-thread stack dump (faulthandler) reads threads still running native
+        # code and has once faulted itself: the hung process dies of that instead
+        assert child["epoch"] == 1 and child["last_exit"] in (
+            "signal SIGABRT", "signal SIGKILL", "signal SIGSEGV")
     finally:
         stop(d)
 
