@@ -72,8 +72,9 @@ def test_hung_engine_stream_is_resumed_like_a_crashed_one(tiny_model):
         assert usage["resumes"] == 1 and usage["completion_tokens"] == 30
         child = next(c for c in d.stats()["children"] if c["role"] == "engine")
         assert any("is hung" in line and "SIGABRT" in line for line in d.lines), d.log()
-        # the abort's all-thread stack dump (faulthandler) reads threads still running native
-        # code and has once faulted itself: the hung process dies of that instead
+        # once (of many runs) the aborted engine ended with SIGSEGV instead, presumably inside
+        # the abort's all-thread stack dump (faulthandler reads threads still in native code);
+        # the watchdog's abort is what this test asks for, and the line above shows it
         assert child["epoch"] == 1 and child["last_exit"] in (
             "signal SIGABRT", "signal SIGKILL", "signal SIGSEGV")
     finally:
