@@ -269,6 +269,24 @@ def running_batch(gen: Any) -> RunningBatch | None:
     return RunningBatch(gen, batch)
 
 
+def sampled_tokens(gen: Any, uids: list[int]) -> dict[int, int]:
+    """The tokens the generator has sampled for rows `uids` and feeds in its next step, read
+    back now (waiting for them). A new row's first token is one: mlx-lm samples it as the
+    prompt's last token is fed (the `GenerationBatch`'s construction) and its `next()` returns
+    it only a step later, after that step's forward pass is dispatched and any prompt chunk
+    beside it has run."""
+    batch = gen._generation_batch
+    pending = getattr(batch, "_next_tokens", None)
+    if pending is None or not uids:
+        return {}
+    at = {uid: i for i, uid in enumerate(batch.uids)}
+    rows = [at[uid] for uid in uids if uid in at]
+    if not rows:
+        return {}
+    values = pending.tolist()
+    return {batch.uids[i]: int(values[i]) for i in rows}
+
+
 def decoding_rows(gen: Any) -> int:
     """How many rows the generator decodes (prompts being prefilled not counted)."""
     return len(gen._generation_batch)

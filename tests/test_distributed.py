@@ -262,7 +262,9 @@ def test_a_follower_replaying_the_log_makes_the_same_rows_and_tokens(tiny_model)
     add("a", prompt, SamplingParams())
     add("b", prompt[:20], SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.2))
     add("c", prompt[:30], SamplingParams(temperature=0.9, seed=6))
-    pump(lambda: "c" in tokens)  # all three running
+    # all three running ("c" past its first token, which goes out a step before the
+    # generator returns it: `Runner._send_first_tokens`)
+    pump(lambda: len(tokens.get("c", [])) >= 2)
     runner.inbox.put(AbortRequest("c"))
     pump(lambda: finished >= {"a", "b"})
     add("d", prompt + [5], SamplingParams())  # a RAM prefix cache hit on rank 0

@@ -25,6 +25,10 @@ class Row:
     started_from: int = 0  # prompt tokens it took from a tier or a leader (not prefilled)
     generated: int = 0  # tokens generated, for generation checkpoints
     first_pending: bool = True  # its first token is still to come
+    max_tokens: int = 0  # the most tokens it may generate
+    # its first token, sent in the step that computed it: mlx-lm's `next()` returns the same
+    # token a step later, which is not sent again (`Runner._send_first_tokens`); -1: none
+    sent_first: int = -1
     prefilling: list[int] | None = None  # its prompt, while others may wait to share it
     followers: list[AddRequest] = field(default_factory=list)  # requests waiting for it
     leads: str = ""  # the prefill group whose prompt it prefills

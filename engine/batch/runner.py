@@ -57,6 +57,7 @@ from mlxd.engine.mlx_lm_internals import (
     prompt_contexts,
     prompts_waiting,
     reorder_waiting,
+    sampled_tokens,
     set_prefill_step,
     unpadded_batch_masks,
 )
@@ -105,6 +106,7 @@ class Runner:
         self._min_cached = tuning.min_cached_tokens
         self._unpadded_masks = tuning.batch_masks == "unpadded"
         self._prefill_alone_from = tuning.prefill_alone_from
+        self._early_first = tuning.early_first_token
         self.clock = clock
         self._steps = step_log() if clock is not NO_CLOCK else None  # the stage clock's
         self._batch_size = batch_size
@@ -115,6 +117,7 @@ class Runner:
             if step_target_s > 0 and self.adaptive_chunks else None
         self._stream = stream
         self._stop_sequences = StopSequences([[e] for e in eos_ids])
+        self._eos = frozenset(eos_ids)
         self.inbox: queue.Queue[Any] = queue.Queue()
         self._outbox = outbox
         self.rows = RowTable()
@@ -481,7 +484,7 @@ class Runner:
             stop_sequences=[self._stop_sequences],
         )[0]
         row = Row(uid, add.request_id, len(prompt), add.received_at, time.monotonic(),
-                  add.logprobs, cached, snap_at=frozenset(points),
+                  add.logprobs, cached, max_tokens=add.max_tokens, snap_at=frozenset(points),
                   grammar=next((p for p in add.processors
                                 if getattr(p, "budget", None) is not None), None),
                   speculate=add.speculate)
@@ -604,6 +607,7 @@ class Runner:
             return
         c = self.counters
         c.steps += 1
+        ended: list[Row] = []  # rows whose prompt's last token this step fed
         for pr in prompt_responses:
             if not pr.end_of_segment or (row := self.rows.get(pr.uid)) is None:
                 continue
@@ -611,6 +615,7 @@ class Runner:
                 if row.snap_at:
                     self._take_snapshot(row)
                 continue
+            ended.append(row)
             if self._publish.persist is not None and not self.codec.has_state \
                     and row.prompt_len >= PERSIST_MIN:
                 self._persist_prompt(row)
@@ -620,23 +625,26 @@ class Runner:
                 row.prefilling = None
                 if row.followers:
                     self._publish_prompt(row)
-        if not responses:
-            return
         rows: list[tuple[str, int, FinishReason | None]] = []
+        now = time.monotonic()
+        if ended and self._early_first:
+            self._send_first_tokens(ended, rows, now)
+        if not responses and not rows:
+            return
         due: list[int] = []
         finished: list[str] = []
         wanted: list[tuple[str, Any, int]] = []
-        now = time.monotonic()
         for r in responses:
             row = self.rows.get(r.uid)
             if row is None:
                 continue
+            if row.sent_first >= 0 and r.finish_reason is None:
+                row.sent_first = -1  # the token `_send_first_tokens` sent a step ago
+                if self._checkpoint_every and row.generated % self._checkpoint_every == 0:
+                    due.append(r.uid)
+                continue
             if row.first_pending:
-                row.first_pending = False
-                if row.received_at:
-                    c.first_tokens += 1
-                    c.to_admit_s += row.admitted_at - row.received_at
-                    c.to_first_token_s += now - row.received_at
+                self._count_first_token(row, now)
             finish = r.finish_reason
             if finish == "length" and row.grammar is not None \
                     and row.grammar.completed_by(row.generated, r.token):
@@ -667,6 +675,36 @@ class Runner:
         c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         self._count_rows()
         self._outbox.put(StepTokens(rows, logprobs))
+
+    def _send_first_tokens(self, ended: list[Row], out: list[tuple[str, int, Any]],
+                           now: float) -> None:
+        """The first tokens of rows whose prompt ended in this step, into `out` now rather than
+        a step later, when mlx-lm's `next()` returns them (`sampled_tokens`): a request's
+        first token then waits for its own forward passes only, not for the next decode step
+        and the prompt chunks beside it. Only a token that cannot end its row goes early (the
+        row may generate more and it is no end-of-sequence token), and none for a row that
+        asks for log-probabilities: the late copy's finish reason and alternatives are
+        mlx-lm's, read as before."""
+        rows = [r for r in ended if r.first_pending and r.logprobs < 0 and r.max_tokens > 1]
+        if not rows:
+            return
+        tokens = sampled_tokens(self._gen, [r.uid for r in rows])
+        for row in rows:
+            token = tokens.get(row.uid)
+            if token is None or token in self._eos:
+                continue
+            row.sent_first = token
+            self._count_first_token(row, now)
+            row.generated += 1
+            out.append((row.request_id, token, None))
+
+    def _count_first_token(self, row: Row, now: float) -> None:
+        row.first_pending = False
+        if row.received_at:
+            c = self.counters
+            c.first_tokens += 1
+            c.to_admit_s += row.admitted_at - row.received_at
+            c.to_first_token_s += now - row.received_at
 
     def _persist_prompt(self, row: Row) -> None:
         """A long prompt's KV to the SSD tier as its prefill ends (`PERSIST_MIN`): what a

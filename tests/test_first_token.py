@@ -1,0 +1,125 @@
+"""A row's first token goes out in the step that computes it, driven directly (no processes):
+one decode step sooner than mlx-lm's `next()` returns it, the same tokens as mlx-lm's own
+generator, and no token twice; rows whose first token may end them (one-token budgets,
+end-of-sequence tokens) or that ask for log-probabilities keep mlx-lm's order."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import greedy_sampler
+
+from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.runner import Runner
+from mlxd.engine.load.loader import load_model
+from support.runner_drive import run_together
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tmp_path_factory):
+    m, tok, _ = load_model(str(tiny_model), tmp_path_factory.mktemp("f"))
+    return m, tok
+
+
+def _mlx_lm_tokens(m, prompt: list[int], max_tokens: int, prefill_step: int
+                   ) -> tuple[list[int], int]:
+    """mlx-lm's `BatchGenerator` alone: the tokens, and the step whose `next()` returned the
+    first."""
+    gen = BatchGenerator(m, max_tokens=max_tokens, prefill_step_size=prefill_step,
+                         sampler=greedy_sampler)
+    gen.insert([prompt], max_tokens=[max_tokens])
+    tokens: list[int] = []
+    first_step, steps = 0, 0
+    while True:
+        steps += 1
+        _, responses = gen.next()
+        for r in responses:
+            first_step = first_step or steps
+            tokens.append(r.token)
+            if r.finish_reason is not None:
+                gen.close()
+                return tokens, first_step
+
+
+def _runner_steps(r: Runner, outq: queue.Queue, add: AddRequest
+                  ) -> tuple[list[int], list[str | None], int]:
+    """`add` through the runner one step at a time: its tokens, their finish reasons and the
+    step whose tokens carried the first."""
+    r.inbox.put(add)
+    r.take_commands()
+    tokens: list[int] = []
+    finishes: list[str | None] = []
+    first_step, steps = 0, 0
+    while not finishes or finishes[-1] is None:
+        r.step()
+        steps += 1
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, StepTokens):
+                for _rid, tok, fin in item.rows:
+                    first_step = first_step or steps
+                    tokens.append(tok)
+                    finishes.append(fin)
+    return tokens, finishes, first_step
+
+
+@pytest.mark.parametrize("length", [20, 150])
+def test_the_first_token_goes_out_a_step_before_mlx_lm_returns_it(model, length):
+    m, tok = model
+    prompt = (tok.encode("The quick brown fox jumps over the lazy dog. ") * 20)[:length]
+    reference, ref_first = _mlx_lm_tokens(m, prompt, 8, prefill_step=64)
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq)
+    tokens, finishes, first = _runner_steps(r, outq, AddRequest("a", prompt, 8, greedy_sampler,
+                                                                []))
+    assert tokens == reference
+    assert finishes == [None] * 7 + ["length"]
+    # the prompt's chunks but its last token, then the step that feeds that token
+    assert first == -(-(length - 1) // 64) + 1 == ref_first - 1
+    assert r.counters.generated_tokens == 8 and r.counters.first_tokens == 0  # (no clock)
+
+
+def test_a_first_token_that_may_end_its_row_keeps_mlx_lms_step(model):
+    m, tok = model
+    prompt = tok.encode("Once upon a time in a land far away")
+    reference, ref_first = _mlx_lm_tokens(m, prompt, 6, prefill_step=64)
+    outq: queue.Queue = queue.Queue()
+    # a one-token budget: the token carries its finish reason, so it waits for mlx-lm's
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq)
+    tokens, finishes, first = _runner_steps(r, outq, AddRequest("a", prompt, 1, greedy_sampler,
+                                                                []))
+    assert (tokens, finishes, first) == (reference[:1], ["length"], ref_first)
+    # the first token is an end-of-sequence token: sent once, with "stop"
+    r = Runner(m, [reference[0]], batch_size=4, prefill_step=64, outbox=outq)
+    tokens, finishes, first = _runner_steps(r, outq, AddRequest("b", prompt, 6, greedy_sampler,
+                                                                []))
+    assert (tokens, finishes, first) == (reference[:1], ["stop"], ref_first)
+
+
+def test_rows_with_and_without_an_early_first_token_in_one_batch_match_their_lone_runs(model):
+    m, tok = model
+    texts = ["Hello there, how are you", "A long time ago in a galaxy far, far away there was",
+             "Numbers: 1 2 3 4 5 6 7 8 9", "def f(x):\n    return"]
+    prompts = [tok.encode(t) for t in texts]
+    budgets = [7, 5, 1, 9]
+    alone = [_mlx_lm_tokens(m, p, n, prefill_step=16)[0]
+             for p, n in zip(prompts, budgets, strict=True)]
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=8, prefill_step=16, outbox=outq)
+    adds = [AddRequest(f"r{i}", p, n, greedy_sampler, [], logprobs=2 if i == 3 else -1)
+            for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
+    logprobs: list[dict] = []
+
+    class Recording(queue.Queue):
+        def put(self, item, block=True, timeout=None):
+            if isinstance(item, StepTokens) and item.logprobs:
+                logprobs.append(item.logprobs)
+            super().put(item, block, timeout)
+
+    r._outbox = outq = Recording()
+    tokens, _ = run_together(r, outq, adds)
+    assert [tokens[a.request_id] for a in adds] == alone
+    # the row asking for log-probabilities has them for every token, its first included
+    assert sum("r3" in lp for lp in logprobs) == budgets[3]
