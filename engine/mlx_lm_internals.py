@@ -7,7 +7,10 @@ module, loudly, instead of five, silently:
 
 - the rows a `BatchGenerator` is decoding (its `GenerationBatch`: the tokens sampled but not
   yet fed, token counts, stop matchers, logits processors, the model it calls), read and
-  advanced as its own steps would (`RunningBatch`): speculative steps, grammar masks;
+  advanced as its own steps would (`RunningBatch`): speculative steps, grammar masks; prompts
+  with only their last token left moved to generation as its next step would begin by doing,
+  and new rows' first tokens read back in the step that samples them (`start_ended_prompts`,
+  `sampled_tokens`: the early first token);
 - hooks around the generator's forward passes (`hook_forward_passes`: LoRA rows;
   `hook_row_tokens`: rows' token lists, for a vision model's positions), its device waits
   (`on_device_wait`: the step hand-off) and its step boundaries (`observe_steps`: the stage
@@ -267,6 +270,29 @@ def running_batch(gen: Any) -> RunningBatch | None:
     if batch is None or not hasattr(batch, "logits_processors"):
         return None
     return RunningBatch(gen, batch)
+
+
+def start_ended_prompts(gen: Any) -> list[Any]:
+    """Move the prompts that have only their last token left to feed (their final chunk ran in
+    this step) to generation now, as mlx-lm's next step would begin by doing: their last
+    tokens' pass is dispatched in this step, not after the next step's decode pass. Returns
+    their prompt responses (ends of prompts), as `next()` would have. A generator of another
+    shape (a sharded group's leader, whose followers replay its calls) is left as it is."""
+    if not isinstance(gen, BatchGenerator) or len(gen._generation_batch) \
+            >= gen.completion_batch_size:
+        return []
+    processing = gen._currently_processing
+    split = [i for i, seq in enumerate(processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+    if not split:
+        return []
+    with mx.stream(gen._stream):
+        last_inputs = [processing[i][0][0] for i in split]
+        progress = [(processing[i][2],) * 2 for i in split]
+        gen._currently_processing = [seq for i, seq in enumerate(processing) if i not in split]
+        batch = gen._prompt_batch.split(split).generate(last_inputs)
+        gen._generation_batch.extend(batch)
+    return [PromptProcessingBatch.Response(uid, p, True, True)
+            for uid, p in zip(batch.uids, progress, strict=True)]
 
 
 def sampled_tokens(gen: Any, uids: list[int]) -> dict[int, int]:

@@ -30,6 +30,7 @@ from mlxd.protocol.stage_trace import (
 
 _current: dict[str, int] | None = None  # the step under way (MLX thread only)
 last_step: dict[str, int] = {}  # the latest finished step's stamps
+_last_call: dict[str, int] = {}  # the latest generator call's, a decode step or not
 steps: list[dict[str, int]] = []  # every finished step's, when `keep_steps` (in-process)
 keep_steps = False
 _installed = False
@@ -77,12 +78,13 @@ class _StepStamps:
         _current = {"next_in": now()}
 
     def next_ended(self) -> None:
-        global _current, last_step
+        global _current, last_step, _last_call
         cur = _current
         _current = None
         if cur is None:
             return
         cur["next_out"] = now()
+        _last_call = cur
         if "read_back" in cur:  # a decode step (not prompt processing alone)
             last_step = cur
             if keep_steps:
@@ -227,3 +229,17 @@ def request_clock() -> RequestClock:
     """The clock for this process: stamping when the stage clock is on, else `NO_CLOCK`."""
     from mlxd.protocol import stage_trace
     return RequestClock() if stage_trace.ON else NO_CLOCK
+
+
+def first_tokens_read(moved: int, moved_done: int) -> None:
+    """A step's first tokens were read back early (the runner's `_send_first_tokens`): when the
+    step ran no decode pass, they get the step's stamps from the generator call's start, the
+    last tokens' pass (dispatched from `moved` to `moved_done`) and their read (now)."""
+    global last_step
+    if last_step is _last_call and "read_back" in last_step:
+        return  # the step's decode pass stands for it, as for its other rows' tokens
+    t = now()
+    last_step = {"next_in": _last_call.get("next_in", moved), "graph_built": moved,
+                 "dispatched": moved_done, "device_done": t, "read_back": t, "next_out": t}
+    if keep_steps:
+        steps.append(last_step)

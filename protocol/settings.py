@@ -252,8 +252,9 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
         "from each other, not in one padded batch; shorter prompts join at once (0: "
         "mlx-lm's batching, prompts prefilled together)"))] = 8192
     early_first_token: Annotated[bool, Meta(description=(
-        "a row's first token goes out in the step that computes it, not a step later when "
-        "mlx-lm's generator returns it"))] = True
+        "a prompt's last token is fed in the step of its last chunk and the row's first "
+        "token goes out in that step, not two steps later as mlx-lm's generator returns "
+        "it"))] = True
     admit_threads: Annotated[int, Meta(ge=0, description=(
         "threads of an engine's small admission lane (0: up to four, a core left to the MLX "
         "thread)"))] = 0

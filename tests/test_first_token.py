@@ -1,7 +1,9 @@
-"""A row's first token goes out in the step that computes it, driven directly (no processes):
-one decode step sooner than mlx-lm's `next()` returns it, the same tokens as mlx-lm's own
-generator, and no token twice; rows whose first token may end them (one-token budgets,
-end-of-sequence tokens) or that ask for log-probabilities keep mlx-lm's order."""
+"""A row's first token goes out in the step of its prompt's last chunk, driven directly (no
+processes): that step also feeds the prompt's last token (mlx-lm feeds it in the next step)
+and sends the token it samples (mlx-lm's `next()` returns it a step later still); the same
+tokens as mlx-lm's own generator, and no token twice. Rows whose first token may end them
+(one-token budgets, end-of-sequence tokens) or that ask for log-probabilities get it from
+mlx-lm's `next()`, one step after that feed."""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def _runner_steps(r: Runner, outq: queue.Queue, add: AddRequest
 
 
 @pytest.mark.parametrize("length", [20, 150])
-def test_the_first_token_goes_out_a_step_before_mlx_lm_returns_it(model, length):
+def test_the_first_token_goes_out_two_steps_before_mlx_lm_returns_it(model, length):
     m, tok = model
     prompt = (tok.encode("The quick brown fox jumps over the lazy dog. ") * 20)[:length]
     reference, ref_first = _mlx_lm_tokens(m, prompt, 8, prefill_step=64)
@@ -76,12 +78,13 @@ def test_the_first_token_goes_out_a_step_before_mlx_lm_returns_it(model, length)
                                                                 []))
     assert tokens == reference
     assert finishes == [None] * 7 + ["length"]
-    # the prompt's chunks but its last token, then the step that feeds that token
-    assert first == -(-(length - 1) // 64) + 1 == ref_first - 1
+    # the step of the prompt's last chunk (but its last token), which also feeds that token,
+    # where mlx-lm feeds it in the next step and returns its first token in the one after
+    assert first == -(-(length - 1) // 64) == ref_first - 2
     assert r.counters.generated_tokens == 8 and r.counters.first_tokens == 0  # (no clock)
 
 
-def test_a_first_token_that_may_end_its_row_keeps_mlx_lms_step(model):
+def test_a_first_token_that_may_end_its_row_comes_from_mlx_lms_next(model):
     m, tok = model
     prompt = tok.encode("Once upon a time in a land far away")
     reference, ref_first = _mlx_lm_tokens(m, prompt, 6, prefill_step=64)
@@ -90,12 +93,12 @@ def test_a_first_token_that_may_end_its_row_keeps_mlx_lms_step(model):
     r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq)
     tokens, finishes, first = _runner_steps(r, outq, AddRequest("a", prompt, 1, greedy_sampler,
                                                                 []))
-    assert (tokens, finishes, first) == (reference[:1], ["length"], ref_first)
+    assert (tokens, finishes, first) == (reference[:1], ["length"], ref_first - 1)
     # the first token is an end-of-sequence token: sent once, with "stop"
     r = Runner(m, [reference[0]], batch_size=4, prefill_step=64, outbox=outq)
     tokens, finishes, first = _runner_steps(r, outq, AddRequest("b", prompt, 6, greedy_sampler,
                                                                 []))
-    assert (tokens, finishes, first) == (reference[:1], ["stop"], ref_first)
+    assert (tokens, finishes, first) == (reference[:1], ["stop"], ref_first - 1)
 
 
 def test_rows_with_and_without_an_early_first_token_in_one_batch_match_their_lone_runs(model):

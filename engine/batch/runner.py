@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from mlxd.engine import stage_clock as step_clock
 from mlxd.engine.batch import prefill_apart
 from mlxd.engine.batch.budget import Budget
 from mlxd.engine.batch.burst import MIN_SHARED_PREFIX, BurstWindow, lend_floor
@@ -59,11 +60,12 @@ from mlxd.engine.mlx_lm_internals import (
     reorder_waiting,
     sampled_tokens,
     set_prefill_step,
+    start_ended_prompts,
     unpadded_batch_masks,
 )
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock, step_log
-from mlxd.protocol import faults
+from mlxd.protocol import faults, stage_trace
 from mlxd.protocol.messages import CacheSource, FinishReason
 from mlxd.protocol.settings import TuningSettings
 
@@ -136,6 +138,7 @@ class Runner:
         self._groups: dict[str, PrefillGroup] = {}
         self._stepped = False  # a step ran since MLX's buffers were last given back
         self._next_done = 0.0  # when the last step's generator call returned
+        self._moved = (0, 0)  # (stage clock) when ended prompts were last moved to generation
         cuda_attention.install(model)
         self._gen = self._new_generator()
         self._update_cap()
@@ -599,36 +602,26 @@ class Runner:
                 prompt_responses, responses = (self._gen.next() if self.spec is None else
                                                self.spec.next(self._gen, self.rows.plain_uids))
             self._next_done = time.perf_counter()
+            ended = self._prompts_stepped(prompt_responses)
+            if self._early_first:  # after the snapshots: they are taken where a segment ends
+                moved_at = stage_trace.now() if self._steps is not None else 0
+                ended += self._prompts_stepped(start_ended_prompts(self._gen))
+                self._moved = (moved_at, stage_trace.now() if moved_at else 0)
         except Exception as e:  # a failed step must not take the engine down
             log.exception("generation step failed; failing its requests")
-            self._fail_all(f"generation step failed: {e}", held=False)
-            self._gen.close()
-            self._gen = self._new_generator()
+            self._step_failed(e)
             return
         c = self.counters
         c.steps += 1
-        ended: list[Row] = []  # rows whose prompt's last token this step fed
-        for pr in prompt_responses:
-            if not pr.end_of_segment or (row := self.rows.get(pr.uid)) is None:
-                continue
-            if not pr.end_of_prompt:
-                if row.snap_at:
-                    self._take_snapshot(row)
-                continue
-            ended.append(row)
-            if self._publish.persist is not None and not self.codec.has_state \
-                    and row.prompt_len >= PERSIST_MIN:
-                self._persist_prompt(row)
-            if row.leads:
-                self._share_group_prefix(row)
-            if row.prefilling is not None:
-                row.prefilling = None
-                if row.followers:
-                    self._publish_prompt(row)
         rows: list[tuple[str, int, FinishReason | None]] = []
         now = time.monotonic()
         if ended and self._early_first:
-            self._send_first_tokens(ended, rows, now)
+            try:
+                self._send_first_tokens(ended, rows, now)
+            except Exception as e:  # (the read waits for the device: a failed pass shows here)
+                log.exception("generation step failed; failing its requests")
+                self._step_failed(e)
+                return
         if not responses and not rows:
             return
         due: list[int] = []
@@ -674,7 +667,38 @@ class Runner:
         c.generated_tokens += len(rows)
         c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         self._count_rows()
-        self._outbox.put(StepTokens(rows, logprobs))
+        if rows:  # (none when every row's token was one sent a step earlier)
+            self._outbox.put(StepTokens(rows, logprobs))
+
+    def _step_failed(self, e: Exception) -> None:
+        """A failed step must not take the engine down: its requests fail, the generator is
+        made anew."""
+        self._fail_all(f"generation step failed: {e}", held=False)
+        self._gen.close()
+        self._gen = self._new_generator()
+
+    def _prompts_stepped(self, responses: list[Any]) -> list[Row]:
+        """What a step's prompt responses call for: snapshots where a segment ended, the
+        prompt published where one ended (those rows returned)."""
+        ended: list[Row] = []
+        for pr in responses:
+            if not pr.end_of_segment or (row := self.rows.get(pr.uid)) is None:
+                continue
+            if not pr.end_of_prompt:
+                if row.snap_at:
+                    self._take_snapshot(row)
+                continue
+            ended.append(row)
+            if self._publish.persist is not None and not self.codec.has_state \
+                    and row.prompt_len >= PERSIST_MIN:
+                self._persist_prompt(row)
+            if row.leads:
+                self._share_group_prefix(row)
+            if row.prefilling is not None:
+                row.prefilling = None
+                if row.followers:
+                    self._publish_prompt(row)
+        return ended
 
     def _send_first_tokens(self, ended: list[Row], out: list[tuple[str, int, Any]],
                            now: float) -> None:
@@ -697,6 +721,8 @@ class Runner:
             self._count_first_token(row, now)
             row.generated += 1
             out.append((row.request_id, token, None))
+        if out and self._steps is not None:
+            step_clock.first_tokens_read(*self._moved)
 
     def _count_first_token(self, row: Row, now: float) -> None:
         row.first_pending = False
