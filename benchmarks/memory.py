@@ -5,12 +5,13 @@ the same model, it starts the server, sends one request (so that the model is lo
 kernels built), then samples every process in the server's tree:
 
 - idle: after that request, once the figures settle;
-- load: the peak over a round of `--streams` concurrent streaming requests (sampled every 50 ms).
+- load: the peak over a round of `--streams` concurrent streaming requests (sampled every 50 ms);
+- idle after the load: once the figures settle again (what a long-running daemon keeps).
 
 Per process it reports RSS (and USS where the platform gives it: memory no other process
 shares), and the tree's total. With `--maps` (Linux) it also splits the largest process's USS
 (the engine, or `mlx_lm.server`) by what is mapped (`/proc/PID/smaps`: the heap, anonymous
-mappings by size, each library, shared memory, device files) after the load round, and lists
+mappings by size, each library, shared memory, device files) idle after the load round, and lists
 the categories where the targets differ most: where an engine's extra memory lives.
 On Apple Silicon the model's weights and KV live in unified
 memory and show in the engine's footprint; on a CUDA machine they live on the GPU and RSS is
@@ -127,7 +128,12 @@ async def measure(target: str, model_dir: str, streams: int, max_tokens: int,
             _merge_peak(peak, sample(server.proc.pid))
             await asyncio.sleep(0.05)
         r = load.result()
-        out = {"target": target, "idle": idle, "peak": peak, "tok_s": r.tok_s,
+        after = sample(server.proc.pid)
+        settle = time.monotonic() + 3.0
+        while time.monotonic() < settle:  # idle again: what a long-running daemon keeps
+            await asyncio.sleep(0.5)
+            after = sample(server.proc.pid)
+        out = {"target": target, "idle": idle, "peak": peak, "after": after, "tok_s": r.tok_s,
                "errors": r.errors}
         if maps and (big := largest(server.proc.pid)) is not None:
             out["maps"] = uss_by_mapping(big.pid)
@@ -140,20 +146,22 @@ async def measure(target: str, model_dir: str, streams: int, max_tokens: int,
 def report(results: list[dict], args: argparse.Namespace) -> str:
     lines = [f"# Memory at idle and under {args.streams} streams ({args.shape or args.model}, "
              f"{args.max_tokens} tokens per stream, default batch settings)", "",
-             "| server | process | idle RSS MB | idle USS MB | peak RSS MB | peak USS MB |",
-             "|---|---|---|---|---|---|"]
+             "| server | process | idle RSS MB | idle USS MB | peak RSS MB | peak USS MB "
+             "| idle after the load: RSS MB | USS MB |",
+             "|---|---|---|---|---|---|---|---|"]
     for res in results:
         keys = sorted(set(res["idle"]) | set(res["peak"]))
-        tot = [0.0, 0.0, 0.0, 0.0]
+        tot = [0.0] * 6
         for k in keys:
             i = res["idle"].get(k, (0.0, 0.0))
             p = res["peak"].get(k, (0.0, 0.0))
-            for n, v in enumerate((*i, *p)):
+            a = res.get("after", {}).get(k, (0.0, 0.0))
+            for n, v in enumerate((*i, *p, *a)):
                 tot[n] += v
             lines.append(f"| {res['target']} | {k} | {i[0]:,.0f} | {i[1]:,.0f} | "
-                         f"{p[0]:,.0f} | {p[1]:,.0f} |")
-        lines.append(f"| {res['target']} | **all** | **{tot[0]:,.0f}** | **{tot[1]:,.0f}** | "
-                     f"**{tot[2]:,.0f}** | **{tot[3]:,.0f}** |")
+                         f"{p[0]:,.0f} | {p[1]:,.0f} | {a[0]:,.0f} | {a[1]:,.0f} |")
+        lines.append(f"| {res['target']} | **all** | " + " | ".join(
+            f"**{t:,.0f}**" for t in tot) + " |")
     lines.append("")
     for res in results:
         lines.append(f"- {res['target']}: {res['tok_s']:,.0f} tok/s during the load round, "
@@ -163,7 +171,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
         cats = sorted({c for r in mapped for c in r["maps"]},
                       key=lambda c: -(max(r["maps"].get(c, 0.0) for r in mapped)
                                       - min(r["maps"].get(c, 0.0) for r in mapped)))
-        lines += ["", "USS MB by mapping after the load round, the largest process of each "
+        lines += ["", "USS MB by mapping, idle after the load round, the largest process of each "
                   "(categories ordered by their spread between targets):", "",
                   "| mapping | " + " | ".join(f"{r['target']}: {r['maps_process']}"
                                              for r in mapped) + " |",

@@ -260,6 +260,9 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
         "thread)"))] = 0
     gc_freeze: Annotated[bool, Meta(description=(
         "every process freezes its start-up heap out of the garbage collector's scans"))] = True
+    heap_trim: Annotated[bool, Meta(description=(
+        "an idle engine gives the C heap's free pages back to the system (glibc's "
+        "malloc_trim, macOS's malloc_zone_pressure_relief) with MLX's buffer cache"))] = True
     stage_trace: Annotated[str | None, Meta(
         description=("every process appends per-token and per-request stage stamps to "
                      "DIR/<role>-<pid>.jsonl (benchmarks/stage_costs.py, burst.py)"),

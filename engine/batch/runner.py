@@ -65,7 +65,7 @@ from mlxd.engine.mlx_lm_internals import (
 )
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock, step_log
-from mlxd.protocol import faults, stage_trace
+from mlxd.protocol import faults, heap, stage_trace
 from mlxd.protocol.messages import CacheSource, FinishReason
 from mlxd.protocol.settings import TuningSettings
 
@@ -109,6 +109,7 @@ class Runner:
         self._unpadded_masks = tuning.batch_masks == "unpadded"
         self._prefill_alone_from = tuning.prefill_alone_from
         self._early_first = tuning.early_first_token
+        self._heap_trim = tuning.heap_trim
         self.clock = clock
         self._steps = step_log() if clock is not NO_CLOCK else None  # the stage clock's
         self._batch_size = batch_size
@@ -182,11 +183,14 @@ class Runner:
 
     def _release_idle_memory(self) -> None:
         """Nothing to run for `IDLE_S`: the buffers MLX keeps for reuse (a long prefill's
-        peak) go back to the system, once per busy spell. An idle daemon must not hold them:
-        on a Mac they are the machine's RAM, on a shared GPU another process's memory. The
-        RAM prefix cache's entries are data, not buffers: they stay."""
+        peak) and the C heap's free pages (`heap.give_back_free_heap`) go back to the system,
+        once per busy spell. An idle daemon must not hold them: on a Mac they are the
+        machine's RAM, on a shared GPU another process's memory. The RAM prefix cache's
+        entries are data, not buffers: they stay."""
         if self._stepped:
             mx.clear_cache()
+            if self._heap_trim:
+                heap.give_back_free_heap()
             self._stepped = False
 
     def take_commands(self) -> bool:
