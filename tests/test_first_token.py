@@ -13,9 +13,10 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.messages import AbortRequest, AddRequest, StepTokens
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.load.loader import load_model
+from mlxd.protocol.settings import TuningSettings
 from support.runner_drive import run_together
 
 
@@ -126,3 +127,55 @@ def test_rows_with_and_without_an_early_first_token_in_one_batch_match_their_lon
     assert [tokens[a.request_id] for a in adds] == alone
     # the row asking for log-probabilities has them for every token, its first included
     assert sum("r3" in lp for lp in logprobs) == budgets[3]
+
+
+def _checkpointed(m, prompt: list[int], early: bool) -> tuple[list[int], list[int]]:
+    """A row of 12 tokens with a generation checkpoint every 4: its tokens and the token
+    counts of the checkpoints handed to the SSD tier (the prompt's own entry left out)."""
+    persisted: list[int] = []
+
+    def persist(entries):
+        persisted.extend(len(e.tokens) for e in entries if len(e.tokens) > len(prompt))
+
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq, persist=persist,
+               checkpoint_every=4, tuning=TuningSettings(early_first_token=early))
+    tokens, _, _ = _runner_steps(r, outq, AddRequest("a", prompt, 12, greedy_sampler, []))
+    r._gen.close()
+    return tokens, persisted
+
+
+def test_generation_checkpoints_cover_the_same_tokens_with_the_first_token_early(model):
+    m, tok = model
+    prompt = tok.encode("A checkpoint is what a resumed request restarts from")
+    early = _checkpointed(m, prompt, True)
+    assert early == _checkpointed(m, prompt, False)
+    assert len(early[1]) >= 2  # (checkpoints were taken)
+
+
+def test_a_row_aborted_after_its_early_first_token_leaves_the_others_as_they_were(model):
+    m, tok = model
+    prompts = [tok.encode("The first of two rows"), tok.encode("And the second row, longer")]
+    alone = _mlx_lm_tokens(m, prompts[1], 6, prefill_step=64)[0]
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq)
+    for i, p in enumerate(prompts):
+        r.inbox.put(AddRequest(f"r{i}", p, 6, greedy_sampler, []))
+    r.take_commands()
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    done: set[str] = set()
+    while "r1" not in done:
+        r.step()
+        while not outq.empty():
+            item = outq.get()
+            if isinstance(item, StepTokens):
+                for rid, tok_id, fin in item.rows:
+                    got[rid].append(tok_id)
+                    if fin:
+                        done.add(rid)
+        if got["r0"] and "r0" not in done:
+            r.inbox.put(AbortRequest("r0"))  # before mlx-lm returns its first token
+            r.take_commands()
+            done.add("r0")
+    assert got["r1"] == alone and len(got["r0"]) == 1
+    assert not r.rows and r.counters.generated_tokens == 7
