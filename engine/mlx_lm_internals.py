@@ -285,10 +285,11 @@ def start_ended_prompts(gen: Any) -> list[Any]:
     split = [i for i, seq in enumerate(processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
     if not split:
         return []
+    moved = set(split)
     with mx.stream(gen._stream):
         last_inputs = [processing[i][0][0] for i in split]
         progress = [(processing[i][2],) * 2 for i in split]
-        gen._currently_processing = [seq for i, seq in enumerate(processing) if i not in split]
+        gen._currently_processing = [seq for i, seq in enumerate(processing) if i not in moved]
         batch = gen._prompt_batch.split(split).generate(last_inputs)
         gen._generation_batch.extend(batch)
     return [PromptProcessingBatch.Response(uid, p, True, True)

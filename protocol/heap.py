@@ -21,8 +21,6 @@ to the allocator.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import sys
@@ -46,10 +44,12 @@ def freeze_startup_heap(enabled: bool = True) -> int:
 
 def _heap_release() -> Callable[[], object] | None:
     """The C library's call that returns free heap pages to the system, or None (another
-    libc: musl, Windows)."""
+    libc: musl, Windows). (ctypes is imported here: the small processes never need it.)"""
+    import ctypes
     try:
         if sys.platform == "darwin":
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libSystem.dylib")
+            from ctypes.util import find_library
+            libc = ctypes.CDLL(find_library("c") or "libSystem.dylib")
             relief = libc.malloc_zone_pressure_relief
             relief.argtypes, relief.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_size_t
             return lambda: relief(None, 0)  # every zone, as much as it can
@@ -61,13 +61,15 @@ def _heap_release() -> Callable[[], object] | None:
         return None
 
 
-_release = _heap_release()
+_release: list[Callable[[], object] | None] = []  # looked up on first use (engines only)
 
 
 def give_back_free_heap() -> bool:
     """Return the C heap's free pages to the system (see the module text); False where the C
     library has no such call."""
-    if _release is None:
+    if not _release:
+        _release.append(_heap_release())
+    if _release[0] is None:
         return False
-    _release()
+    _release[0]()
     return True
