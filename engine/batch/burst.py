@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_SHARED_PREFIX = 32  # tokens two simultaneous prompts must share to prefill them once
 GROUP_MIN_CACHED_GPU = 64
 
 

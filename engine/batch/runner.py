@@ -27,7 +27,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlxd.engine import stage_clock as step_clock
 from mlxd.engine.batch import prefill_apart
 from mlxd.engine.batch.budget import Budget
-from mlxd.engine.batch.burst import MIN_SHARED_PREFIX, BurstWindow, lend_floor
+from mlxd.engine.batch.burst import BurstWindow, lend_floor
 from mlxd.engine.batch.chunking import PrefillChunks
 from mlxd.engine.batch.counters import RunnerCounters
 from mlxd.engine.batch.kv_gate import KvGate
@@ -43,6 +43,7 @@ from mlxd.engine.batch.messages import (
 )
 from mlxd.engine.batch.publish import Publisher, shared_prefix
 from mlxd.engine.batch.rows import GROUP_TTL, PrefillGroup, Row, RowTable
+from mlxd.engine.batch.sharing import leader_for, meeting_points
 from mlxd.engine.batch.sizing import weight_bytes
 from mlxd.engine.grammar.steps import GrammarSteps
 from mlxd.engine.kv import quant as kv_quant
@@ -329,7 +330,8 @@ class Runner:
         if self._groups:
             self._expire_groups()
         floor = lend_floor(len(adds), self._gpu, self._min_cached)
-        meet = self._meeting_points(adds) if self.cache.exact and self.segmented else {}
+        meet = meeting_points(adds, self.cache.peek) if self.cache.exact and self.segmented \
+            else {}
         for add in adds:
             if add.group and add.group_size > 1:
                 self._admit_grouped(add)
@@ -394,45 +396,16 @@ class Runner:
             del self._groups[name]
 
     def _leader_for(self, add: AddRequest) -> Row | None:
-        """A prefilling row sharing MIN_SHARED_PREFIX tokens beyond what the caches give
-        `add` already (one slice comparison per candidate, at C speed). With state layers,
-        one that will stop at a snapshot point within what they share (the follower waits
-        for that point: `row.waits`)."""
+        """The prefilling row `add` waits for (`sharing.leader_for`), noting the snapshot
+        point it waits for where the cache has state layers."""
         cached = max(self.cache.peek(add.prompt), add.restored.tokens if add.restored else 0)
-        need = cached + MIN_SHARED_PREFIX
-        if need >= len(add.prompt):
+        found = leader_for(add.prompt, cached, self.rows, self.cache.exact)
+        if found is None:
             return None
-        head = add.prompt[:need]
-        for row in self.rows:
-            if row.prefilling is None or row.prefilling[:need] != head:
-                continue
-            if not self.cache.exact:
-                return row
-            shared = min(common_prefix(tuple(row.prefilling), tuple(add.prompt)),
-                         len(add.prompt) - 1)
-            point = max((p for p in row.snap_at if need <= p <= shared and p not in row.snaps),
-                        default=0)
-            if point:
-                row.waits[add.request_id] = point
-                return row
-        return None
-
-    def _meeting_points(self, adds: list[AddRequest]) -> dict[str, set[int]]:
-        """(State layers) requests admitted together that share a long prefix: where each
-        leader must stop so that its followers can start from its snapshot (they part ways
-        there), by the leader's request id."""
-        leaders: list[AddRequest] = []
-        points: dict[str, set[int]] = {}
-        for add in adds:
-            for lead in leaders:
-                shared = min(common_prefix(tuple(lead.prompt), tuple(add.prompt)),
-                             len(add.prompt) - 1, len(lead.prompt) - 1)
-                if shared >= MIN_SHARED_PREFIX + self.cache.peek(add.prompt):
-                    points.setdefault(lead.request_id, set()).add(shared)
-                    break
-            else:
-                leaders.append(add)
-        return points
+        row, point = found
+        if point:
+            row.waits[add.request_id] = point
+        return row
 
     def _insert(self, add: AddRequest, shared: tuple[Held, list[int]] | None = None,
                 floor: int | None = None, extra_points: Any = ()) -> Row:
