@@ -443,8 +443,8 @@ class Supervisor:
             return  # from an earlier life of the child
         child.last_heartbeat = now = time.monotonic()
         match msg:
-            case Heartbeat(progress=progress, busy=busy, served=served):
-                self.watchdog.beat(child.child_id, progress, busy, now)
+            case Heartbeat(progress=progress, busy=busy, served=served, pace_s=pace):
+                self.watchdog.beat(child.child_id, progress, busy, now, pace)
                 child.served = child.served or served > 0
             case Ready(detail=detail):
                 child.state = "ready"

@@ -3,6 +3,13 @@ its progress counter has not moved, or (for a probed child: the proxy) when its 
 has gone unanswered, each for `timeout` seconds. A hung child gets "abort" (SIGABRT: a stack
 dump), then "kill" after KILL_GRACE.
 
+An engine's progress counter moves once per step, and on slow hardware one step can take
+longer than the timeout (one prefill chunk of a large model, or at a long context). So an
+engine states its pace with each heartbeat (how long a step takes now:
+engine/batch/pace.py) and the watchdog waits for progress PACE_FACTOR times that pace when
+it exceeds the timeout: a working engine is never taken for a hung one, whatever the model
+and hardware, and a hung one is still caught, within a few of its own steps.
+
 The supervisor asks these questions only of children that are ready: a child that is stopping
 (the proxy draining on shutdown) is the stop's business, and one that is starting may load a
 model for minutes without a beat (a load can hold the GIL). A starting child is judged on one
@@ -17,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KILL_GRACE = 3.0  # seconds between SIGABRT (stack dump) and SIGKILL
+# how many of its own steps an engine may go without progress: room for the next step to run
+# longer than the last (a longer context, a larger chunk) before it is called hung
+PACE_FACTOR = 3.0
 
 
 @dataclass
@@ -29,6 +39,7 @@ class _Beat:
     answered_at: float = 0.0  # last answer to the health probe (probed children)
     aborted_at: float | None = None
     why: str = ""
+    pace_s: float = 0.0  # how long a step of this engine takes now (its own figure)
 
 
 class HangWatchdog:
@@ -48,14 +59,15 @@ class HangWatchdog:
         self._beats[child_id] = _Beat(0, False, now, now, probed, now)
         self._stopped.pop(child_id, None)
 
-    def beat(self, child_id: str, progress: int, busy: bool, now: float) -> None:
+    def beat(self, child_id: str, progress: int, busy: bool, now: float,
+             pace_s: float = 0.0) -> None:
         b = self._beats.get(child_id)
         if b is None:
-            self._beats[child_id] = _Beat(progress, busy, now, now)
+            self._beats[child_id] = _Beat(progress, busy, now, now, pace_s=pace_s)
             return
         if progress != b.progress or not busy:
             b.moved_at = now
-        b.progress, b.busy, b.seen_at = progress, busy, now
+        b.progress, b.busy, b.seen_at, b.pace_s = progress, busy, now, pace_s
 
     def answered(self, child_id: str, now: float) -> None:
         b = self._beats.get(child_id)
@@ -73,8 +85,10 @@ class HangWatchdog:
             return "kill" if now - b.aborted_at >= KILL_GRACE else None
         if now - b.seen_at > self.timeout:
             b.why = f"no heartbeat for {now - b.seen_at:.0f} s"
-        elif b.busy and now - b.moved_at > self.timeout:
-            b.why = f"no progress for {now - b.moved_at:.0f} s while busy"
+        elif b.busy and now - b.moved_at > max(self.timeout, PACE_FACTOR * b.pace_s):
+            paced = PACE_FACTOR * b.pace_s > self.timeout
+            b.why = f"no progress for {now - b.moved_at:.0f} s while busy" + (
+                f" (its steps take {b.pace_s:.1f} s)" if paced else "")
         elif b.probed and now - b.answered_at > self.timeout:
             b.why = f"no answer to its health probe for {now - b.answered_at:.0f} s"
         else:

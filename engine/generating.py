@@ -29,7 +29,7 @@ from mlxd.engine.kv import quant
 from mlxd.engine.kv.prefix_cache import RestoredPrefix
 from mlxd.engine.kv.ssd_tier import SsdTier, open_ssd_tier
 from mlxd.engine.load.loader import load_draft, loaded_model, vocab_size
-from mlxd.engine.load.warm_up import warm_up
+from mlxd.engine.load.warm_up import WarmUp, warm_up
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK
 from mlxd.engine.state import LoadedModel, StatusTick
@@ -68,7 +68,7 @@ class GeneratingEngine:
         loaded_s = time.monotonic() - t0
         stream = generation_stream(launch.tuning.gen_stream)
         warm = settings.warm_up and features.warm_up
-        warm_s = warm_up(model, loaded, stream, settings) if warm else 0.0
+        warmed = warm_up(model, loaded, stream, settings) if warm else WarmUp(0.0)
         probe = kind.probe_model(model, loaded)
         ssd = open_ssd_tier(launch, probe, host.ctx, host.endpoints.storage,
                             kind.ssd_namespace())
@@ -95,10 +95,10 @@ class GeneratingEngine:
             checkpoint_every=settings.generation_checkpoint,
             speculator=Speculator(settings.num_draft_tokens, draft, settings.prefill_step)
             if features.speculative else None, tuning=launch.tuning, clock=host.clock,
-            step_target_s=step_target(launch.hang_timeout))
+            step_target_s=step_target(launch.hang_timeout), token_s=warmed.token_s)
         if isinstance(outbox, StepOutbox) and not outbox.eager:
             runner.inbox = ReleasingInbox(outbox)  # idle: held tokens go out
-        report = (f"loaded in {loaded_s:.1f} s" + (f", warmed up in {warm_s:.1f} s" if warm
+        report = (f"loaded in {loaded_s:.1f} s" + (f", warmed up in {warmed.seconds:.1f} s" if warm
                                                    else "") + f"; context {loaded.context_length}")
         engine = cls(kind, host, loaded, runner, ssd, budget, None, report)
         if features.embeddings:  # they run between generation steps
@@ -185,9 +185,9 @@ class GeneratingEngine:
             log.warning("the storage worker restarted; its unanswered writes are requeued")
             self.ssd.worker_restarted()
 
-    def progress(self) -> tuple[int, bool]:
+    def progress(self) -> tuple[int, bool, float]:
         c = self.runner.counters
-        return c.steps, c.busy
+        return c.steps, c.busy, c.pace_s
 
     def served(self) -> int:
         embedded = self.embedding.counters.inputs if self.embedding is not None else 0

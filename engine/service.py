@@ -222,8 +222,8 @@ class EngineService:
         if seen is not None and storage.epoch != seen and self.engine is not None:
             self.engine.storage_restarted()
 
-    def _progress(self) -> tuple[int, bool]:
-        return self.engine.progress() if self.engine is not None else (0, False)
+    def _progress(self) -> tuple[int, bool, float]:
+        return self.engine.progress() if self.engine is not None else (0, False, 0.0)
 
     # ------------------------------------------------------------------ output thread's calls
 

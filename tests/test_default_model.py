@@ -144,3 +144,46 @@ def test_default_model_streams_survive_an_engine_kill(cache_dir):
         d.assert_clean()
     finally:
         d.cleanup()
+
+
+def test_a_prefill_whose_every_step_outlasts_the_hang_timeout_is_not_a_hang(cache_dir):
+    """On this CPU one step of the default model prefills its smallest chunk (16 tokens) in
+    about 2 s: with `--hang-timeout 1` every step of this prefill outlasts the timeout. The
+    engine states its pace with each heartbeat (engine/batch/pace.py; the first step's from
+    the warm-up) and the watchdog waits a few of its steps (daemon/watchdog.py): the request
+    is answered by the engine it started on, with the answer of an unhurried run."""
+    import queue
+
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from mlxd.engine.batch.messages import AddRequest
+    from mlxd.engine.batch.runner import Runner
+    from mlxd.engine.load.loader import load_model
+    from support.runner_drive import run_one
+    prompt = ("Minutes of the garden committee. The committee met on Tuesday evening in the "
+              "library to discuss the budget for the spring planting, the repair of the north "
+              "fence, the rota for watering in July and the plans for the autumn fair. ") * 2
+    d = start_daemon(None, "--hang-timeout", "1", isolate=True, cache_dir=cache_dir)
+    try:
+        with d.http(timeout=600) as c:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        st = d.stats()
+        engine = st["engines"][0]
+        assert engine["restarts"] == 0 and "is hung" not in d.log(), d.log()
+        assert st["proxy"]["resume"]["resumes"] == 0
+        assert engine["cache"]["longest_step_s"] > 1.0, engine["cache"]  # what it outlasted
+        assert d.stop() == 0
+        d.assert_clean()
+    finally:
+        d.cleanup()
+    (model_dir,) = (cache_dir / "models").iterdir()  # the converted default model
+    m, tok, _ = load_model(str(model_dir), cache_dir)
+    outq: queue.Queue = queue.Queue()
+    runner = Runner(m, [], batch_size=2, prefill_step=2048, outbox=outq, cache_bytes=0)
+    ids = tok.encode(prompt)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    tokens, _ = run_one(runner, outq, AddRequest("x", ids, 6, greedy_sampler, []))
+    assert body["choices"][0]["text"] == tok.decode(tokens)

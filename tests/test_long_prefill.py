@@ -14,7 +14,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.engine.batch.chunking import FLOOR, IDLE_STEP, PrefillChunks, step_target
+from mlxd.engine.batch.chunking import FLOOR, IDLE_STEP, START, PrefillChunks, step_target
+from mlxd.engine.batch.pace import StepPace
 from support.random_model import write_random_model
 
 
@@ -37,6 +38,26 @@ def test_the_chunk_follows_the_step_time_within_its_bounds():
     assert chunks.observe(64, 10.0) == FLOOR  # never below the floor
     assert step_target(0) == 2.0 and step_target(60) == 2.0 and step_target(2) == 0.5
     assert PrefillChunks(4096, 0.5).most == 4096  # a larger --prefill-step is its own bound
+
+
+def test_the_first_chunk_follows_the_warm_ups_rate_and_the_pace_covers_the_step_running():
+    """Before any step is timed, the warm-up's seconds per prompt token size the first chunk
+    (no smaller than the floor) and the pace the engine reports while it runs; afterwards the
+    longer of the last step and what the next should take."""
+    assert PrefillChunks(512, 2.0, token_s=0.001).chunk == START  # a fast device: START fits
+    assert PrefillChunks(512, 2.0, token_s=0.02).chunk == START  # 80 fit: START still bounds
+    slow = PrefillChunks(512, 0.25, token_s=0.13)  # this CPU's default model, a 1 s timeout
+    assert slow.chunk == FLOOR  # 64 tokens would take 8 s
+    assert PrefillChunks(512, 2.0, token_s=0.05).chunk == 32  # 2 s x 0.8 / 0.05 s
+    pace = StepPace(token_s=0.13)
+    assert pace.starting(16) == 16 * 0.13  # the first step: the warm-up's rate
+    assert pace.starting(0) == 0.0  # nothing to prefill, no step timed yet
+    pace.ended(2.5, 16)  # a prefill step: 0.156 s a token
+    assert pace.starting(32) == 32 * 2.5 / 16  # a longer chunk next: its expected time
+    assert pace.starting(8) == 2.5  # a shorter one: no less than the step just seen
+    pace.ended(0.2, 0)  # a decode step teaches no token rate
+    assert pace.starting(0) == 0.2 and pace.token_s == 2.5 / 16
+    assert StepPace().starting(64) == 0.0  # no warm-up figure: the timeout alone
 
 
 def test_a_step_prefills_mlx_lms_chunk_alone_and_prefill_step_while_a_row_decodes(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from mlxd.daemon.health_probe import ProbeAddress, parse_status_line, probe
 from mlxd.daemon.stderr_pump import LINE_CAP, LineSplitter, drain
-from mlxd.daemon.watchdog import KILL_GRACE, HangWatchdog, probe_timing
+from mlxd.daemon.watchdog import KILL_GRACE, PACE_FACTOR, HangWatchdog, probe_timing
 from mlxd.protocol.listen_address import ListenError, claim_unix_path
 from mlxd.protocol.logs import MESSAGE_CAP, TRACEBACK_CAP, BoundedFormatter, shorten
 
@@ -83,6 +83,26 @@ def test_watchdog_aborts_a_busy_engine_without_progress_then_kills():
     assert w.check("e", 9.5) == "abort"
     assert w.check("e", 9.5 + KILL_GRACE - 0.1) is None
     assert w.check("e", 9.5 + KILL_GRACE) == "kill"
+
+
+def test_an_engine_whose_steps_outlast_the_timeout_gets_a_few_of_its_own_steps():
+    """Slow hardware: each step takes 3 s against a 2 s timeout. The engine says so with every
+    beat, and is called hung only after PACE_FACTOR such steps without progress; a pace well
+    under the timeout changes nothing."""
+    w = HangWatchdog(timeout=2)
+    w.beat("e", 1, True, 0, pace_s=3.0)
+    w.beat("e", 1, True, 2.5, pace_s=3.0)
+    assert w.check("e", 2.5) is None  # past the timeout, inside its own step
+    w.beat("e", 2, True, 3.0, pace_s=3.0)  # the step ended: progress
+    w.beat("e", 2, True, 3.0 + PACE_FACTOR * 3.0 - 0.1, pace_s=3.0)
+    assert w.check("e", 3.0 + PACE_FACTOR * 3.0 - 0.1) is None
+    w.beat("e", 2, True, 3.0 + PACE_FACTOR * 3.0 + 0.1, pace_s=3.0)
+    assert w.check("e", 3.0 + PACE_FACTOR * 3.0 + 0.1) == "abort"
+    assert w.why("e") == "no progress for 9 s while busy (its steps take 3.0 s)"
+    fast = HangWatchdog(timeout=2)
+    fast.beat("e", 1, True, 0, pace_s=0.05)
+    fast.beat("e", 1, True, 2.1, pace_s=0.05)
+    assert fast.check("e", 2.1) == "abort" and fast.why("e") == "no progress for 2 s while busy"
 
 
 def test_watchdog_ignores_idle_engines_but_not_silent_ones():

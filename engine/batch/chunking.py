@@ -9,9 +9,10 @@ is bounded by time as well as by `--prefill-step`: after each step that prefille
 is set so that a step at the rate just seen lasts at most `target_s`
 (`step_target`: a quarter of the hang timeout, at most 2 s; a steady, reachable bound on the
 gap between two tokens of a running stream while prompts prefill). It grows back at most 2x a
-step (from `START` at first, so the first step cannot outlast the bound either), so one fast
-reading does not overshoot, and never falls below `FLOOR`. A fast device never meets the bound
-and reaches `--prefill-step` within a few steps.
+step (from `START` at first, or less where the warm-up's rate says `START` would outlast the
+bound), so one fast reading does not overshoot, and never falls below `FLOOR` (where even that
+outlasts the bound, the engine's stated pace keeps the watchdog patient: `pace.py`). A fast
+device never meets the bound and reaches `--prefill-step` within a few steps.
 
 `--prefill-step` bounds a chunk only while rows decode: it is what they wait between two tokens.
 With no row decoding (an agent's next turn, a lone chat) nothing waits, and a step prefills up to
@@ -35,11 +36,17 @@ def step_target(hang_timeout: float) -> float:
 
 
 class PrefillChunks:
-    def __init__(self, configured: int, target_s: float, idle_step: int = IDLE_STEP) -> None:
+    def __init__(self, configured: int, target_s: float, idle_step: int = IDLE_STEP,
+                 token_s: float | None = None) -> None:
+        """`token_s`: seconds per prompt token measured before the first step (the engine's
+        warm-up), where known: a first chunk it says would outlast the target starts smaller
+        (down to `FLOOR`)."""
         self.configured = configured  # --prefill-step: the most a step prefills while rows decode
         self.most = max(configured, idle_step)  # the most a step ever prefills
         self.target_s = target_s
         self.chunk = min(configured, START)  # what the time bound allows (<= most)
+        if token_s:
+            self.chunk = max(FLOOR, min(self.chunk, int(target_s * 0.8 / token_s)))
 
     def for_step(self, decoding: bool, prompts: int = 1) -> int:
         """Each prompt's chunk for a step that starts with rows decoding (or with none) and

@@ -22,8 +22,10 @@ class RunnerCounters:
     to_admit_s: float = 0.0  # sum over them: engine receipt -> inserted into the batch
     to_first_token_s: float = 0.0  # sum over them: engine receipt -> first token sampled
     step_s: float = 0.0  # MLX-thread time in generation steps, checkpoints included
+    longest_step_s: float = 0.0  # the longest of them
     active: int = 0
     busy: bool = False
+    pace_s: float = 0.0  # how long a step takes now (batch/pace.py): the watchdog's patience
     batch_cap: int = 0  # rows the budget allows now (see budget.explain)
     batch_why: str = ""
     waiting: int = 0  # requests held back until rows finish

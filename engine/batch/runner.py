@@ -41,6 +41,7 @@ from mlxd.engine.batch.messages import (
     StepTokens,
     StopRunner,
 )
+from mlxd.engine.batch.pace import StepPace
 from mlxd.engine.batch.publish import Publisher, shared_prefix
 from mlxd.engine.batch.rows import GROUP_TTL, PrefillGroup, Row, RowTable
 from mlxd.engine.batch.sharing import leader_for, meeting_points
@@ -93,14 +94,16 @@ class Runner:
                  preparing: Callable[[float], int] | None = None,
                  speculator: Speculator | None = None,
                  tuning: TuningSettings | None = None,
-                 clock: RequestClock = NO_CLOCK, step_target_s: float = 0.0) -> None:
+                 clock: RequestClock = NO_CLOCK, step_target_s: float = 0.0,
+                 token_s: float | None = None) -> None:
         """`batch_size`: the most rows the generator holds; `budget` (None: no memory rule)
         decides which requests join the running rows; `preparing(t)` counts requests that
         reached the engine by monotonic time t and are still being prepared for this runner
         (burst admission waits for them); `persist(entries)` queues KV entries' blocks for
         the SSD tier (new RAM entries, checkpoints); `tuning`: the hidden switches (burst
         window, shortest prefix lent, grammar order), read once; `step_target_s` (> 0): the
-        seconds a prefilling step should last at most (`chunking.py`)."""
+        seconds a prefilling step should last at most (`chunking.py`); `token_s`: seconds per
+        prompt token measured before (the warm-up's), the first step's guide (`pace.py`)."""
         tuning = tuning or TuningSettings()
         self._model = model
         self.spec = speculator  # speculative steps for a row decoding alone
@@ -117,8 +120,9 @@ class Runner:
         self.gate = KvGate(batch_size, budget, context)  # who joins the running rows, when
         self._preparing = preparing or (lambda submitted_by: 0)
         self._prefill_step = prefill_step
-        self._chunks = PrefillChunks(prefill_step, step_target_s) \
+        self._chunks = PrefillChunks(prefill_step, step_target_s, token_s=token_s) \
             if step_target_s > 0 and self.adaptive_chunks else None
+        self._pace = StepPace(token_s)  # how long steps take now: the hang watchdog's patience
         self._stream = stream
         self._stop_sequences = StopSequences([[e] for e in eos_ids])
         self._eos = frozenset(eos_ids)
@@ -515,24 +519,33 @@ class Runner:
         self._stepped = True
         if self._prefill_alone_from:
             self._prefill_alone()
-        before = 0
+        gen = self._gen
+        before = prefilled_tokens(gen)
+        waiting = prompts_waiting(gen)
         if self._chunks is not None:
-            before = prefilled_tokens(self._gen)
-            set_prefill_step(self._gen, self._chunks.for_step(
-                decoding_rows(self._gen) > 0, prompts_waiting(self._gen)))
+            set_prefill_step(gen, self._chunks.for_step(decoding_rows(gen) > 0, waiting))
+        self.counters.pace_s = self._pace.starting(gen.prefill_step_size * waiting)
         if self._steps is not None:
-            self._trace_step(t0)
+            self._trace_step(t0, before)
             return
         try:
             self._generate()
             self._publish.hand_over()  # after the step's tokens went out
         finally:
-            dt = time.perf_counter() - t0
-            self.counters.step_s += dt
-            if self._chunks is not None:
-                prefilled = prefilled_tokens(self._gen) - before
-                if prefilled > 0:  # (a rebuilt generator counts from 0: nothing to learn)
-                    self._chunks.observe(prefilled, dt)
+            self._step_ended(before, time.perf_counter() - t0)
+
+    def _step_ended(self, before: int, dt: float) -> int:
+        """A step that began with the generator's prefill counter at `before` took `dt`: the
+        chunk and the pace learn from it. The prompt tokens it prefilled."""
+        c = self.counters
+        c.step_s += dt
+        c.longest_step_s = max(c.longest_step_s, dt)
+        # (a rebuilt generator counts from 0: nothing to learn)
+        prefilled = max(0, prefilled_tokens(self._gen) - before)
+        if self._chunks is not None and prefilled > 0:
+            self._chunks.observe(prefilled, dt)
+        self._pace.ended(dt, prefilled)
+        return prefilled
 
     def _prefill_alone(self) -> None:
         """The setting `prefill_alone_from`: prompts over a long context are prefilled apart
@@ -544,11 +557,10 @@ class Runner:
         reorder_waiting(gen, order)
         gen.prefill_batch_size = size
 
-    def _trace_step(self, t0: float) -> None:
+    def _trace_step(self, t0: float, before: int) -> None:
         """`step` under the stage clock: the same, and its record in the step log."""
         assert self._steps is not None
         routed = dict(cuda_attention.COUNTS)
-        before = prefilled_tokens(self._gen)
         made = self.counters.generated_tokens
         rec: dict[str, Any] = {"t": time.perf_counter_ns(), "dec": decoding_rows(self._gen),
                                "wait": prompts_waiting(self._gen),
@@ -560,11 +572,7 @@ class Runner:
             self._publish.hand_over()
         finally:
             t2 = time.perf_counter()
-            dt = t2 - t0
-            self.counters.step_s += dt
-            prefilled = prefilled_tokens(self._gen) - before
-            if self._chunks is not None and prefilled > 0:
-                self._chunks.observe(prefilled, dt)
+            prefilled = self._step_ended(before, t2 - t0)
             rec.update(next_ms=round((self._next_done - t0) * 1e3, 3),
                        gen_ms=round((t1 - t0) * 1e3, 3), hand_ms=round((t2 - t1) * 1e3, 3),
                        pre=prefilled, tok=self.counters.generated_tokens - made,

@@ -246,9 +246,10 @@ class Embedding:
             model_dir=str(model_dir), capabilities=["embedding", "rerank"]
             if getattr(self.embedder, "ranks", False) else ["embedding"])
 
-    def progress(self) -> tuple[int, bool]:
-        """The hang watchdog's view of an embedding engine: steps taken, and whether busy."""
-        return self.counters.steps, self.counters.busy
+    def progress(self) -> tuple[int, bool, float]:
+        """The hang watchdog's view of an embedding engine: steps taken, whether busy, and no
+        pace of its own (a batch of inputs is bounded by tokens, not by time)."""
+        return self.counters.steps, self.counters.busy, 0.0
 
 
 def _too_many_dimensions(asked: int, has: int) -> ClientError:

@@ -142,8 +142,9 @@ class Engine(Protocol):
 
     def status(self, status: EngineStatus) -> EngineStatus: ...
 
-    def progress(self) -> tuple[int, bool]:
-        """The MLX thread's step counter, and whether it is busy (the hang watchdog)."""
+    def progress(self) -> tuple[int, bool, float]:
+        """The MLX thread's step counter, whether it is busy, and how long a step takes now
+        (the hang watchdog's figures: `batch/pace.py`)."""
 
     def served(self) -> int:
         """Tokens generated (inputs embedded) in this engine's life: the supervisor's crash-loop

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from mlxd.engine.admit import prepare as admission
@@ -39,17 +40,27 @@ WARM_UP_SAMPLING = [SamplingParams(max_tokens=WARM_UP_TOKENS),
 
 
 
-def warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: EngineSettings) -> float:
-    """Run the warm-up on this (the MLX) thread; the seconds it took."""
+@dataclass
+class WarmUp:
+    seconds: float  # the whole warm-up
+    # seconds per prompt token of the cheapest of its requests (their steps' time over the
+    # prompt tokens they prefilled, decode steps included: a figure that errs long), or None:
+    # the serving runner's first step is sized and paced by it (batch/chunking.py, pace.py)
+    token_s: float | None = None
+
+
+def warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: EngineSettings) -> WarmUp:
+    """Run the warm-up on this (the MLX) thread."""
     t0 = time.monotonic()
+    rates: list[float] = []
     try:
         with faults.quiet():
-            problem = _warm_up(model, loaded, stream, settings)
+            problem = _warm_up(model, loaded, stream, settings, rates)
     except Exception as e:  # noqa: BLE001  a model that cannot warm up may still serve
         problem = f"{type(e).__name__}: {e}"
     if problem is not None:
         log.warning("warm-up failed (the first request will be slower): %s", problem)
-    return time.monotonic() - t0
+    return WarmUp(time.monotonic() - t0, min(rates) if rates else None)
 
 
 class _WarmUpOutbox(queue.Queue):
@@ -79,8 +90,10 @@ class _WarmUpOutbox(queue.Queue):
             self.inbox.put(StopRunner())
 
 
-def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str | None:
-    """Run the warm-up generations on this (the MLX) thread; what went wrong, or None."""
+def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any,
+             rates: list[float]) -> str | None:
+    """Run the warm-up generations on this (the MLX) thread; what went wrong, or None. Each
+    request's seconds per prompt token go to `rates`."""
     for i, sampling in enumerate(WARM_UP_SAMPLING):
         rid = f"warm-up-{i}"
         tries = [Generate(rid, sampling, messages=m) for m in WARM_UP_CHATS] if i == 0 else []
@@ -99,6 +112,9 @@ def _warm_up(model: Any, loaded: LoadedModel, stream: Any, settings: Any) -> str
         runner.run()
         if outbox.error is not None:
             return outbox.error
+        c = runner.counters
+        if c.prefilled_tokens > 0 and c.step_s > 0:
+            rates.append(c.step_s / c.prefilled_tokens)
     return None
 
 

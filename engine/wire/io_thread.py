@@ -43,7 +43,7 @@ class Handlers:
     flush: Callable[[FlushCache], None]
     shutdown: Callable[[str], None]
     children: Callable[[ChildStates], None]
-    progress: Callable[[], tuple[int, bool]]  # the MLX thread's step counter, and busy
+    progress: Callable[[], tuple[int, bool, float]]  # step counter, busy, pace (hang watchdog)
     embed: Callable[[Embed], None]
     share: Callable[[SetMemoryShare], None] = lambda _: None  # the memory share changed
     served: Callable[[], int] = lambda: 0  # tokens generated (inputs embedded) in this life
@@ -92,9 +92,9 @@ class IoThread:
                 if now >= next_beat or (served and not told_served):
                     next_beat = now + HEARTBEAT_INTERVAL
                     told_served = served > 0
-                    steps, busy = self.on.progress()
+                    steps, busy, pace = self.on.progress()
                     ctl.send(sup_codec.encode(Heartbeat(self.engine_id, self.epoch, steps, busy,
-                                                        served)))
+                                                        served, pace)))
                     if os.getppid() != self._parent:
                         log.error("supervisor is gone; exiting")
                         os._exit(exit_codes.PARENT_GONE)

@@ -35,7 +35,8 @@ def engine_stats(runner: Runner, ssd: SsdTier | None) -> EngineStats:
         bursts=c.bursts, cache_layers=runner.codec.describe(),
         ram_snapshots=cache.snapshots, cache_unsupported=runner.codec.unsupported,
         weights_bytes=runner.weights_bytes, ram_superseded=cache.stats.superseded,
-        ram_kept_bytes=cache.kept_bytes)
+        ram_kept_bytes=cache.kept_bytes, longest_step_s=round(c.longest_step_s, 4),
+        pace_s=round(c.pace_s, 4))
     budget = runner.gate.budget  # None: no memory rule
     if budget is not None:
         st.kv_budget_bytes, st.memory_share = budget.kv_bytes, budget.share

@@ -76,7 +76,7 @@ class EncoderEngine:
     def status(self, status: EngineStatus) -> EngineStatus:
         return self.embedding.status(status, self.model_dir)
 
-    def progress(self) -> tuple[int, bool]:
+    def progress(self) -> tuple[int, bool, float]:
         return self.embedding.progress()
 
     def served(self) -> int:
