@@ -46,6 +46,7 @@ from mlxd.engine.batch.publish import Publisher, shared_prefix
 from mlxd.engine.batch.rows import GROUP_TTL, PrefillGroup, Row, RowTable
 from mlxd.engine.batch.sharing import leader_for, meeting_points
 from mlxd.engine.batch.sizing import weight_bytes
+from mlxd.engine.batch.step_tokens import StepRead, early, first_tokens, read_responses
 from mlxd.engine.grammar.steps import GrammarSteps
 from mlxd.engine.kv import quant as kv_quant
 from mlxd.engine.kv.codec import CacheCodec, Held, kv_slice, to_mx
@@ -68,7 +69,7 @@ from mlxd.engine.mlx_lm_internals import (
 from mlxd.engine.speculative.step import Speculator
 from mlxd.engine.stage_clock import NO_CLOCK, RequestClock, step_log
 from mlxd.protocol import faults, heap, stage_trace
-from mlxd.protocol.messages import CacheSource, FinishReason
+from mlxd.protocol.messages import CacheSource
 from mlxd.protocol.settings import TuningSettings
 
 log = logging.getLogger("mlxd.engine")
@@ -598,62 +599,40 @@ class Runner:
             return
         c = self.counters
         c.steps += 1
-        rows: list[tuple[str, int, FinishReason | None]] = []
-        now = time.monotonic()
+        read = StepRead()
         if ended and self._early_first:
             try:
-                self._send_first_tokens(ended, rows, now)
+                self._send_first_tokens(ended, read)
             except Exception as e:  # (the read waits for the device: a failed pass shows here)
                 log.exception("generation step failed; failing its requests")
                 self._step_failed(e)
                 return
-        if not responses and not rows:
+        if not responses and not read.tokens:
             return
-        due: list[int] = []
-        finished: list[str] = []
-        wanted: list[tuple[str, Any, int]] = []
-        for r in responses:
-            row = self.rows.get(r.uid)
-            if row is None:
-                continue
-            if row.sent_first >= 0 and r.finish_reason is None:
-                row.sent_first = -1  # the token `_send_first_tokens` sent a step ago
-                if self._checkpoint_every and row.generated % self._checkpoint_every == 0:
-                    due.append(r.uid)
-                continue
-            if row.first_pending:
-                self._count_first_token(row, now)
-            finish = r.finish_reason
-            if finish == "length" and row.grammar is not None \
-                    and row.grammar.completed_by(row.generated, r.token):
-                finish = "stop"  # the budget's closing ended in the last token: complete
-            rows.append((row.request_id, r.token, finish))
-            if row.logprobs >= 0:
-                wanted.append((row.request_id, r, row.logprobs))
-            if r.finish_reason is None:
-                row.generated += 1
-                if self._checkpoint_every and row.generated % self._checkpoint_every == 0:
-                    due.append(r.uid)
-                continue
-            self.rows.pop(r.uid)
-            finished.append(row.request_id)
+        read_responses(responses, self.rows, self._checkpoint_every, read)
+        now = time.monotonic()
+        for row in read.first:
+            self._count_first_token(row, now)
+        finished = [row.request_id for row, _ in read.ended]
+        for row, r in read.ended:
             self._release_followers(row)
             if r.prompt_cache is not None and self.cache.max_bytes:
                 self._publish.history(r.all_tokens, r.prompt_cache, row.prompt_len, row.snaps,
                                       kept=continues(row.started_from, row.prompt_len))
-        logprobs: dict[str, TopLogprobs] | None = top_logprobs(wanted) if wanted else None
+        logprobs: dict[str, TopLogprobs] | None = \
+            top_logprobs(read.wanted) if read.wanted else None
         if finished:
             self._release(finished)
-        if due:
+        if read.due:
             t0 = time.perf_counter()
             c.checkpoints += self._publish.checkpoints(
-                list(self._gen.extract_cache(due).values()))
+                list(self._gen.extract_cache(read.due).values()))
             c.checkpoint_s += time.perf_counter() - t0
-        c.generated_tokens += len(rows)
+        c.generated_tokens += len(read.tokens)
         c.peak_batch = max(c.peak_batch, len({r.uid for r in responses}))
         self._count_rows()
-        if rows:  # (none when every row's token was one sent a step earlier)
-            self._outbox.put(StepTokens(rows, logprobs))
+        if read.tokens:  # (none when every row's token was one sent a step earlier)
+            self._outbox.put(StepTokens(read.tokens, logprobs))
 
     def _step_failed(self, e: Exception) -> None:
         """A failed step must not take the engine down: its requests fail, the generator is
@@ -685,32 +664,19 @@ class Runner:
                     self._publish_prompt(row)
         return ended
 
-    def _send_first_tokens(self, ended: list[Row], out: list[tuple[str, int, Any]],
-                           now: float) -> None:
-        """The first tokens of rows whose prompt ended in this step, into `out` now rather than
-        a step later, when mlx-lm's `next()` returns them (`sampled_tokens`): a request's
+    def _send_first_tokens(self, ended: list[Row], read: StepRead) -> None:
+        """The first tokens of rows whose prompt ended in this step, into `read` now rather
+        than a step later, when mlx-lm's `next()` returns them (`sampled_tokens`): a request's
         first token then waits for its own forward passes only, not for the next decode step
-        and the prompt chunks beside it. Only a token that cannot end its row goes early (the
-        row may generate more and it is no end-of-sequence token), and none for a row that
-        asks for log-probabilities: the late copy's finish reason and alternatives are
-        mlx-lm's, read as before."""
-        rows = [r for r in ended if r.first_pending and r.logprobs < 0 and r.max_tokens > 1]
-        if not rows:
+        and the prompt chunks beside it (which rows' tokens may go early: `step_tokens.py`)."""
+        uids = [r.uid for r in ended if early(r)]
+        if not uids:
             return
-        tokens = sampled_tokens(self._gen, [r.uid for r in rows])
-        for row in rows:
-            token = tokens.get(row.uid)
-            if token is None or token in self._eos:
-                continue
-            row.sent_first = token
-            self._count_first_token(row, now)
-            row.generated += 1
-            out.append((row.request_id, token, None))
-        if out and self._steps is not None:
+        first_tokens(ended, sampled_tokens(self._gen, uids), self._eos, read)
+        if read.tokens and self._steps is not None:
             step_clock.first_tokens_read(*self._moved)
 
     def _count_first_token(self, row: Row, now: float) -> None:
-        row.first_pending = False
         if row.received_at:
             c = self.counters
             c.first_tokens += 1
