@@ -69,9 +69,11 @@ def test_anthropic_streams_send_pings_while_prefilling_and_the_sdk_reads_through
 
 def test_a_client_gone_mid_prefill_stops_it_and_a_resend_starts_from_what_was_computed(
         tmp_path):
-    """A client that gives up while its prompt prefills stops the prefill within a chunk, and
-    the chunks computed stay in the prefix cache: the same request sent again starts from
-    them (more than nothing, less than the whole prompt: the first copy never finished)."""
+    """A client that gives up while its prompt prefills stops the prefill within a chunk
+    (`/stats` counts the prompt tokens computed: part of the prompt, and no more once it is
+    gone), and the chunks computed stay in the prefix cache: the same request sent again
+    starts from them (more than nothing, less than the whole prompt: the first copy never
+    finished) and computes only the rest."""
     path = write_random_model(tmp_path / "m", hidden=256, layers=6, heads=4, kv_heads=2,
                               intermediate=512, context=4096)
     d = start_daemon(path, "--stream-ping", "0.3", "--hang-timeout", "2", "--ssd-cache", "off",
@@ -89,10 +91,14 @@ def test_a_client_gone_mid_prefill_stops_it_and_a_resend_starts_from_what_was_co
         d.wait_until(lambda s: s["engines"][0]["active_requests"] == 0
                      and s["engines"][0]["cache"]["ram_entries"] > 0,
                      what="the abandoned request gone, its KV kept")
+        gone = d.stats()["engines"][0]["cache"]["prefilled_tokens"]
+        assert 0 < gone < len(prompt) - 1, gone  # computed in part, then stopped
         with d.http(timeout=300) as c:
             again = c.post("/v1/completions", json=body).json()
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert 0 < cached < len(prompt) - 1, cached
+        d.wait_until(lambda s: s["engines"][0]["cache"]["prefilled_tokens"] - gone
+                     == len(prompt) - cached, what="the re-send computing only the rest")
         assert d.stats()["engines"][0]["restarts"] == 0
     finally:
         stop(d)

@@ -12,7 +12,7 @@ class RunnerCounters:
     steps: int = 0  # advanced by every step: the hang watchdog's progress counter
     peak_batch: int = 0
     prompt_tokens: int = 0
-    prefilled_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens computed (chunk by chunk, as they are)
     cached_tokens: int = 0
     ssd_restored_tokens: int = 0
     generated_tokens: int = 0

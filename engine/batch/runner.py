@@ -477,7 +477,6 @@ class Runner:
         c = self.counters
         c.prompt_tokens += len(prompt)
         c.cached_tokens += cached
-        c.prefilled_tokens += len(prompt) - cached
         self._outbox.put(RequestStarted(add.request_id, cached, source))
         return row
 
@@ -543,6 +542,7 @@ class Runner:
         c.longest_step_s = max(c.longest_step_s, dt)
         # (a rebuilt generator counts from 0: nothing to learn)
         prefilled = max(0, prefilled_tokens(self._gen) - before)
+        c.prefilled_tokens += prefilled  # as computed: a prompt given up mid-way counts its part
         if self._chunks is not None and prefilled > 0:
             self._chunks.observe(prefilled, dt)
         self._pace.ended(dt, prefilled)
@@ -653,6 +653,7 @@ class Runner:
                     self._take_snapshot(row)
                 continue
             ended.append(row)
+            self.counters.prefilled_tokens += 1  # its last token, fed as generation starts
             if self._publish.persist is not None and not self.codec.has_state \
                     and row.prompt_len >= PERSIST_MIN:
                 self._persist_prompt(row)
