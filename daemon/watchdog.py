@@ -6,7 +6,7 @@ dump), then "kill" after KILL_GRACE.
 An engine's progress counter moves once per step, and on slow hardware one step can take
 longer than the timeout (one prefill chunk of a large model, or at a long context). So an
 engine states its pace with each heartbeat (how long a step takes now:
-engine/batch/pace.py) and the watchdog waits for progress PACE_FACTOR times that pace when
+engine/batch/timing/pace.py) and the watchdog waits for progress PACE_FACTOR times that pace when
 it exceeds the timeout: a working engine is never taken for a hung one, whatever the model
 and hardware, and a hung one is still caught, within a few of its own steps.
 

@@ -17,11 +17,11 @@ from typing import Any
 from mlxd.engine.admit import prompt_batch
 from mlxd.engine.admit.prepare import Admitted, Answered, refused
 from mlxd.engine.batch.budget import Budget, ceiling, rebudget
-from mlxd.engine.batch.chunking import step_target
 from mlxd.engine.batch.handoff import ReleasingInbox, StepOutbox
 from mlxd.engine.batch.messages import AbortRequest, AddRequest, Call, StopRunner
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.batch.sizing import measure_budget
+from mlxd.engine.batch.timing.chunking import step_target
 from mlxd.engine.embeddings.batching import Embedding
 from mlxd.engine.embeddings.models import CausalLMEmbedder
 from mlxd.engine.kinds.base import EngineKind, Host, Lookup

@@ -235,7 +235,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     ram_superseded: int = 0
     ram_kept_bytes: int = 0
     # The longest generation step since the engine started (a running stream's worst wait
-    # between two tokens), and how long a step takes now (engine/batch/pace.py: what the hang
+    # between two tokens), and how long a step takes now (engine/batch/timing/pace.py: what the hang
     # watchdog is patient for, where it exceeds a third of --hang-timeout).
     longest_step_s: float = 0.0
     pace_s: float = 0.0
@@ -338,7 +338,7 @@ class Heartbeat(_Msg, tag="hb"):
     progress: int = 0
     busy: bool = False
     served: int = 0  # an engine's tokens generated (inputs embedded) in this life
-    pace_s: float = 0.0  # how long an engine's step takes now (engine/batch/pace.py)
+    pace_s: float = 0.0  # how long an engine's step takes now (engine/batch/timing/pace.py)
 
 
 class ChildFailed(_Msg, tag="failed"):

@@ -311,7 +311,7 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     tuning: TuningSettings = TuningSettings()
     lifeline_fd: int | None = None  # the inherited read end of the parent's lifeline pipe
     # the supervisor's --hang-timeout: the engine keeps each step (a prefill chunk) well
-    # inside it (engine/batch/chunking.py)
+    # inside it (engine/batch/timing/chunking.py)
     hang_timeout: float = 0.0
 
 

@@ -1,7 +1,8 @@
 """`mlxd chat` under a real pseudo-terminal (pexpect) and `mlxd run` as a script uses it, against
-a real daemon on the tiny random model, over its Unix socket. The engine is slowed to 50 ms a
-step (fault point `engine.step=delay`) so that an answer lasts long enough to be seen arriving
-and to be interrupted."""
+a real daemon on the tiny random model, over its Unix socket. The engine is slowed to 100 ms a
+step (fault point `engine.step=delay:100`) so that an answer lasts long enough to be seen
+arriving and to be interrupted (2.4 s for 24 tokens: at 50 ms a step, a CLI slow to be
+scheduled on a loaded machine once saw the whole answer before its Ctrl-C landed)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_conversation_sends_system_history_and_model():
 @pytest.fixture(scope="module")
 def slow_daemon(tiny_model):
     d = start_daemon(tiny_model, "--ssd-cache", "off", isolate=True,  # faults: children only
-                     env={"MLXD_FAULTS": "engine.step=delay"})
+                     env={"MLXD_FAULTS": "engine.step=delay:100"})
     yield d
     stop_and_check(d)
 
@@ -125,7 +126,7 @@ def test_chat_in_a_terminal(slow_daemon):
         chat.expect_exact(">>> ")
         t_end = time.monotonic() - t0
         assert first + str(chat.before) == on_tty(expected)
-        assert t_end - t_first > 0.5, (t_first, t_end)  # 24 steps of 50 ms came after it
+        assert t_end - t_first > 0.5, (t_first, t_end)  # 24 steps of 100 ms came after it
 
         # the history is sent: the same question again, in context, is a different prompt;
         # after /clear it is the first prompt again, and the same answer

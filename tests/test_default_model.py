@@ -149,7 +149,7 @@ def test_default_model_streams_survive_an_engine_kill(cache_dir):
 def test_a_prefill_whose_every_step_outlasts_the_hang_timeout_is_not_a_hang(cache_dir):
     """On this CPU one step of the default model prefills its smallest chunk (16 tokens) in
     about 2 s: with `--hang-timeout 1` every step of this prefill outlasts the timeout. The
-    engine states its pace with each heartbeat (engine/batch/pace.py; the first step's from
+    engine states its pace with each heartbeat (engine/batch/timing/pace.py; the first step's from
     the warm-up) and the watchdog waits a few of its steps (daemon/watchdog.py): the request
     is answered by the engine it started on, with the answer of an unhurried run."""
     import queue

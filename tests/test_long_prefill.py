@@ -1,5 +1,5 @@
 """A prefill longer than `--hang-timeout` is progress, not a hang: the engine keeps each step
-(one prefill chunk) well inside the timeout (engine/batch/chunking.py), so the watchdog never
+(one prefill chunk) well inside the timeout (engine/batch/timing/chunking.py), so the watchdog never
 kills a working engine, and running streams keep getting tokens between chunks. While a prompt
 prefills, its stream sends keep-alives (`--stream-ping`): SSE comments on OpenAI routes,
 `ping` events on /v1/messages, which the official SDKs pass over."""
@@ -14,8 +14,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from conftest import start_daemon
 from conftest import stop_and_check as stop
-from mlxd.engine.batch.chunking import FLOOR, IDLE_STEP, START, PrefillChunks, step_target
-from mlxd.engine.batch.pace import StepPace
+from mlxd.engine.batch.timing.chunking import FLOOR, IDLE_STEP, START, PrefillChunks, step_target
+from mlxd.engine.batch.timing.pace import StepPace
 from support.random_model import write_random_model
 
 
@@ -260,7 +260,7 @@ def test_a_prefill_several_times_the_hang_timeout_completes_without_a_restart(tm
 
 def test_a_running_stream_keeps_its_pace_while_a_16k_prompt_prefills(tmp_path):
     """Running streams decode between prefill chunks, and a chunk is kept to the step target
-    (2 s at most, engine/batch/chunking.py): while a 16k-token prompt prefills, a running
+    (2 s at most, engine/batch/timing/chunking.py): while a 16k-token prompt prefills, a running
     stream's gap between tokens stays within about two steps (a step's tokens go out as the
     next step starts its work on the device), 4 s, and half again for this shared CPU: 6 s."""
     import threading

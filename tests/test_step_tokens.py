@@ -3,6 +3,7 @@ on mlx-lm's own response records."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
 from mlxd.engine.batch.rows import Row, RowTable
@@ -12,8 +13,9 @@ EOS = frozenset({2})
 
 
 def response(uid: int, token: int, finish: str | None = None) -> GenerationBatch.Response:
-    return GenerationBatch.Response(uid, token, None, finish, ["cache"] if finish else None,
-                                    [token] if finish else None)
+    ended = finish is not None
+    return GenerationBatch.Response(uid, token, mx.array(0.0), finish,
+                                    ["cache"] if ended else None, [token] if ended else None)
 
 
 def table(*rows: Row) -> RowTable:

@@ -25,7 +25,7 @@ class RunnerCounters:
     longest_step_s: float = 0.0  # the longest of them
     active: int = 0
     busy: bool = False
-    pace_s: float = 0.0  # how long a step takes now (batch/pace.py): the watchdog's patience
+    pace_s: float = 0.0  # how long a step takes now (batch/timing/pace.py): the watchdog's patience
     batch_cap: int = 0  # rows the budget allows now (see budget.explain)
     batch_why: str = ""
     waiting: int = 0  # requests held back until rows finish

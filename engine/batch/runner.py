@@ -28,7 +28,6 @@ from mlxd.engine import stage_clock as step_clock
 from mlxd.engine.batch import prefill_apart
 from mlxd.engine.batch.budget import Budget
 from mlxd.engine.batch.burst import BurstWindow, lend_floor
-from mlxd.engine.batch.chunking import PrefillChunks
 from mlxd.engine.batch.counters import RunnerCounters
 from mlxd.engine.batch.kv_gate import KvGate
 from mlxd.engine.batch.logprobs import TopLogprobs, top_logprobs
@@ -41,12 +40,13 @@ from mlxd.engine.batch.messages import (
     StepTokens,
     StopRunner,
 )
-from mlxd.engine.batch.pace import StepPace
 from mlxd.engine.batch.publish import Publisher, shared_prefix
 from mlxd.engine.batch.rows import GROUP_TTL, PrefillGroup, Row, RowTable
 from mlxd.engine.batch.sharing import leader_for, meeting_points
 from mlxd.engine.batch.sizing import weight_bytes
 from mlxd.engine.batch.step_tokens import StepRead, early, first_tokens, read_responses
+from mlxd.engine.batch.timing.chunking import PrefillChunks
+from mlxd.engine.batch.timing.pace import StepPace
 from mlxd.engine.grammar.steps import GrammarSteps
 from mlxd.engine.kv import quant as kv_quant
 from mlxd.engine.kv.codec import CacheCodec, Held, kv_slice, to_mx

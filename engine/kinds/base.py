@@ -144,7 +144,7 @@ class Engine(Protocol):
 
     def progress(self) -> tuple[int, bool, float]:
         """The MLX thread's step counter, whether it is busy, and how long a step takes now
-        (the hang watchdog's figures: `batch/pace.py`)."""
+        (the hang watchdog's figures: `batch/timing/pace.py`)."""
 
     def served(self) -> int:
         """Tokens generated (inputs embedded) in this engine's life: the supervisor's crash-loop

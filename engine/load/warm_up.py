@@ -45,7 +45,7 @@ class WarmUp:
     seconds: float  # the whole warm-up
     # seconds per prompt token of the cheapest of its requests (their steps' time over the
     # prompt tokens they prefilled, decode steps included: a figure that errs long), or None:
-    # the serving runner's first step is sized and paced by it (batch/chunking.py, pace.py)
+    # the serving runner's first step is sized and paced by it (batch/timing/)
     token_s: float | None = None
 
 
