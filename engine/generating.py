@@ -106,7 +106,8 @@ class GeneratingEngine:
                 CausalLMEmbedder(model, tokenizer, loaded.context_length,
                                  vocab_size(config), stream),
                 outbox, launch.engine_id, launch.epoch,
-                wake=lambda: runner.inbox.put(Call(engine._run_embeddings)))
+                wake=lambda: runner.inbox.put(Call(engine._run_embeddings)),
+                token_s=warmed.token_s)
         return engine
 
     # ------------------------------------------------------------------ admission lanes
@@ -187,6 +188,8 @@ class GeneratingEngine:
 
     def progress(self) -> tuple[int, bool, float]:
         c = self.runner.counters
+        if self.embedding is not None and self.embedding.counters.busy:  # a pass between steps
+            return c.steps, True, max(c.pace_s, self.embedding.counters.pace_s)
         return c.steps, c.busy, c.pace_s
 
     def served(self) -> int:

@@ -233,3 +233,54 @@ def test_a_request_whose_engine_dies_is_sent_again_once(bert, reference, deaths)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_crashed"
     finally:
         stop_and_check(d)
+
+
+def test_a_pass_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
+    """One forward pass is bounded by inputs and tokens, not by time: on slow hardware (here a
+    wider BERT on this CPU, 8 inputs of ~460 tokens: seconds) it outlasts `--hang-timeout`.
+    The engine states the pass's pace (its tokens at the warm-up's rate, stretched for their
+    length) and the watchdog waits for it: no restart, the vectors of an in-process run."""
+    from mlx_embeddings import load
+    from tokenizers import Tokenizer
+    wide = write_random_bert(tmp_path / "wide-bert", hidden=128, layers=2, intermediate=512,
+                             max_length=512)
+    texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 50 for i in range(8)]
+    lengths = [len(e.ids) for e in Tokenizer.from_file(str(wide / "tokenizer.json"))
+               .encode_batch(texts)]
+    assert 400 < min(lengths) and max(lengths) <= 512, lengths
+    d = start_daemon(wide, "--hang-timeout", "1", isolate=True)
+    try:
+        with d.http() as h:
+            r = h.post("/v1/embeddings", json={"model": "wide-bert", "input": texts,
+                                               "encoding_format": "float"}, timeout=300)
+        assert r.status_code == 200, r.text
+        d.wait_until(lambda s: s["engines"][0]["cache"]["longest_step_s"] > 0,
+                     what="the engine's status after the pass")
+        engine = d.stats()["engines"][0]
+        assert engine["restarts"] == 0 and engine["epoch"] == 0, engine
+        assert engine["cache"]["longest_step_s"] > 1.0, engine["cache"]  # it did outlast it
+        model, tokenizer = load(str(wide))
+        inputs = tokenizer(texts, return_tensors="mlx", padding=True)
+        want = np.array(model(inputs["input_ids"],
+                              attention_mask=inputs["attention_mask"]).text_embeds)
+        np.testing.assert_allclose([e["embedding"] for e in r.json()["data"]], want, atol=1e-4)
+    finally:
+        stop_and_check(d)
+
+
+def test_a_hung_pass_between_generation_steps_is_caught(tiny_model):
+    """A causal LM embeds between its generation steps; a pass that hangs there is a hang like
+    a step that does (the engine is busy while it runs): the watchdog aborts the engine, the
+    supervisor restarts it, and the request, sent again once, is answered."""
+    d = start_daemon(tiny_model, "--hang-timeout", "2", isolate=True,
+                     env={"MLXD_FAULTS": "engine.embed=hang@1#0"})
+    try:
+        with d.http() as h:
+            r = h.post("/v1/embeddings", json={"model": "tiny-llama", "input": TEXTS[:2],
+                                               "encoding_format": "float"}, timeout=120)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([e["embedding"] for e in r.json()["data"]],
+                                   _pooled_hidden_states(tiny_model, TEXTS[:2]), atol=1e-4)
+        assert "no progress for" in d.log() and d.stats()["engines"][0]["epoch"] == 1
+    finally:
+        stop_and_check(d)

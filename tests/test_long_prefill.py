@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from conftest import start_daemon
 from conftest import stop_and_check as stop
 from mlxd.engine.batch.timing.chunking import FLOOR, IDLE_STEP, START, PrefillChunks, step_target
-from mlxd.engine.batch.timing.pace import StepPace
+from mlxd.engine.batch.timing.pace import PassPace, StepPace, attention_growth
 from support.random_model import write_random_model
 
 
@@ -58,6 +58,30 @@ def test_the_first_chunk_follows_the_warm_ups_rate_and_the_pace_covers_the_step_
     pace.ended(0.2, 0)  # a decode step teaches no token rate
     assert pace.starting(0) == 0.2 and pace.token_s == 2.5 / 16
     assert StepPace().starting(64) == 0.0  # no warm-up figure: the timeout alone
+
+
+def test_a_whole_pass_is_paced_for_its_length_and_errs_long():
+    """An embedding pass cannot be chunked: its pace is its padded tokens at the last seen
+    rate, stretched by how much longer its inputs are than those that set the rate. Against
+    the cost a transformer's arithmetic gives (per token: the weights, plus attention that
+    grows with the length, crossing them at several times the hidden size) it errs long."""
+    width = 576  # SmolLM2-135M's hidden size
+    pace = PassPace(width, token_s=0.147)  # this CPU: 147 ms a token, measured at 64 tokens
+
+    def cost(padded: int, longest: int) -> float:  # the truth: attention equals weights at 6 x
+        return padded * 0.147 * (1 + longest / (6 * width)) / (1 + 64 / (6 * width))
+
+    for longest in (64, 512, 1024, 8192):
+        expected = pace.starting_pass(2 * longest, longest)
+        assert cost(2 * longest, longest) <= expected <= 16 * cost(2 * longest, longest)
+    assert pace.starting_pass(8192, 8192) > 8192 * 0.147 * 10  # 8k tokens: much longer a token
+    pace.ended_pass(200.0, 1024, 1024)  # measured: now the rate at 1,024 tokens
+    assert pace.seen == 1024 and pace.token_s == 200.0 / 1024
+    assert pace.starting_pass(512, 256) == 200.0  # shorter: no less than the pass just seen
+    assert pace.starting_pass(4096, 2048) == 4096 * 200.0 / 1024 * attention_growth(2048, 1024,
+                                                                                     width)
+    assert attention_growth(100, 1000, width) == 1.0  # never shrinks below the rate seen
+    assert PassPace(width).starting_pass(4096, 4096) == 0.0  # no figure: the timeout alone
 
 
 def test_a_step_prefills_mlx_lms_chunk_alone_and_prefill_step_while_a_row_decodes(tmp_path):

@@ -5,6 +5,12 @@ checks it; the MLX thread embeds what is queued in forward passes of up to 64 in
 requests, and hands each finished request's vectors to the output thread as one `Embeddings`
 (float32 bytes). In an embedding engine the MLX thread runs `serve`; in a generating engine a
 queued request wakes the runner with a `Call`, which embeds between generation steps.
+
+A forward pass is bounded by inputs and tokens, not by time: on slow hardware (a large model
+on a small Mac; the default model on this project's CPU) one pass of 32k padded tokens can take
+minutes. So a pass states its pace to the hang watchdog as a generation step does
+(`batch/timing/pace.py`: its padded tokens at the last seen seconds per token, first the
+warm-up's), and a working engine is not taken for a hung one.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,16 +28,20 @@ import msgspec
 import numpy as np
 
 from mlxd.engine.admit.prepare import ClientError
+from mlxd.engine.batch.timing.pace import PassPace
 from mlxd.engine.embeddings.models import MAX_STEP_INPUTS, check_token_ids, normalized, plan_steps
 from mlxd.protocol import faults
 from mlxd.protocol.messages import Delta, Embed, Embeddings, EngineStatus
 
 log = logging.getLogger("mlxd.engine")
 
+WARM_UP_WORDS = 64  # the warm-up's longer input, in words (about as many tokens)
+
 
 class Embedder(Protocol):
     max_tokens: int
     vocab: int
+    width: int  # the hidden size (how a pass's cost grows with its length: PassPace)
     dimensions: int  # 0 until the first forward pass
 
     def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]: ...
@@ -69,16 +80,21 @@ class EmbedCounters:
     peak_batch: int = 0
     active: int = 0  # requests queued or being embedded
     busy: bool = False
+    pace_s: float = 0.0  # how long the pass running now should take (the watchdog's patience)
+    longest_s: float = 0.0  # the longest pass
 
 
 class Embedding:
     def __init__(self, embedder: Embedder, outq: queue.Queue[Any], engine_id: str, epoch: int,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None, token_s: float | None = None) -> None:
+        """`token_s`: seconds per token measured before the first pass (a generating engine's
+        warm-up), or None (`warm_up` measures its own)."""
         self.embedder = embedder
         self.outq = outq
         self.engine_id, self.epoch = engine_id, epoch
         self.wake = wake or (lambda: None)
         self.counters = EmbedCounters()
+        self._pace = PassPace(embedder.width, token_s)
         self._active_lock = threading.Lock()  # `active` moves on three threads
         self._requests: queue.Queue[Embed | None] = queue.Queue()
         self._ready: queue.Queue[EmbedJob] = queue.Queue()  # lane -> MLX thread
@@ -178,16 +194,42 @@ class Embedding:
                     self._embed_step([rows[k] for k in step])
                     on_step()
 
+    def warm_up(self) -> float | None:
+        """Two short passes on the MLX thread before serving: the kernels are built and the
+        seconds per padded token measured (the pace's first figure). None if that failed."""
+        text = " ".join(["warm"] * WARM_UP_WORDS)
+        rates: list[float] = []
+        try:
+            batch = self.embedder.tokenize([text, text[:len(text) // 2]], truncate=True)
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self._forward(batch, rerank=bool(getattr(self.embedder, "ranks", False)))
+                rates.append((time.perf_counter() - t0) / _padded_tokens(batch))
+        # (its inputs are short enough to count as length 0: `PassPace.seen` stays 0)
+        except Exception as e:  # noqa: BLE001  a model that cannot warm up may still serve
+            log.warning("embedding warm-up failed (the first request will be slower): %s", e)
+            return None
+        self._pace.token_s = min(rates)
+        return self._pace.token_s
+
+    def _forward(self, batch: list[list[int]], rerank: bool) -> np.ndarray:
+        if rerank:
+            return cast(PairScorer, self.embedder).score(batch)
+        return self.embedder.forward(batch)
+
     def _embed_step(self, rows: list[tuple[EmbedJob, int]]) -> None:
         c = self.counters
+        batch = [job.inputs[i] for job, i in rows]
+        padded, longest = _padded_tokens(batch), max(len(x) for x in batch)
+        c.pace_s = self._pace.starting_pass(padded, longest)
         c.busy = True
+        t0 = time.perf_counter()
         try:
             faults.hit("engine.embed")
-            batch = [job.inputs[i] for job, i in rows]
-            if rows[0][0].rerank:
-                vectors = cast(PairScorer, self.embedder).score(batch)
-            else:
-                vectors = self.embedder.forward(batch)
+            vectors = self._forward(batch, rerank=rows[0][0].rerank)
+            took = time.perf_counter() - t0
+            self._pace.ended_pass(took, padded, longest)
+            c.longest_s = max(c.longest_s, took)
         except ClientError as e:
             self._fail_jobs(rows, str(e), e.code)
             return
@@ -237,7 +279,9 @@ class Embedding:
         c = self.counters
         stats = msgspec.structs.replace(
             status.stats, embed_requests=c.requests, embed_inputs=c.inputs,
-            embed_tokens=c.tokens, embed_steps=c.steps, embed_peak_batch=c.peak_batch)
+            embed_tokens=c.tokens, embed_steps=c.steps, embed_peak_batch=c.peak_batch,
+            longest_step_s=round(max(status.stats.longest_step_s, c.longest_s), 4),
+            pace_s=round(max(status.stats.pace_s, c.pace_s), 4))
         if model_dir is None:
             return msgspec.structs.replace(status, stats=stats)
         return msgspec.structs.replace(
@@ -247,9 +291,15 @@ class Embedding:
             if getattr(self.embedder, "ranks", False) else ["embedding"])
 
     def progress(self) -> tuple[int, bool, float]:
-        """The hang watchdog's view of an embedding engine: steps taken, whether busy, and no
-        pace of its own (a batch of inputs is bounded by tokens, not by time)."""
-        return self.counters.steps, self.counters.busy, 0.0
+        """The hang watchdog's view of an embedding engine: passes taken, whether one runs,
+        and how long it should take."""
+        c = self.counters
+        return c.steps, c.busy, c.pace_s
+
+
+def _padded_tokens(batch: list[list[int]]) -> int:
+    """What a forward pass over `batch` computes: every input padded to the longest."""
+    return len(batch) * max((len(x) for x in batch), default=0)
 
 
 def _too_many_dimensions(asked: int, has: int) -> ClientError:

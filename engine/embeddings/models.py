@@ -28,6 +28,7 @@ ENCODER_TYPES = frozenset({"bert", "xlm_roberta", "modernbert", "llama_bidirec"}
 SENTENCE_TRANSFORMERS_FILES = ("config_sentence_transformers.json", "modules.json")
 
 MAX_STEP_INPUTS = 64  # inputs embedded in one forward pass at most
+DEFAULT_WIDTH = 1024  # a hidden size to assume where a config names none (the hang pace's)
 MAX_STEP_TOKENS = 32768  # padded tokens (inputs x the longest of them) in one forward pass
 NO_EMBEDDINGS = ("embedding models need the packages mlx-embeddings and mlx-vlm: install "
                  "mlxd's embeddings extra (pip install -e '.[embeddings]' in mlxd's checkout)")
@@ -104,6 +105,7 @@ class EncoderEmbedder:
         sane = [n for n in limits if isinstance(n, int) and 0 < n < 10**7]
         self.max_tokens = min(sane) if sane else 512
         self.vocab = int(config.get("vocab_size") or 0)
+        self.width = _int(config.get("hidden_size") or config.get("d_model"), DEFAULT_WIDTH)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_left = getattr(tokenizer, "padding_side", "right") == "left"
         self.dimensions = 0  # known after the first forward pass
@@ -164,6 +166,8 @@ class CausalLMEmbedder:
         self.tokenizer, self.stream = tokenizer, stream
         self.max_tokens = context_length
         self.vocab = vocab
+        self.width = _int(getattr(getattr(model, "args", None), "hidden_size", None),
+                          DEFAULT_WIDTH)
         self.dimensions = 0
 
     def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
@@ -227,3 +231,7 @@ def load_encoder(model_dir: Path, dtype: str, stream: Any) -> EncoderEmbedder:
     except Exception as e:  # any failure here means the model cannot load
         raise ModelLoadError(f"cannot load embedding model from {model_dir}: {e}") from e
     return EncoderEmbedder(model, tokenizer, config, stream)
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and value > 0 else default

@@ -35,3 +35,38 @@ class StepPace:
         self.last_s = seconds
         if prefilled > 0 and seconds > 0:
             self.token_s = seconds / prefilled
+
+
+class PassPace(StepPace):
+    """The pace of forward passes over whole inputs (an embedding batch), which cannot be cut
+    into chunks: a pass's cost per token grows with its inputs' length (attention), so the
+    figure measured at one length is stretched for a longer one."""
+
+    def __init__(self, width: int, token_s: float | None = None) -> None:
+        """`width`: the model's hidden size; `token_s` as StepPace's, measured on inputs
+        short enough to count as length 0."""
+        super().__init__(token_s)
+        self.width = max(1, width)
+        self.seen = 0  # the longest input of the pass that measured `token_s`
+
+    def starting_pass(self, padded_tokens: int, longest: int) -> float:
+        """The pace to report while a pass of `padded_tokens` whose longest input has
+        `longest` tokens runs."""
+        if not self.token_s or padded_tokens <= 0:
+            return self.last_s
+        grown = attention_growth(longest, self.seen, self.width)
+        return max(self.last_s, padded_tokens * self.token_s * grown)
+
+    def ended_pass(self, seconds: float, padded_tokens: int, longest: int) -> None:
+        self.ended(seconds, padded_tokens)
+        if padded_tokens > 0 and seconds > 0:
+            self.seen = longest
+
+
+def attention_growth(longest: int, seen: int, width: int) -> float:
+    """How many times a token costs more in a pass whose inputs reach `longest` tokens than
+    in one whose inputs reached `seen`. The weights cost the same per token at any length;
+    attention grows with it. Counting attention as costing what the weights do once inputs
+    reach `width` tokens (the hidden size; in a transformer's arithmetic it is several times
+    that) makes the growth err long, as a watchdog's patience should."""
+    return max(1.0, (1 + longest / width) / (1 + seen / width))

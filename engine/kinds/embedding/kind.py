@@ -36,8 +36,10 @@ class EncoderEngine:
         launch = host.launch
         stream = mx.new_stream(mx.default_device())
         embedder = load_encoder(model_dir, launch.settings.dtype, stream)
-        return cls(host, model_dir, Embedding(embedder, host.channels.outq, launch.engine_id,
-                                              launch.epoch))
+        embedding = Embedding(embedder, host.channels.outq, launch.engine_id, launch.epoch)
+        if launch.settings.warm_up:  # the kernels built, and the first pass's pace measured
+            embedding.warm_up()
+        return cls(host, model_dir, embedding)
 
     def prepare(self, msg: Generate, received_at: float) -> Admitted | Answered:
         return refused(msg.request_id, f"{model_id(self.host.launch.model)} is an embedding "
