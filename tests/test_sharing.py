@@ -1,10 +1,10 @@
-"""Which requests wait to share another's prefill (engine/batch/sharing.py), pure."""
+"""Which requests wait to share another's prefill (engine/batch/admission/sharing.py), pure."""
 
 from __future__ import annotations
 
+from mlxd.engine.batch.admission.sharing import MIN_SHARED_PREFIX, leader_for, meeting_points
 from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.batch.rows import Row
-from mlxd.engine.batch.sharing import MIN_SHARED_PREFIX, leader_for, meeting_points
 
 HEAD = list(range(100, 100 + 2 * MIN_SHARED_PREFIX))  # a system prompt, 64 tokens
 
