@@ -17,7 +17,10 @@ to mlx-lm must not reach the references), one after the other, alternated over `
 
 Each prefills `--context` random tokens (untimed), then times `--steps` decode steps (greedy,
 no stop token). Reports each configuration's median ms per step and its ratio to
-`generate_step`, medians over repetitions with their range.
+`generate_step`, medians over repetitions with their range. With `--rows N` the batched
+configurations decode N rows (distinct prompts of `--context` tokens) in each step, as two
+agent sessions do; `generate_step` stays one sequence, so its ratio then reads as what a step
+of N rows costs against one sequence's step.
 
     python benchmarks/decode_overhead.py --shape 1b --model-dtype bfloat16 --context 32768
     python benchmarks/decode_overhead.py --shape tiny --context 4096 --profile runner
@@ -78,11 +81,17 @@ def run_generate_step(model: Any, tokens: list[int], steps: int) -> list[float]:
     return times
 
 
-def run_batch(model: Any, tokens: list[int], steps: int) -> list[float]:
+def prompts(tokens: list[int], rows: int) -> list[list[int]]:
+    """`rows` distinct prompts as long as `tokens`, in its token range."""
+    span = max(tokens) - 2
+    return [[3 + (t - 3 + r * 101) % span for t in tokens] for r in range(rows)]
+
+
+def run_batch(model: Any, tokens: list[int], steps: int, rows: int = 1) -> list[float]:
     from mlx_lm.generate import BatchGenerator
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8,
                          prefill_step_size=2048)
-    gen.insert([tokens], max_tokens=[steps + 1])
+    gen.insert(prompts(tokens, rows), max_tokens=[steps + 1] * rows)
     times: list[float] = []
     decoding, last = False, 0.0
     while True:
@@ -92,13 +101,14 @@ def run_batch(model: Any, tokens: list[int], steps: int) -> list[float]:
             if decoding:
                 times.append(now - last)
             decoding, last = True, now
-            if responses[0].finish_reason is not None:
+            if any(r.finish_reason is not None for r in responses):
                 break
     gen.close()
     return times
 
 
-def run_runner(model: Any, tokens: list[int], steps: int, spec: bool) -> list[float]:
+def run_runner(model: Any, tokens: list[int], steps: int, spec: bool, rows: int = 1
+               ) -> list[float]:
     import queue
 
     import mlx.core as mx
@@ -120,7 +130,8 @@ def run_runner(model: Any, tokens: list[int], steps: int, spec: bool) -> list[fl
                                           defaults.prefill_step) if spec else None)
     times: list[float] = []
     with mx.stream(stream):
-        runner.inbox.put(AddRequest("r", tokens, steps + 1, greedy_sampler, []))
+        for r, row in enumerate(prompts(tokens, rows)):
+            runner.inbox.put(AddRequest(f"r{r}", row, steps + 1, greedy_sampler, []))
         runner.take_commands()
         done, decoding, last = False, False, 0.0
         while not done:
@@ -132,8 +143,9 @@ def run_runner(model: Any, tokens: list[int], steps: int, spec: bool) -> list[fl
                 if isinstance(item, StepTokens):
                     got += len(item.rows)
                     done = done or any(fin for _r, _t, fin in item.rows)
+            got = -(-got // rows)  # tokens per row: a speculative step's count as steps
             if got:
-                if decoding:  # a speculative step's tokens: each counts as a step
+                if decoding:
                     times.extend([(now - last) / got] * got)
                 decoding, last = True, now
     return times
@@ -147,9 +159,10 @@ def child(args: argparse.Namespace) -> None:
     vocab = model.args.vocab_size
     tokens = prompt(args.context, vocab)
     run = {"generate_step": lambda: run_generate_step(model, tokens, args.steps),
-           "batch": lambda: run_batch(model, tokens, args.steps),
-           "runner": lambda: run_runner(model, tokens, args.steps, True),
-           "runner-nospec": lambda: run_runner(model, tokens, args.steps, False)}[args.child]
+           "batch": lambda: run_batch(model, tokens, args.steps, args.rows),
+           "runner": lambda: run_runner(model, tokens, args.steps, True, args.rows),
+           "runner-nospec": lambda: run_runner(model, tokens, args.steps, False, args.rows),
+           }[args.child]
     run()  # warm-up: the shapes built once, as a long-running server has them
     if args.profile:
         import cProfile
@@ -172,6 +185,7 @@ def main() -> None:
     ap.add_argument("--model-dtype", default="float32")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rows", type=int, default=1, help="rows decoded together (batched configs)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--profile", default="", help="a configuration to run once under cProfile")
@@ -184,7 +198,7 @@ def main() -> None:
         return
     mdir = args.model or model_dir(args.shape, args.model_dtype, args.context)
     base = [sys.executable, __file__, "--model-dir", mdir, "--context", str(args.context),
-            "--steps", str(args.steps)]
+            "--steps", str(args.steps), "--rows", str(args.rows)]
     if args.profile:
         subprocess.run(base + ["--child", args.profile, "--profile", "1"], check=True)
         return
@@ -199,7 +213,8 @@ def main() -> None:
             print(f"rep {rep} {c:14s} {ms:7.3f} ms/step", flush=True)
     ref = got.get("generate_step")
     rows = []
-    print(f"\ncontext {args.context}, {args.steps} steps, medians of {args.reps}:")
+    print(f"\ncontext {args.context}, {args.steps} steps, {args.rows} row(s), medians of "
+          f"{args.reps}:")
     for c, v in got.items():  # ratios paired per repetition
         ratio = ([r / m for r, m in zip(ref, v, strict=True)] if ref else [])
         line = (f"{c:14s} {statistics.median(v):7.3f} ms/step ({min(v):.3f}-{max(v):.3f})"
@@ -209,6 +224,7 @@ def main() -> None:
         rows.append({"config": c, "ms": v, "speed_ratio": ratio})
     if args.out:
         Path(args.out).write_text(json.dumps({"context": args.context, "steps": args.steps,
+                                              "decoding_rows": args.rows,
                                               "shape": args.model or args.shape,
                                               "dtype": args.model_dtype, "rows": rows},
                                              indent=1))
