@@ -290,6 +290,43 @@ def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_
     assert table.embed(mx.array([[1]], dtype=mx.uint32), None) is None  # a sampled token
 
 
+def test_screenshot_sized_images_never_share_a_token_id_and_each_gets_its_own_features():
+    """30 bits an image token: forty screenshot-sized images (1,400 positions each) held at
+    once share ids under the plain derivation (checked here: the test would not test
+    anything otherwise), which refused a request as "two images' token ids collide" on the
+    H200 (issue 36's benchmark, four families of five). The table hands an image that meets
+    another a salted derivation: every id in the table is distinct, the same image keeps its
+    ids, and each position is fed its own image's features."""
+    import mlx.core as mx
+
+    from mlxd.engine.kinds.vision.image_table import ImageTable, image_token_ids
+    from mlxd.protocol.messages import ImageInput, image_key
+    n, count = 1400, 40
+
+    def image(k: int) -> ImageInput:
+        pixels = bytes([k % 256, k // 256, 7])
+        return ImageInput(1, 1, pixels, image_key(1, 1, pixels))
+
+    def encode(values: np.ndarray, grid: Any) -> mx.array:  # position i of image k: (k, i)
+        return mx.stack([mx.full((n,), float(values[0, 0])), mx.arange(n, dtype=mx.float32)],
+                        axis=1)
+
+    images = [image(k) for k in range(count)]
+    plain = [image_token_ids(img.key, n) for img in images]
+    assert len({i for ids in plain for i in ids}) < count * n  # they do collide, plainly
+    table = ImageTable(encode, lambda img: np.full((1, 1), img.pixels[0], np.float32))
+    got = [table.ids_for(img, n) for img in images]
+    assert len({i for ids in got for i in ids}) == count * n
+    assert sum(ids != p for ids, p in zip(got, plain, strict=True)) >= 1  # salted where met
+    assert [table.ids_for(img, n) for img in images] == got  # the same image, the same ids
+    for k in (0, count // 2, count - 1):
+        table.register(images[k], n, np.full((1, 1), k, np.float32))
+        fed = table.embed(mx.array([[5, *got[k][:8], *got[k][-8:], 6]]),
+                          lambda t: mx.zeros((*t.shape, 2)))
+        assert fed is not None
+        assert fed[0, 1:-1].tolist() == [[k, i] for i in [*range(8), *range(n - 8, n)]]
+
+
 def test_an_image_encoded_on_an_admission_lane_is_ready_for_the_mlx_thread():
     """The vision tower runs where the image is admitted (a lane thread, its own MLX stream);
     the MLX thread's prefill then uses those features as they are and never runs the tower."""

@@ -4,7 +4,15 @@ An image's place in a prompt is held by *image tokens*: ids above the vocabulary
 (`VIRTUAL_BASE` and up), one per position the image takes, each derived from the blake3 of the
 image's decoded pixels and the position (`image_token_ids`). The prompt's token ids therefore
 name the image's content: the prefix cache's trie and the SSD tier's chained block keys, which
-are built from token ids alone, hit on the same image and never on another one. `VisionLM`
+are built from token ids alone, hit on the same image and never on another one.
+
+Each id maps to one (image, position) in the table, and 30 bits per id are few for that: a
+screenshot takes ~1,400 positions, so two dozen such images in the table share some id with
+a probability near one half (and one image's own positions repeat an id one time in a
+thousand). So an image entering the table takes the first of a few salted derivations whose
+ids are all distinct and unused (`ImageTable.ids_for`); salt 0, the plain derivation, in all
+but those cases. A salted image's ids may differ after the table forgot it or after a restart:
+then its cached prefix misses and is computed again, never a wrong hit. `VisionLM`
 looks those ids up in its `ImageTable` and feeds the image's features in their place. The
 vision tower and projector run at admission, on the admission lane's thread and its own MLX
 stream, for images a cache did not cover (`ImageTable.encode_now`): their time is never inside
@@ -33,11 +41,16 @@ IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from t
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
 
 
-def image_token_ids(key: bytes, n: int) -> list[int]:
-    """The `n` ids an image with content hash `key` takes in a prompt: position i's id is 30
-    bits of blake3(key, i) above VIRTUAL_BASE, so a sequence of them names the image (two
-    images share one id by chance at 2^-30; all of a prompt's, never in practice)."""
-    return [VIRTUAL_BASE | (int.from_bytes(blake3(key + i.to_bytes(4, "little")).digest(4),
+MAX_SALTS = 64  # derivations tried before an image is refused (each fails at well under 1 %)
+
+
+def image_token_ids(key: bytes, n: int, salt: int = 0) -> list[int]:
+    """The `n` ids an image with content hash `key` takes in a prompt, by derivation `salt`:
+    position i's id is 30 bits of blake3(key[, salt], i) above VIRTUAL_BASE, so a sequence of
+    them names the image (two images share one id by chance at 2^-30; a run of them, never in
+    practice)."""
+    seed = key if salt == 0 else key + b"/salt" + salt.to_bytes(2, "little")
+    return [VIRTUAL_BASE | (int.from_bytes(blake3(seed + i.to_bytes(4, "little")).digest(4),
                                            "little") & (VIRTUAL_BASE - 1))
             for i in range(n)]
 
@@ -93,12 +106,19 @@ class ImageTable:
         self._bytes = 0
         self.encoded = 0  # images the vision tower ran for (a figure for tests and stats)
 
+    def ids_for(self, image: ImageInput, n: int,
+                grid: tuple[int, int, int] | None = None) -> list[int]:
+        """The `n` token ids of `image` in prompts: those it has in the table, or, for an image
+        new to it, the first derivation whose ids are distinct and no other image's (the image
+        enters the table now, without pixel values: `register` adds them). `grid`: the image's
+        merged-patch grid, for a family whose positions follow it."""
+        return self.register(image, n, None, grid)
+
     def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None,
                  grid: tuple[int, int, int] | None = None) -> list[int]:
-        """The image's token ids; `pixel_values` None: not computed (a cache covers it);
-        `grid`: the image's merged-patch grid, for a family whose positions follow it."""
+        """The image's token ids (as `ids_for`); `pixel_values` None: not computed (a cache
+        covers it, or not yet asked)."""
         key = image.key
-        ids = image_token_ids(key, n)
         with self._lock:
             img = self._images.get(key)
             if img is not None:
@@ -110,10 +130,7 @@ class ImageTable:
                     img.nbytes += pixel_values.nbytes
                     self._bytes += pixel_values.nbytes
                 return img.ids
-            for i, vid in enumerate(ids):
-                if self._where.get(vid, (key, i)) != (key, i):
-                    raise ValueError("two images' token ids collide; send the request again "
-                                     "with the image re-encoded")
+            ids = self._free_ids(key, n)
             for i, vid in enumerate(ids):
                 self._where[vid] = (key, i)
             nbytes = len(image.pixels) + (pixel_values.nbytes if pixel_values is not None
@@ -123,6 +140,15 @@ class ImageTable:
             self._bytes += nbytes
             self._evict()
         return ids
+
+    def _free_ids(self, key: bytes, n: int) -> list[int]:
+        """Under the lock: the first derivation of `key`'s ids that are distinct and unused."""
+        for salt in range(MAX_SALTS):
+            ids = image_token_ids(key, n, salt)
+            if len(set(ids)) == n and self._where.keys().isdisjoint(ids):
+                return ids
+        raise ValueError(f"no free image token ids for an image of {n} positions beside the "
+                         f"{len(self._images)} images held; send it again later")
 
     def _evict(self) -> None:
         old = time.monotonic() - IMAGE_TTL_S

@@ -20,7 +20,7 @@ from mlxd.engine.admit import prepare as admission
 from mlxd.engine.admit.prepare import Admitted, Answered, ClientError
 from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.kinds.base import Lookup
-from mlxd.engine.kinds.vision.image_table import VIRTUAL_BASE, image_token_ids, pixels_key
+from mlxd.engine.kinds.vision.image_table import VIRTUAL_BASE, pixels_key
 from mlxd.engine.kinds.vision.model import VisionParts
 from mlxd.engine.state import LoadedModel
 from mlxd.protocol.messages import Delta, Generate, ImageInput
@@ -81,7 +81,9 @@ class VisionAdmission:
         if layouts is not None and marks != sum(sizes):  # image tokens typed into the text
             raise ClientError(f"the prompt holds {marks} image tokens where its images take "
                               f"{sum(sizes)}", "invalid_request")
-        ids = [image_token_ids(img.key, n) for img, n in zip(msg.images, sizes, strict=True)]
+        ids = [parts.images.ids_for(img, n, parts.grid(img.width, img.height)
+                                    if parts.grid is not None else None)
+               for img, n in zip(msg.images, sizes, strict=True)]
         prompt: list[int] = []
         ends: list[int] = []  # where each image's tokens end
         k = j = 0  # image k's j-th position comes next
