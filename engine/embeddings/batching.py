@@ -205,10 +205,10 @@ class Embedding:
                 t0 = time.perf_counter()
                 self._forward(batch, rerank=bool(getattr(self.embedder, "ranks", False)))
                 rates.append((time.perf_counter() - t0) / _padded_tokens(batch))
-        # (its inputs are short enough to count as length 0: `PassPace.seen` stays 0)
         except Exception as e:  # noqa: BLE001  a model that cannot warm up may still serve
             log.warning("embedding warm-up failed (the first request will be slower): %s", e)
             return None
+        # its inputs are short enough to count as length 0 (`PassPace.seen` stays 0)
         self._pace.token_s = min(rates)
         return self._pace.token_s
 
