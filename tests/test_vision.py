@@ -317,6 +317,9 @@ def test_screenshot_sized_images_never_share_a_token_id_and_each_gets_its_own_fe
     table = ImageTable(encode, lambda img: np.full((1, 1), img.pixels[0], np.float32))
     got = [table.ids_for(img, n) for img in images]
     assert len({i for ids in got for i in ids}) == count * n
+    held = table.held_bytes  # ids alone so far: a request refused after its prompt was built
+    table.register(images[1], n, None)  # (a cache covers it: no pixel values)
+    assert table.held_bytes == held + len(images[1].pixels)  # keeps its image from now on
     assert sum(ids != p for ids, p in zip(got, plain, strict=True)) >= 1  # salted where met
     assert [table.ids_for(img, n) for img in images] == got  # the same image, the same ids
     for k in (0, count // 2, count - 1):

@@ -39,6 +39,7 @@ from mlxd.protocol.messages import ImageInput, image_key
 VIRTUAL_BASE = 1 << 30  # image token ids: [VIRTUAL_BASE, 2 * VIRTUAL_BASE), within int32
 IMAGE_TTL_S = 300.0  # an image registered this recently is never evicted from the table
 IMAGE_TABLE_BYTES = 256 << 20  # beyond this, older images' pixels and features are dropped
+ID_BYTES = 100  # what one id held in the table costs (its entry in the id map), counted
 
 
 # derivations tried before an image is refused: one fails with odds of (its positions x the
@@ -111,37 +112,50 @@ class ImageTable:
     def ids_for(self, image: ImageInput, n: int,
                 grid: tuple[int, int, int] | None = None) -> list[int]:
         """The `n` token ids of `image` in prompts: those it has in the table, or, for an image
-        new to it, the first derivation whose ids are distinct and no other image's (the image
-        enters the table now, without pixel values: `register` adds them). `grid`: the image's
+        new to it, the first derivation whose ids are distinct and no other image's. A new
+        image's ids are held for it from now on, its pixels not yet: a request refused after
+        its prompt was built keeps no pixels here (`register` adds them). `grid`: the image's
         merged-patch grid, for a family whose positions follow it."""
-        return self.register(image, n, None, grid)
+        with self._lock:
+            return self._entry(image.key, n, grid).ids
 
     def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None,
                  grid: tuple[int, int, int] | None = None) -> list[int]:
-        """The image's token ids (as `ids_for`); `pixel_values` None: not computed (a cache
-        covers it, or not yet asked)."""
-        key = image.key
+        """The image's token ids (as `ids_for`), the image kept with them; `pixel_values`
+        None: not computed (a cache covers it)."""
         with self._lock:
-            img = self._images.get(key)
-            if img is not None:
-                img.used = time.monotonic()
-                self._images.move_to_end(key)
-                if img.features is None and img.pixel_values is None \
-                        and pixel_values is not None:
-                    img.pixel_values = pixel_values
-                    img.nbytes += pixel_values.nbytes
-                    self._bytes += pixel_values.nbytes
-                return img.ids
-            ids = self._free_ids(key, n)
-            for i, vid in enumerate(ids):
-                self._where[vid] = (key, i)
-            nbytes = len(image.pixels) + (pixel_values.nbytes if pixel_values is not None
-                                          else 0)
-            self._images[key] = _Image(image, pixel_values, None, ids, time.monotonic(), nbytes,
-                                       grid)
-            self._bytes += nbytes
+            img = self._entry(image.key, n, grid)
+            if img.features is None and img.image is None:
+                img.image = image
+                img.nbytes += len(image.pixels)
+                self._bytes += len(image.pixels)
+            if img.features is None and img.pixel_values is None and pixel_values is not None:
+                img.pixel_values = pixel_values
+                img.nbytes += pixel_values.nbytes
+                self._bytes += pixel_values.nbytes
             self._evict()
-        return ids
+            return img.ids
+
+    @property
+    def held_bytes(self) -> int:
+        """What the table holds: pixels, pixel values, features, ids (a figure for tests)."""
+        return self._bytes
+
+    def _entry(self, key: bytes, n: int, grid: tuple[int, int, int] | None) -> _Image:
+        """Under the lock: the image's entry, used now; a new one holds its ids alone."""
+        img = self._images.get(key)
+        if img is not None:
+            img.used = time.monotonic()
+            self._images.move_to_end(key)
+            return img
+        ids = self._free_ids(key, n)
+        for i, vid in enumerate(ids):
+            self._where[vid] = (key, i)
+        img = self._images[key] = _Image(None, None, None, ids, time.monotonic(),
+                                         ID_BYTES * n, grid)
+        self._bytes += img.nbytes
+        self._evict()
+        return img
 
     def _free_ids(self, key: bytes, n: int) -> list[int]:
         """Under the lock: the first derivation of `key`'s ids that are distinct and unused."""
