@@ -116,15 +116,17 @@ class ImageTable:
         image's ids are held for it from now on, its pixels not yet: a request refused after
         its prompt was built keeps no pixels here (`register` adds them). `grid`: the image's
         merged-patch grid, for a family whose positions follow it."""
+        plain = image_token_ids(image.key, n)  # outside the lock: the MLX thread feeds under it
         with self._lock:
-            return self._entry(image.key, n, grid).ids
+            return self._entry(image.key, n, grid, plain).ids
 
     def register(self, image: ImageInput, n: int, pixel_values: np.ndarray | None,
                  grid: tuple[int, int, int] | None = None) -> list[int]:
         """The image's token ids (as `ids_for`), the image kept with them; `pixel_values`
         None: not computed (a cache covers it)."""
+        plain = image_token_ids(image.key, n)
         with self._lock:
-            img = self._entry(image.key, n, grid)
+            img = self._entry(image.key, n, grid, plain)
             if img.features is None and img.image is None:
                 img.image = image
                 img.nbytes += len(image.pixels)
@@ -141,14 +143,16 @@ class ImageTable:
         """What the table holds: pixels, pixel values, features, ids (a figure for tests)."""
         return self._bytes
 
-    def _entry(self, key: bytes, n: int, grid: tuple[int, int, int] | None) -> _Image:
-        """Under the lock: the image's entry, used now; a new one holds its ids alone."""
+    def _entry(self, key: bytes, n: int, grid: tuple[int, int, int] | None,
+               plain: list[int]) -> _Image:
+        """Under the lock: the image's entry, used now; a new one holds its ids alone.
+        `plain`: its ids by the plain derivation."""
         img = self._images.get(key)
         if img is not None:
             img.used = time.monotonic()
             self._images.move_to_end(key)
             return img
-        ids = self._free_ids(key, n)
+        ids = self._free_ids(key, n, plain)
         for i, vid in enumerate(ids):
             self._where[vid] = (key, i)
         img = self._images[key] = _Image(None, None, None, ids, time.monotonic(),
@@ -157,10 +161,11 @@ class ImageTable:
         self._evict()
         return img
 
-    def _free_ids(self, key: bytes, n: int) -> list[int]:
-        """Under the lock: the first derivation of `key`'s ids that are distinct and unused."""
+    def _free_ids(self, key: bytes, n: int, plain: list[int]) -> list[int]:
+        """Under the lock: the first derivation of `key`'s ids that are distinct and unused
+        (`plain`, salt 0's, computed already)."""
         for salt in range(MAX_SALTS):
-            ids = image_token_ids(key, n, salt)
+            ids = image_token_ids(key, n, salt) if salt else plain
             if len(set(ids)) == n and self._where.keys().isdisjoint(ids):
                 return ids
         raise ValueError(f"no free image token ids for an image of {n} positions beside the "
