@@ -10,7 +10,9 @@ module, loudly, instead of five, silently:
   advanced as its own steps would (`RunningBatch`): speculative steps, grammar masks; prompts
   with only their last token left moved to generation as its next step would begin by doing,
   and new rows' first tokens read back in the step that samples them (`start_ended_prompts`,
-  `sampled_tokens`: the early first token);
+  `sampled_tokens`: the early first token); a prompt's last token fed in its final chunk's
+  pass and the row started from that pass's logits (`last_token_fold.py`, the one other
+  module that reads mlx-lm's batch internals, hooked in through this one's `enable_fold`);
 - hooks around the generator's forward passes (`hook_forward_passes`: LoRA rows;
   `hook_row_tokens`: rows' token lists, for a vision model's positions), its device waits
   (`on_device_wait`: the step hand-off) and its step boundaries (`observe_steps`: the stage
@@ -35,6 +37,8 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import _BaseCache, trim_prompt_cache
+
+from mlxd.engine import last_token_fold
 
 TESTED_RANGE = ("0.32.2", "0.33")  # [low, high): the versions this module was written for
 
@@ -478,6 +482,9 @@ def _shim_async_eval(*arrays: Any) -> None:
 
 
 def _shim_eval(*arrays: Any) -> None:
+    if last_token_fold.eval_with:  # a folded pass's logits, evaluated with its cache
+        arrays = (*arrays, *last_token_fold.eval_with)
+        last_token_fold.eval_with.clear()
     device_eval(*arrays)
     observer = _observer if _in_step else None
     if observer is not None:
@@ -508,7 +515,8 @@ def _install_step_wrap() -> None:
     global _wrapped_forward
     if _wrapped_forward:
         return
-    prompt, step = PromptProcessingBatch.prompt, GenerationBatch._step
+    prompt = last_token_fold.folding_prompt(PromptProcessingBatch.prompt)
+    step = GenerationBatch._step
 
     def prompt_with_rows(self: Any, tokens: list[list[int]]) -> Any:
         rows = _rows_of(self.model) if _rows_of is not None else None
@@ -553,6 +561,13 @@ def _install_step_wrap() -> None:
     PromptProcessingBatch.prompt = prompt_with_rows  # type: ignore[method-assign]
     GenerationBatch._step = step_with_hooks  # type: ignore[method-assign]
     _wrapped_forward = True
+
+
+def enable_fold() -> None:
+    """Prompt passes may fold their rows' last tokens in (`last_token_fold.py`), where the
+    runner's `folding` allows."""
+    _install_shim()
+    _install_step_wrap()
 
 
 def _first_tokens(tokens: list[list[int]], inputs: Any) -> list[int]:

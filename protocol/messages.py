@@ -49,7 +49,10 @@ class SamplingParams(msgspec.Struct, array_like=True):
 
 class ImageInput(msgspec.Struct, array_like=True):
     """A decoded image (the proxy decodes; an engine never sees encoded bytes): RGB, 3 bytes a
-    pixel, row by row, and `key`, the blake3 of its size and pixels (its content hash)."""
+    pixel, row by row, and `key`, the blake3 of its size and pixels (its content hash).
+    `pixels` empty: an image the proxy sent this engine process recently, which its image
+    table holds (`proxy/core/images.py`, `SentImages`); an engine that does not hold it
+    answers the request with error code `image_unknown`, and the proxy sends it whole."""
     width: int
     height: int
     pixels: bytes

@@ -116,6 +116,9 @@ async def stats(request: web.Request) -> web.Response:
                                         "volatile_lines": {
                                             "dropped": state.volatile.dropped,
                                             "requests": state.volatile.requests},
+                                        "images": {
+                                            "sent_by_hash": client.sent_images.by_hash,
+                                            "sent_again_whole": client.sent_images.again},
                                         "resume": {"enabled": state.resume,
                                                    **dataclasses.asdict(state.resume_stats)}},
                               "engines": engines, "children": children, "pool": pool})

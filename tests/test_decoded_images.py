@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from mlxd.proxy.core import images
-from mlxd.proxy.core.images import DecodedImages, ImageRef, decode_images
+from mlxd.protocol.messages import ImageInput
+from mlxd.proxy.core.images import DecodedImages, ImageRef, SentImages, decode_images
 from mlxd.proxy.errors import APIError
 
 
@@ -77,3 +78,34 @@ def test_the_pixels_kept_stay_within_their_bound():
     big = DecodedImages(max_bytes=size - 1)  # an image larger than the bound is not kept
     images._decode_ref(refs[0], None, big)
     assert big.nbytes == 0
+
+
+def _image(key: int) -> ImageInput:
+    return ImageInput(2, 1, bytes([key]) * 6, bytes([key]) * 32)
+
+
+def test_an_engine_process_holding_an_image_is_sent_it_by_hash_until_it_may_have_forgotten():
+    """`SentImages`: an image an engine process admitted goes to that process again without
+    its pixels for `keep_s`; never to another process of the engine (a restart holds none),
+    never after `keep_s`, never once the engine said it did not hold one of them."""
+    sent = SentImages(keep_s=100.0, keep=2)
+    a, b, c = _image(1), _image(2), _image(3)
+    assert sent.slim("e", 0, [a], now=0.0) is None  # nothing sent yet
+    sent.sent("e", 0, [a, b], now=10.0)
+    slim = sent.slim("e", 0, [a, c], now=50.0)
+    assert slim is not None and [i.pixels for i in slim] == [b"", c.pixels]
+    assert [i.key for i in slim] == [a.key, c.key] and slim[0].width == a.width
+    assert sent.slim("e", 1, [a], now=50.0) is None  # the engine's next process
+    assert sent.slim("f", 0, [a], now=50.0) is None  # another engine
+    assert sent.slim("e", 0, [a], now=111.0) is None  # it may have forgotten it by now
+    sent.sent("e", 0, [c], now=60.0)  # at most `keep` remembered: a, the oldest, goes
+    assert sent.slim("e", 0, [a], now=61.0) is None
+    assert sent.slim("e", 0, [b], now=61.0) is not None
+    sent.sent("e", 1, [a], now=70.0)  # a restarted process: the older one's are dropped
+    assert sent.slim("e", 0, [b], now=71.0) is None
+    assert sent.by_hash == 2 and sent.again == 0
+    slim = sent.slim("e", 1, [a], now=72.0)
+    assert slim is not None
+    sent.forget("e", 1, slim)
+    assert sent.slim("e", 1, [a], now=73.0) is None
+    assert (sent.by_hash, sent.again) == (3, 1)

@@ -174,10 +174,14 @@ def test_the_same_image_next_turn_is_a_cache_hit_and_a_changed_pixel_a_miss(daem
     answer = first["choices"][0]["message"]["content"]
     history = [{"role": "assistant", "content": answer},
                {"role": "user", "content": "And what colour is it?"}]
+    sent = daemon.stats()["proxy"]["images"]
     code, second = chat(daemon, openai_body(history=history))
     assert code == 200, second
     end_of_image = before_image + image_tokens(IMAGE_SIZE)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= end_of_image, second
+    # the engine holds the image: it went by its content hash, without its pixels
+    assert daemon.stats()["proxy"]["images"] == {
+        "sent_by_hash": sent["sent_by_hash"] + 1, "sent_again_whole": sent["sent_again_whole"]}
     changed = IMAGE.copy()
     changed[10, 20, 1] ^= 1  # one pixel, one channel, one bit
     code, third = chat(daemon, openai_body(b64(png(changed)), history=history))
@@ -239,7 +243,7 @@ def test_bad_images_are_400s_and_the_engine_keeps_serving(daemon, vlm, tiny_mode
 
 
 def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_images(
-        daemon, vlm):
+        daemon, vlm, reference):
     body = openai_body(b64(png(picture(2))), max_tokens=24)
     want, _ = stream_chat(daemon, body)
     with daemon.unix_http() as u:  # what earlier tests cached is durable on SSD
@@ -252,10 +256,35 @@ def test_kill_9_mid_stream_resumes_with_identical_text_and_the_ssd_tier_knows_im
     from tokenizers import Tokenizer
     before_image = len(Tokenizer.from_file(str(vlm / "tokenizer.json"))
                        .encode("<|im_start|>user\n").ids)
+    sent = daemon.stats()["proxy"]["images"]
     code, got = chat(daemon, openai_body())
     assert code == 200, got
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
         before_image + image_tokens(IMAGE_SIZE), got
+    assert got["choices"][0]["message"]["content"] == reference(IMAGE)
+    # the new engine process was never sent that image: it went whole, not by its hash
+    assert daemon.stats()["proxy"]["images"] == sent
+
+
+def test_an_engine_that_does_not_hold_an_image_sent_by_hash_is_sent_it_whole(vlm, reference):
+    """Every lookup of an image sent without its pixels fails (a fault point: a table that
+    forgot it): the engine answers `image_unknown`, the proxy sends the request whole, and
+    the client sees its answer and its cache hit as if nothing had happened."""
+    d = start_daemon(vlm, isolate=True, env={"MLXD_FAULTS": "engine.vision.held=fail"})
+    try:
+        code, first = chat(d, openai_body(b64(png(picture(3)))))
+        assert code == 200, first
+        history = [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                   {"role": "user", "content": "And what colour is it?"}]
+        code, second = chat(d, openai_body(b64(png(picture(3))), history=history))
+        assert code == 200, second
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+            image_tokens(IMAGE_SIZE), second
+        assert d.stats()["proxy"]["images"] == {"sent_by_hash": 1, "sent_again_whole": 1}
+        code, again = chat(d, openai_body())
+        assert code == 200 and again["choices"][0]["message"]["content"] == reference(IMAGE)
+    finally:
+        stop_and_check(d)
 
 
 def test_an_image_registered_without_pixel_values_gets_them_if_its_features_are_needed():

@@ -20,6 +20,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -53,9 +54,11 @@ from mlxd.engine.kv.codec import CacheCodec
 from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN
+from mlxd.engine.last_token_fold import folding, row_may_fold, start_folded
 from mlxd.engine.load import cuda_attention
 from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
+    enable_fold,
     prefilled_tokens,
     prompt_contexts,
     prompts_waiting,
@@ -112,6 +115,9 @@ class Runner(PrefixAdmission):
         self._unpadded_masks = tuning.batch_masks == "unpadded"
         self._prefill_alone_from = tuning.prefill_alone_from
         self._early_first = tuning.early_first_token
+        self._fold = tuning.fold_last_token
+        if self._fold:
+            enable_fold()
         self._heap_trim = tuning.heap_trim
         self.clock = clock
         self._steps = step_log() if clock is not NO_CLOCK else None  # the stage clock's
@@ -424,11 +430,13 @@ class Runner(PrefixAdmission):
     def _generate(self) -> None:
         faults.hit("engine.step")
         try:
-            with self._grammar.step(self._gen):
+            fold = folding(self._gen, self._may_fold) if self._fold else nullcontext()
+            with self._grammar.step(self._gen), fold:
                 prompt_responses, responses = (self._gen.next() if self.spec is None else
                                                self.spec.next(self._gen, self.rows.plain_uids))
+            folded = start_folded(self._gen) if self._fold else []
             self._next_done = time.perf_counter()
-            ended = self._prompts_stepped(prompt_responses)
+            ended = self._prompts_stepped(prompt_responses) + self._prompts_stepped(folded)
             if self._early_first:  # after the snapshots: they are taken where a segment ends
                 moved_at = stage_trace.now() if self._steps is not None else 0
                 ended += self._prompts_stepped(start_ended_prompts(self._gen))
@@ -473,6 +481,12 @@ class Runner(PrefixAdmission):
         self._count_rows()
         if read.tokens:  # (none when every row's token was one sent a step earlier)
             self._outbox.put(StepTokens(read.tokens, logprobs))
+
+    def _may_fold(self, uid: int) -> bool:
+        """Whether a row's last token may be fed in its final chunk's pass
+        (`last_token_fold.py`)."""
+        row = self.rows.get(uid)
+        return row is not None and row_may_fold(row.prompt_len, row.snap_at)
 
     def _step_failed(self, e: Exception) -> None:
         """A failed step must not take the engine down: its requests fail, the generator is

@@ -292,8 +292,7 @@ class Generation:
                 try:
                     if stage_trace.ON:
                         stage_trace.stamp_request(msg.request_id, "sending", "proxy", True)
-                    self.stream = await self.client.submit(self.engine, msg)
-                    return await self._next()
+                    return await self._send(msg)
                 except EngineGone as e:
                     why = str(e)
             left = deadline - time.monotonic()
@@ -301,6 +300,22 @@ class Generation:
                     or self.client.engines.get(self.engine.engine_id) is not self.engine:
                 raise unavailable(why, "engine_unavailable")
             await self.client.wait_change(self.engine, min(left, RECONNECT_POLL))
+
+    async def _send(self, msg: Generate) -> Delta:
+        """Send and wait for the first delta; images the engine holds go by their content
+        hash alone (`SentImages`), and go whole if it answers that it does not hold them."""
+        sent, eid, epoch = self.client.sent_images, self.engine.engine_id, self.engine.epoch
+        slim = sent.slim(eid, epoch, msg.images, time.monotonic()) if msg.images else None
+        self.stream = await self.client.submit(
+            self.engine, msg if slim is None else msgspec.structs.replace(msg, images=slim))
+        first = await self._next()
+        if slim is not None and first.error_code == "image_unknown":
+            sent.forget(eid, epoch, slim)
+            self.stream = await self.client.submit(self.engine, msg)
+            first = await self._next()
+        if msg.images and first.finish_reason != "error":
+            sent.sent(eid, epoch, msg.images, time.monotonic())
+        return first
 
     async def _may_resume(self) -> bool:
         """After an engine death (crash, kill, or the hang watchdog's kill: one path): wait for

@@ -33,6 +33,7 @@ from mlxd.protocol.messages import (
     StepOutput,
 )
 from mlxd.protocol.models import model_id, model_names
+from mlxd.proxy.core.images import SentImages
 
 log = logging.getLogger("mlxd.proxy")
 
@@ -123,6 +124,7 @@ class EngineClient:
             eid: EngineRecord(eid, spec, model_names(spec), model_id(spec))
             for eid, spec in models.items()}
         self.streams: dict[str, RequestStream] = {}
+        self.sent_images = SentImages()  # which images each engine process holds
         self.children: list[ChildInfo] = []
         self._flushes: dict[str, asyncio.Future] = {}
         self._router: zmq.asyncio.Socket | None = None

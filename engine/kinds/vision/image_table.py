@@ -182,6 +182,22 @@ class ImageTable:
             for vid in img.ids:
                 self._where.pop(vid, None)
 
+    def held(self, key: bytes) -> ImageInput | None:
+        """An image the table holds (its entry used now): its pixels as registered, or, once
+        its features replaced them, an image without pixels (nothing needs them then); None:
+        not held, or only its ids (a request refused after its prompt was built)."""
+        try:
+            faults.hit("engine.vision.held")  # tests: `fail` is a table that forgot it
+        except faults.FaultInjected:
+            return None
+        with self._lock:
+            img = self._images.get(key)
+            if img is None or (img.features is None and img.image is None):
+                return None
+            img.used = time.monotonic()
+            self._images.move_to_end(key)
+            return img.image if img.image is not None else ImageInput(0, 0, b"", key)
+
     def encoded_image(self, key: bytes) -> bool:
         """Whether the image's features are here already (an earlier request's admission ran
         its tower): its pixels need no preprocessing."""

@@ -59,8 +59,8 @@ class VisionAdmission:
             raise ClientError("images go with chat messages or a text prompt, not with token "
                               "ids or fill-in-the-middle", "invalid_request")
         admission.check_prompt_size(msg, model.context_length, model.max_token_bytes)
-        for i, img in enumerate(msg.images):
-            _check(i, img)
+        msg = msgspec.structs.replace(msg, images=[self._held(i, img)
+                                                   for i, img in enumerate(msg.images)])
         if parts.tiles is not None:
             tiles = sum(parts.tiles(img.width, img.height) for img in msg.images)
             if tiles > MAX_TILES:
@@ -142,6 +142,18 @@ class VisionAdmission:
                              group_size=msg.group_size, snapshot_at=tuple(ends),
                              speculate=False)
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
+
+    def _held(self, i: int, img: ImageInput) -> ImageInput:
+        """The image checked, or, sent without its pixels, as the image table holds it: its
+        pixels where it holds them, else (its features held) as sent."""
+        if img.pixels:
+            _check(i, img)
+            return img
+        held = self.parts.images.held(img.key)
+        if held is None:
+            raise ClientError(f"image {i} came without its pixels and this engine does not hold "
+                              "it (the proxy sends it again whole)", "image_unknown")
+        return held if held.pixels else img
 
     def _marked_tokens(self, msg: Generate, tok: Any,
                        layouts: list[tuple[str, int]] | None) -> list[int]:
