@@ -11,8 +11,8 @@ module, loudly, instead of five, silently:
   with only their last token left moved to generation as its next step would begin by doing,
   and new rows' first tokens read back in the step that samples them (`start_ended_prompts`,
   `sampled_tokens`: the early first token); a prompt's last token fed in its final chunk's
-  pass and the row started from that pass's logits (`last_token_fold.py`, the one other
-  module that reads mlx-lm's batch internals, hooked in through this one's `enable_fold`);
+  pass and the row started from that pass's logits (`folding`, `start_folded`; the policy:
+  `last_token_fold.py`);
 - hooks around the generator's forward passes (`hook_forward_passes`: LoRA rows;
   `hook_row_tokens`: rows' token lists, for a vision model's positions), its device waits
   (`on_device_wait`: the step hand-off) and its step boundaries (`observe_steps`: the stage
@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import importlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-from mlx_lm.models.cache import _BaseCache, trim_prompt_cache
+from mlx_lm.models.cache import TokenBuffer, _BaseCache, trim_prompt_cache
 
 from mlxd.engine import last_token_fold
 
@@ -482,9 +483,9 @@ def _shim_async_eval(*arrays: Any) -> None:
 
 
 def _shim_eval(*arrays: Any) -> None:
-    if last_token_fold.eval_with:  # a folded pass's logits, evaluated with its cache
-        arrays = (*arrays, *last_token_fold.eval_with)
-        last_token_fold.eval_with.clear()
+    if _eval_with:  # a folded pass's logits, evaluated with its cache
+        arrays = (*arrays, *_eval_with)
+        _eval_with.clear()
     device_eval(*arrays)
     observer = _observer if _in_step else None
     if observer is not None:
@@ -515,7 +516,7 @@ def _install_step_wrap() -> None:
     global _wrapped_forward
     if _wrapped_forward:
         return
-    prompt = last_token_fold.folding_prompt(PromptProcessingBatch.prompt)
+    prompt = _folding_prompt(PromptProcessingBatch.prompt)
     step = GenerationBatch._step
 
     def prompt_with_rows(self: Any, tokens: list[list[int]]) -> Any:
@@ -561,13 +562,6 @@ def _install_step_wrap() -> None:
     PromptProcessingBatch.prompt = prompt_with_rows  # type: ignore[method-assign]
     GenerationBatch._step = step_with_hooks  # type: ignore[method-assign]
     _wrapped_forward = True
-
-
-def enable_fold() -> None:
-    """Prompt passes may fold their rows' last tokens in (`last_token_fold.py`), where the
-    runner's `folding` allows."""
-    _install_shim()
-    _install_step_wrap()
 
 
 def _first_tokens(tokens: list[list[int]], inputs: Any) -> list[int]:
@@ -622,6 +616,160 @@ def observe_steps(observer: StepObserver) -> None:
 
     BatchGenerator.next = observed_next  # type: ignore[method-assign]
     _wrapped_next = True
+
+
+# ---------------------------------------------------------------------- the last token folded
+
+# The fold's state (`last_token_fold.py` is its policy): the generator whose next step folds
+# (set around its `next()` by `folding`), the runner's say per row, the vocabulary a pass
+# showed (or the configuration's, until one), the folded rows' (last token, logits row) until
+# `start_folded` in the same step, and arrays the next evaluation takes along (the shim).
+_fold_gen: BatchGenerator | None = None
+_may_fold: Callable[[int], bool] = lambda uid: False  # noqa: E731
+_fold_vocab = 0
+_folded: dict[int, tuple[int, mx.array]] = {}
+_eval_with: list[mx.array] = []
+
+
+def enable_fold() -> None:
+    """Prompt passes may fold their rows' last tokens in, where `folding` allows."""
+    _install_shim()
+    _install_step_wrap()
+
+
+@contextmanager
+def folding(gen: Any, may_fold: Callable[[int], bool]) -> Iterator[None]:
+    """Around one `next()` of `gen` (and its speculation's): its prompt pass may fold the
+    rows that `may_fold(uid)` allows (`last_token_fold.py`); the runner calls `start_folded`
+    right after. A generator of another shape (a sharded group's leader, whose followers
+    replay its calls) never folds."""
+    global _fold_gen, _may_fold, _fold_vocab
+    if type(gen) is not BatchGenerator:
+        yield
+        return
+    if not _fold_vocab:
+        _fold_vocab = last_token_fold.vocab_size(gen.model)
+    _fold_gen, _may_fold = gen, may_fold
+    try:
+        yield
+    finally:
+        _fold_gen, _may_fold = None, lambda uid: False
+
+
+def _folding_prompt(prompt: Callable[[Any, list[list[int]]], Any]
+                    ) -> Callable[[Any, list[list[int]]], Any]:
+    """mlx-lm's `PromptProcessingBatch.prompt`, folding where `folding` allows: the chosen
+    rows' last tokens join their chunks, and the model's logits at their last positions are
+    kept, evaluated with the chunk's cache."""
+
+    def fold_or_prompt(self: Any, tokens: list[list[int]]) -> Any:
+        gen = _fold_gen
+        if gen is None or self is not gen._prompt_batch or not tokens:
+            return prompt(self, tokens)
+        processing = gen._currently_processing
+        rows = last_token_fold.fold_rows(
+            [len(t) for t in tokens], [seq[0] for seq in processing],
+            [_may_fold(uid) and not self.logits_processors[i] for i, uid in enumerate(self.uids)],
+            self.prefill_step_size, _fold_vocab)
+        if not rows:
+            return prompt(self, tokens)
+        lasts = []
+        for i in rows:
+            seq = processing[i]
+            lasts.append(seq[0].pop()[0])  # its one segment left, [last]: none is left after
+            tokens[i] = [*tokens[i], lasts[-1]]
+            seq[1] += 1
+        capture = _LastLogits(self.model, rows, [len(tokens[i]) - 1 for i in rows])
+        self.model = capture
+        try:
+            out = prompt(self, tokens)
+        finally:
+            self.model = capture.model
+            _eval_with.clear()
+        for i, last, row_logits in zip(rows, lasts, capture.rows(), strict=True):
+            _folded[self.uids[i]] = (last, row_logits)
+        return out
+
+    return fold_or_prompt
+
+
+class _LastLogits:
+    """The model for one folded prompt pass: keeps the logits at the folded rows' last
+    positions, for the pass's evaluation to take along."""
+
+    def __init__(self, model: Any, rows: list[int], positions: list[int]) -> None:
+        self.model, self._rows, self._positions = model, rows, positions
+        self._logits: mx.array | None = None
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
+        global _fold_vocab
+        if self._logits is not None:
+            raise RuntimeError("a folded prompt chunk ran as more than one pass")
+        out = self.model(inputs, *args, **kwargs)
+        _fold_vocab = int(out.shape[-1])
+        self._logits = out[mx.array(self._rows), mx.array(self._positions)]
+        _eval_with.append(self._logits)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def rows(self) -> list[mx.array]:
+        assert self._logits is not None
+        return [self._logits[k:k + 1] for k in range(len(self._rows))]
+
+
+def start_folded(gen: Any) -> list[Any]:
+    """Move the rows whose last token was folded into this step's pass to generation, their
+    first token sampled from that pass's logits as `GenerationBatch`'s first step would have
+    sampled it. Returns their prompt responses (ends of prompts)."""
+    if not _folded:
+        return []
+    folded = dict(_folded)
+    _folded.clear()
+    processing = gen._currently_processing
+    uids = gen._prompt_batch.uids
+    split = [i for i, seq in enumerate(processing) if not seq[0] and uids[i] in folded]
+    progress = [(processing[i][2],) * 2 for i in split]
+    with mx.stream(gen._stream):
+        moved = set(split)
+        gen._currently_processing = [seq for i, seq in enumerate(processing) if i not in moved]
+        part = gen._prompt_batch.split(split)
+        batch = _started(part, [folded[u] for u in part.uids])
+        gen._generation_batch.extend(batch)
+    return [PromptProcessingBatch.Response(uid, p, True, True)
+            for uid, p in zip(batch.uids, progress, strict=True)]
+
+
+def _started(part: Any, folded: list[tuple[int, mx.array]]) -> Any:
+    """A `GenerationBatch` of `part`'s rows as its construction leaves one (its first step
+    run: the last tokens fed, the first tokens sampled and dispatched), from the folded
+    logits. Mirrors mlx-lm's `GenerationBatch.__init__` and `_step`."""
+    n = len(part.uids)
+    gb: Any = GenerationBatch.__new__(GenerationBatch)  # (its fields set here, as __init__'s)
+    gb.model, gb.uids = part.model, part.uids
+    gb.prompt_cache, gb.tokens = part.prompt_cache, part.tokens  # (the last tokens included)
+    gb.samplers, gb.fallback_sampler = part.samplers, part.fallback_sampler
+    gb.logits_processors, gb.stop_sequences = part.logits_processors, part.stop_sequences
+    gb.max_tokens = part.max_tokens
+    gb._token_context = [TokenBuffer(t) for t in part.tokens]
+    gb._num_tokens = [0] * n
+    gb._matchers = [ss.matcher() for ss in part.stop_sequences]
+    gb._current_tokens = mx.array([last for last, _ in folded])
+    gb._current_logprobs = []
+    logits = mx.concatenate([row for _, row in folded], axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    samplers = [part.fallback_sampler if s is None else s
+                for s in (part.samplers or [None] * n)]
+    if not samplers or all(s is samplers[0] for s in samplers):
+        sampled = (samplers[0] if samplers else part.fallback_sampler)(logprobs)
+    else:
+        sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)],
+                                 axis=0)
+    gb._next_tokens = sampled
+    gb._next_logprobs = list(logprobs)
+    mx.async_eval(gb._next_tokens, gb._next_logprobs)
+    return gb
 
 
 # ---------------------------------------------------------------------- masks of unpadded batches

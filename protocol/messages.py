@@ -51,7 +51,7 @@ class ImageInput(msgspec.Struct, array_like=True):
     """A decoded image (the proxy decodes; an engine never sees encoded bytes): RGB, 3 bytes a
     pixel, row by row, and `key`, the blake3 of its size and pixels (its content hash).
     `pixels` empty: an image the proxy sent this engine process recently, which its image
-    table holds (`proxy/core/images.py`, `SentImages`); an engine that does not hold it
+    table holds (`proxy/engines/sent_images.py`); an engine that does not hold it
     answers the request with error code `image_unknown`, and the proxy sends it whole."""
     width: int
     height: int
@@ -100,6 +100,9 @@ class Generate(_Msg, tag="gen"):
     # Images (vision models): the messages' image parts in order, or with `prompt`, images
     # that come before the prompt's text.
     images: list[ImageInput] = []
+    # The proxy held no other request in its intake as it sent this one (`proxy/core/
+    # intake.py`): no burst is behind it, and an idle engine starts it without waiting for one.
+    alone: bool = False
 
 
 class Abort(_Msg, tag="abort"):

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxd.proxy.core import images
 from mlxd.protocol.messages import ImageInput
-from mlxd.proxy.core.images import DecodedImages, ImageRef, SentImages, decode_images
+from mlxd.proxy.core import images
+from mlxd.proxy.core.images import DecodedImages, ImageRef, decode_images
+from mlxd.proxy.engines.sent_images import SentImages
 from mlxd.proxy.errors import APIError
 
 

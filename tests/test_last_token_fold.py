@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlxd.engine import last_token_fold
+from mlxd.engine import mlx_lm_internals as door
 from mlxd.engine.batch.messages import AddRequest, StepTokens
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.last_token_fold import MAX_LOGITS, fold_rows, row_may_fold
@@ -179,8 +179,7 @@ def test_a_generator_left_with_nothing_to_fold_keeps_no_state(model):
     r = _runner(m, True, outq, step=16)
     prompt = (tok.encode("abc def ghi ") * 10)[:17]  # 16 then the last token: no fold
     run_one(r, outq, AddRequest("a", prompt, 3, greedy_sampler, []))
-    assert not last_token_fold._folded and not last_token_fold.eval_with
-    assert last_token_fold._gen is None
+    assert not door._folded and not door._eval_with and door._fold_gen is None
     mx.eval(mx.array(0))
 
 

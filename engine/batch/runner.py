@@ -54,11 +54,12 @@ from mlxd.engine.kv.codec import CacheCodec
 from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN
-from mlxd.engine.last_token_fold import folding, row_may_fold, start_folded
+from mlxd.engine.last_token_fold import row_may_fold
 from mlxd.engine.load import cuda_attention
 from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
     enable_fold,
+    folding,
     prefilled_tokens,
     prompt_contexts,
     prompts_waiting,
@@ -66,6 +67,7 @@ from mlxd.engine.mlx_lm_internals import (
     sampled_tokens,
     set_prefill_step,
     start_ended_prompts,
+    start_folded,
     unpadded_batch_masks,
 )
 from mlxd.engine.speculative.step import Speculator
@@ -265,6 +267,8 @@ class Runner(PrefixAdmission):
         """An idle engine got a request: gather the burst behind it (`burst.py`), so that it
         is prefilled as one batch. False on StopRunner."""
         burst = self._burst
+        if all(a.alone for a in adds) and not self._preparing(time.monotonic()):
+            return self._take_queued(adds, aborts)  # nothing is behind them
         window_end = time.monotonic() + burst.window
         hard_end = window_end + burst.prepare
         while (now := time.monotonic()) < hard_end:
@@ -278,7 +282,12 @@ class Runner(PrefixAdmission):
                 continue
             if not self._take(cmd, adds, aborts):
                 return False
-        while True:  # what a lane handed over between the last look and the count
+        return self._take_queued(adds, aborts)
+
+    def _take_queued(self, adds: list[AddRequest], aborts: list[str]) -> bool:
+        """What is in the inbox now (a lane handed it over between the last look and the
+        count). False on StopRunner."""
+        while True:
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:

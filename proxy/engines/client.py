@@ -33,7 +33,7 @@ from mlxd.protocol.messages import (
     StepOutput,
 )
 from mlxd.protocol.models import model_id, model_names
-from mlxd.proxy.core.images import SentImages
+from mlxd.proxy.engines.sent_images import SentImages
 
 log = logging.getLogger("mlxd.proxy")
 
