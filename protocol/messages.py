@@ -100,9 +100,6 @@ class Generate(_Msg, tag="gen"):
     # Images (vision models): the messages' image parts in order, or with `prompt`, images
     # that come before the prompt's text.
     images: list[ImageInput] = []
-    # The proxy held no other request in its intake as it sent this one (`proxy/core/
-    # intake.py`): no burst is behind it, and an idle engine starts it without waiting for one.
-    alone: bool = False
 
 
 class Abort(_Msg, tag="abort"):

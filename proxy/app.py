@@ -20,7 +20,6 @@ from mlxd.protocol.listen_address import BACKLOG, adopt, listen_on, tcp_url
 from mlxd.protocol.messages import EngineStats
 from mlxd.proxy import admin_routes, metrics, model_routes, security
 from mlxd.proxy import stage_trace as proxy_trace
-from mlxd.proxy.core import intake
 from mlxd.proxy.core.generation import ResumeStats
 from mlxd.proxy.core.sampling import Defaults
 from mlxd.proxy.dialects.anthropic import routes as anthropic_routes
@@ -53,8 +52,7 @@ def make_app(client: EngineClient, router: Router, defaults: Defaults, listen: L
     (the error middleware reads it from each request)."""
     traced = [proxy_trace.middleware] if stage_trace.ON else []
     app = web.Application(client_max_size=listen.max_body, middlewares=[
-        *traced, intake.middleware, error_middleware, metrics.middleware,
-        security.middleware(listen.access)])
+        *traced, error_middleware, metrics.middleware, security.middleware(listen.access)])
     app.on_response_prepare.append(security.cors_signal(listen.access))
     registry = metrics.new_registry()
     app[STATE] = ProxyState(client=client, router=router, defaults=defaults, listen=listen,

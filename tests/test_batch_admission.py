@@ -288,31 +288,3 @@ def test_a_daemon_with_little_memory_serves_what_fits_and_queues_the_rest(tiny_m
     finally:
         stop_and_check(d)
 
-
-def test_a_request_the_proxy_sent_alone_is_not_held_for_a_burst(model):
-    """`alone` (the proxy had no other request in its intake): an idle engine starts it at
-    once, where a request without it waits out the quiet time (3 s here); one that is alone
-    but meets requests the lanes are still preparing waits for them as a burst."""
-    import dataclasses
-    m, tok = model
-    quiet = TuningSettings(burst_window="3000,5000")
-
-    def runner(preparing) -> Runner:
-        return Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=queue.Queue(),
-                      preparing=preparing, tuning=quiet)
-
-    lone = runner(lambda submitted_by: 0)
-    lone.inbox.put(dataclasses.replace(_add("solo", tok.encode("Hi"), 2), alone=True))
-    assert _commands_handled_within(lone, 1.0) and len(lone.rows) == 1
-    held = runner(lambda submitted_by: 0)
-    held.inbox.put(_add("solo", tok.encode("Hi"), 2))
-    assert not _commands_handled_within(held, 1.0)  # the quiet time
-    outq: queue.Queue = queue.Queue()
-    lanes = SlowLanes(queue.Queue(), [(time.monotonic(), _add("w0", tok.encode("Next"), 2))])
-    r = Runner(m, [], batch_size=CEILING, prefill_step=64, outbox=outq,
-               preparing=lanes.preparing, tuning=TuningSettings(burst_window="3,0,30000"))
-    lanes.inbox = r.inbox
-    r.inbox.put(dataclasses.replace(_add("first", tok.encode("The first"), 2), alone=True))
-    r.take_commands()
-    started = {x.request_id for x in list(outq.queue) if isinstance(x, RequestStarted)}
-    assert started == {"first", "w0"} and r.counters.bursts == 1

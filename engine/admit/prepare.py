@@ -93,7 +93,7 @@ def _prepare(msg: Generate, model: LoadedModel,
                                     default_tool_grammar(tok, msg)),
                          restored=restored, received_at=received_at,
                          logprobs=p.logprobs, group=msg.prefill_group,
-                         group_size=msg.group_size, alone=msg.alone)
+                         group_size=msg.group_size)
     notice = Delta(rid, prompt_tokens=out.prompt_tokens)
     if msg.echo_prompt and msg.prompt_token_ids is not None:
         notice.prompt_text = tok.decode(list(msg.prompt_token_ids))

@@ -38,8 +38,6 @@ class AddRequest:
     # False: its row never speculates (a vision prompt with images: a verify pass would have
     # to feed their features again)
     speculate: bool = True
-    # no burst is behind it (`Generate.alone`): an idle engine starts it without gathering one
-    alone: bool = False
 
 
 @dataclass

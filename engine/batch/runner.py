@@ -267,8 +267,6 @@ class Runner(PrefixAdmission):
         """An idle engine got a request: gather the burst behind it (`burst.py`), so that it
         is prefilled as one batch. False on StopRunner."""
         burst = self._burst
-        if all(a.alone for a in adds) and not self._preparing(time.monotonic()):
-            return self._take_queued(adds, aborts)  # nothing is behind them
         window_end = time.monotonic() + burst.window
         hard_end = window_end + burst.prepare
         while (now := time.monotonic()) < hard_end:
@@ -282,12 +280,7 @@ class Runner(PrefixAdmission):
                 continue
             if not self._take(cmd, adds, aborts):
                 return False
-        return self._take_queued(adds, aborts)
-
-    def _take_queued(self, adds: list[AddRequest], aborts: list[str]) -> bool:
-        """What is in the inbox now (a lane handed it over between the last look and the
-        count). False on StopRunner."""
-        while True:
+        while True:  # what a lane handed over between the last look and the count
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:

@@ -20,7 +20,6 @@ import msgspec
 from mlxd.protocol import stage_trace
 from mlxd.protocol.messages import Delta, Generate, TokenLogprob
 from mlxd.proxy import stage_trace as proxy_trace
-from mlxd.proxy.core import intake
 from mlxd.proxy.core.images import ImageRef, check_image_count, decode_images
 from mlxd.proxy.core.sampling import SEED_MASK, CheckedSampling
 from mlxd.proxy.core.validation import check_prompt_fits
@@ -136,7 +135,6 @@ async def started_generations(state: ProxyState, req: GenerationRequest, n: int
             images = await decode_images(list(req.images), state.allow_image_urls)
             msg = msgspec.structs.replace(msg, images=images)
         check_prompt_fits(msg, engine.status)
-        msg = msgspec.structs.replace(msg, alone=intake.leave())
         for one in group_messages(msg, n):
             if traced_at:
                 if began := proxy_trace.http_in():
@@ -253,7 +251,6 @@ class Generation:
         while True:
             msg = msgspec.structs.replace(  # alone: its delivered tokens are its own
                 self.msg, request_id=new_request_id("resume"), prefill_group="", group_size=1,
-                alone=False,  # its engine's other requests resume beside it, a burst
                 resume_token_ids=list(self.delivered_ids), resume_text_len=self.delivered_chars)
             first = await self._submit(msg)
             if self._dropped(first):

@@ -140,7 +140,7 @@ class VisionAdmission:
                              restored=restored, received_at=received_at,
                              logprobs=p.logprobs, group=msg.prefill_group,
                              group_size=msg.group_size, snapshot_at=tuple(ends),
-                             speculate=False, alone=msg.alone)
+                             speculate=False)
         return Admitted(out, request, Delta(rid, prompt_tokens=out.prompt_tokens))
 
     def _held(self, i: int, img: ImageInput) -> ImageInput:
