@@ -21,9 +21,11 @@ Only where that is safe and cheap (`fold_rows`, pure):
   rendered the answer anew continues;
 - not a row with logits processors (grammars, penalties: their first call keeps mlx-lm's
   path);
-- while the chunk's logits, which the model computes for every position of every row, stay
-  small (`MAX_LOGITS` elements): a short next turn is folded, a burst of long prompts (whose
-  extra one-token pass costs little beside them) is not.
+- the logits of the folded rows' last positions alone, where the model's output head (its
+  `lm_head`, or the embedding tied to it) can be applied to those positions only (a probe at
+  first use checks it against the whole output); otherwise the model computes every
+  position's logits, and then only while they stay small (`MAX_LOGITS` elements: a short
+  next turn is folded, a burst of long prompts keeps its one-token pass).
 A generator of another shape (a sharded group's leader, whose followers replay its calls) is
 never folded.
 """
@@ -40,13 +42,14 @@ def fold_rows(chunks: Sequence[int], left: Sequence[Sequence[Sequence[int]]],
               allowed: Sequence[bool], step: int, vocab: int) -> list[int]:
     """Which rows of a prompt batch's pass get their last token folded in: `chunks[i]` is
     row i's chunk length in this pass, `left[i]` its segments still to feed after it, `allowed`
-    the runner's say (and no logits processors)."""
+    the runner's say (and no logits processors), `vocab` what each position's logits cost (0:
+    only the folded positions' are computed, and the bound does not apply)."""
     rows = [i for i, (n, rest, ok) in enumerate(zip(chunks, left, allowed, strict=True))
             if ok and len(rest) == 1 and len(rest[0]) == 1 and n + 1 <= step]
     if not rows:
         return []
     longest = max(max(chunks), max(chunks[i] + 1 for i in rows))
-    return rows if len(chunks) * longest * max(vocab, 1) <= MAX_LOGITS else []
+    return rows if len(chunks) * longest * vocab <= MAX_LOGITS else []
 
 
 def row_may_fold(prompt_len: int, snap_at: Container[int]) -> bool:

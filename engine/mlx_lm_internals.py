@@ -28,6 +28,7 @@ Importing this module checks that the installed mlx-lm is one it was written for
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,12 +36,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-from mlx_lm.models.cache import TokenBuffer, _BaseCache, trim_prompt_cache
+from mlx_lm.models.cache import TokenBuffer, _BaseCache, make_prompt_cache, trim_prompt_cache
 
 from mlxd.engine import last_token_fold
 
+log = logging.getLogger("mlxd.engine")
 TESTED_RANGE = ("0.32.2", "0.33")  # [low, high): the versions this module was written for
 
 
@@ -670,7 +673,7 @@ def _folding_prompt(prompt: Callable[[Any, list[list[int]]], Any]
         rows = last_token_fold.fold_rows(
             [len(t) for t in tokens], [seq[0] for seq in processing],
             [_may_fold(uid) and not self.logits_processors[i] for i, uid in enumerate(self.uids)],
-            self.prefill_step_size, _fold_vocab)
+            self.prefill_step_size, 0 if _heads_of(self.model).sliced else _fold_vocab)
         if not rows:
             return prompt(self, tokens)
         lasts = []
@@ -695,7 +698,9 @@ def _folding_prompt(prompt: Callable[[Any, list[list[int]]], Any]
 
 class _LastLogits:
     """The model for one folded prompt pass: keeps the logits at the folded rows' last
-    positions, for the pass's evaluation to take along."""
+    positions, for the pass's evaluation to take along. Where the model's output head is known
+    (`_Heads`), it is applied to those positions alone; otherwise the model computes every
+    position's logits and they are sliced (which `last_token_fold.fold_rows` bounds)."""
 
     def __init__(self, model: Any, rows: list[int], positions: list[int]) -> None:
         self.model, self._rows, self._positions = model, rows, positions
@@ -705,9 +710,16 @@ class _LastLogits:
         global _fold_vocab
         if self._logits is not None:
             raise RuntimeError("a folded prompt chunk ran as more than one pass")
-        out = self.model(inputs, *args, **kwargs)
+        rows, positions = mx.array(self._rows), mx.array(self._positions)
+        heads = _heads_of(self.model)
+        if heads.sliced:
+            with heads.at(rows, positions):
+                out = self.model(inputs, *args, **kwargs)
+            self._logits = out[:, 0, :]
+        else:
+            out = self.model(inputs, *args, **kwargs)
+            self._logits = out[rows, positions]
         _fold_vocab = int(out.shape[-1])
-        self._logits = out[mx.array(self._rows), mx.array(self._positions)]
         _eval_with.append(self._logits)
         return out
 
@@ -717,6 +729,85 @@ class _LastLogits:
     def rows(self) -> list[mx.array]:
         assert self._logits is not None
         return [self._logits[k:k + 1] for k in range(len(self._rows))]
+
+
+class _Heads:
+    """A model's output head (its `lm_head` modules, or the embeddings whose `as_linear` ties
+    the output to the input), applied for one pass to chosen (row, position) pairs only: the
+    hidden states those rows hold at those positions, (rows, 1, hidden), so the pass's output is
+    (rows, 1, vocabulary) and no other position's logits are computed. `sliced` only where a
+    probe at first use showed the sliced output equal to the whole one's positions (a model
+    whose head is elsewhere, or which reshapes after it, keeps the whole output)."""
+
+    def __init__(self, model: Any) -> None:
+        named = model.named_modules() if isinstance(model, nn.Module) else []
+        self._heads = [(self._owner(model, name), name.rsplit(".", 1)[-1])
+                       for name, m in named if name.rsplit(".", 1)[-1] == "lm_head"
+                       and isinstance(m, nn.Module)]
+        self._tied = [m for _, m in named if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+        self._at: tuple[mx.array, mx.array] | None = None
+        self.sliced = bool(self._heads or self._tied) and self._probe(model)
+
+    @staticmethod
+    def _owner(model: Any, name: str) -> Any:
+        owner = model
+        for part in name.split(".")[:-1]:
+            owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
+        return owner
+
+    def _pick(self, h: mx.array) -> mx.array:
+        assert self._at is not None
+        rows, positions = self._at
+        return h[rows, positions][:, None, :]
+
+    @contextmanager
+    def at(self, rows: mx.array, positions: mx.array) -> Iterator[None]:
+        self._at = (rows, positions)
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr in self._heads]
+        try:
+            for owner, attr, head in saved:
+                setattr(owner, attr, lambda h, head=head: head(self._pick(h)))
+            for emb in self._tied:  # (an instance attribute shadows the class's method)
+                emb.__dict__["as_linear"] = self._tied_head(emb)
+            yield
+        finally:
+            for owner, attr, head in saved:
+                setattr(owner, attr, head)
+            for emb in self._tied:
+                emb.__dict__.pop("as_linear", None)
+            self._at = None
+
+    def _tied_head(self, emb: Any) -> Callable[[mx.array], mx.array]:
+        def head(h: mx.array) -> mx.array:
+            return type(emb).as_linear(emb, self._pick(h))
+        return head
+
+    def _probe(self, model: Any) -> bool:
+        """Two passes of a short prompt over fresh caches, whole and sliced at two positions:
+        the same logits there, or the head is not used as this class assumes."""
+        try:
+            x = mx.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+            rows, positions = mx.array([0, 1]), mx.array([3, 2])
+            whole = model(x, cache=make_prompt_cache(model))[rows, positions]
+            with self.at(rows, positions):
+                out = model(x, cache=make_prompt_cache(model))
+            ok = out.shape[:2] == (2, 1) and bool(mx.allclose(
+                out[:, 0, :].astype(mx.float32), whole.astype(mx.float32), atol=1e-2, rtol=1e-2))
+        except Exception:  # a model this probe cannot run: slicing is simply not used
+            log.warning("the output head is applied to every position of a folded pass",
+                        exc_info=True)
+            ok = False
+        return ok
+
+
+_heads_by_model: dict[int, _Heads] = {}
+
+
+def _heads_of(model: Any) -> _Heads:
+    heads = _heads_by_model.get(id(model))
+    if heads is None:
+        heads = _heads_by_model[id(model)] = _Heads(model)
+    return heads
 
 
 def start_folded(gen: Any) -> list[Any]:

@@ -6,6 +6,7 @@ mlx-lm's path kept where folding is not safe or not cheap."""
 from __future__ import annotations
 
 import queue
+from typing import cast
 
 import mlx.core as mx
 import pytest
@@ -34,6 +35,7 @@ def passes(model, monkeypatch):
 
 
 def _count_passes(m, monkeypatch) -> list[tuple[int, int]]:
+    door._heads_of(m)  # its output head probed (two short passes, once a model) beforehand
     seen: list[tuple[int, int]] = []
     call = type(m).__call__
 
@@ -59,6 +61,8 @@ def test_rows_are_folded_only_where_their_last_chunk_and_the_logits_stay_small()
     assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, vocab) == []
     assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, vocab - 1) \
         == list(range(rows))
+    # only the folded positions' logits computed (a sliced head): no bound
+    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, 0) == list(range(rows))
 
 
 def _mlx_lm(m, prompts: list[list[int]], budgets: list[int], step: int,
@@ -216,3 +220,58 @@ def test_a_sliding_window_model_keeps_mlx_lms_path_and_a_resent_prompt_hits(stat
         r._gen.close()
     assert got[True] == got[False] and got[True][2] == len(prompt) - 1
     assert counts[True] == counts[False]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_folded_pass_computes_the_logits_of_its_folded_positions_only(tmp_path, tied):
+    """The output head (an `lm_head`, or the embedding tied to it) applied to the folded rows'
+    last positions alone: the same logits there as the whole output's, and a pass whose
+    output is (rows, 1, vocabulary); the model is left as it was."""
+    import json
+
+    from support.random_model import write_random_model
+    path = write_random_model(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = tied
+    (path / "config.json").write_text(json.dumps(config))
+    if not tied:  # an lm_head of its own
+        import mlx.core as mx_
+        w = cast(dict, mx_.load(str(path / "model.safetensors")))
+        w["lm_head.weight"] = w["model.embed_tokens.weight"] * 0.5
+        mx_.save_safetensors(str(path / "model.safetensors"), w)
+    m, _, _ = load_model(str(path), tmp_path / "c")
+    heads = door._heads_of(m)
+    assert heads.sliced
+    from mlx_lm.models.cache import make_prompt_cache
+    x = mx.array([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    rows, positions = mx.array([1, 0]), mx.array([4, 2])
+    whole = m(x, cache=make_prompt_cache(m))
+    with heads.at(rows, positions):
+        sliced = m(x, cache=make_prompt_cache(m))
+    assert sliced.shape == (2, 1, whole.shape[-1])
+    assert mx.allclose(sliced[:, 0, :], whole[rows, positions], atol=1e-5).item()
+    again = m(x, cache=make_prompt_cache(m))  # restored: the whole output again
+    assert again.shape == whole.shape and mx.allclose(again, whole).item()
+
+
+@pytest.mark.parametrize("sliced", [True, False])
+def test_a_burst_whose_whole_logits_pass_the_bound_folds_only_with_a_sliced_head(
+        model, passes, monkeypatch, sliced):
+    """Eight rows of 200 tokens, the bound on whole logits set below their size: folded
+    when only their last positions' logits are computed, not when the head is unknown."""
+    from mlxd.engine import last_token_fold
+    m, _ = model
+    monkeypatch.setattr(last_token_fold, "MAX_LOGITS", 1000)
+    monkeypatch.setattr(door._heads_of(m), "sliced", sliced)
+    n, length = 8, 200
+    prompts = [[(3 * i + 7 * r) % 400 + 5 for i in range(length)] for r in range(n)]
+    reference, _ = _mlx_lm(m, prompts, [3] * n, step=256)
+    outq: queue.Queue = queue.Queue()
+    before = len(passes)
+    tokens, _ = run_together(_runner(m, True, outq, step=256), outq,
+                             [AddRequest(f"r{i}", p, 3, greedy_sampler, [])
+                              for i, p in enumerate(prompts)])
+    assert [tokens[f"r{i}"] for i in range(n)] == reference
+    # folded: every row's whole prompt in one pass; else all but the last token, then it alone
+    assert passes[before] == ((n, length) if sliced else (n, length - 1))
+    assert passes[before + 1] == (n, 1)
