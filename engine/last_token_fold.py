@@ -13,7 +13,14 @@ and the row starts decoding with its first token sampled from them exactly as th
 pass would have left it: the same samplers, the same state of every batch list.
 
 Only where that is safe and cheap (`fold_rows`, pure):
-- a row whose final chunk, the last token added, still fits the step (one pass, as before);
+- a row whose final chunk, the last token added, still fits the step (one pass, as before)
+  and is short (`chunk_limit`): the logits the fold keeps need the last layer's attention and
+  MLP over the whole chunk (the cache alone stops before them), which a long chunk pays more
+  for than a one-token pass costs. On the CPU, where time follows the tokens computed, a chunk
+  of up to as many tokens as the model has layers costs at most one token's whole pass more;
+  on a GPU, where a short pass costs its launches and graph building more than its tokens, up
+  to GPU_CHUNK tokens (a chat's next turn: benchmarks/RESULTS.md, "A next turn one pass and
+  one copy shorter");
 - a row the runner allows (`row_may_fold`): not one of a model with state layers (sliding
   windows, recurrent states) whose snapshot one token short of the prompt's end is due
   (`kv/snapshot_points.py`): that state is usable only at its exact position, and it is what
@@ -36,16 +43,26 @@ from collections.abc import Container, Sequence
 from typing import Any
 
 MAX_LOGITS = 1 << 24  # elements: rows x longest chunk x vocabulary (64 MB of float32)
+GPU_CHUNK = 64  # tokens: the longest final chunk a GPU folds (measured: 23-36)
+
+
+def chunk_limit(gpu: bool, layers: int) -> int:
+    """The longest final chunk (its last token included) that folds: see the module's
+    docstring."""
+    return GPU_CHUNK if gpu else max(1, layers)
 
 
 def fold_rows(chunks: Sequence[int], left: Sequence[Sequence[Sequence[int]]],
-              allowed: Sequence[bool], step: int, vocab: int) -> list[int]:
+              allowed: Sequence[bool], step: int, vocab: int,
+              limit: int = GPU_CHUNK) -> list[int]:
     """Which rows of a prompt batch's pass get their last token folded in: `chunks[i]` is
     row i's chunk length in this pass, `left[i]` its segments still to feed after it, `allowed`
     the runner's say (and no logits processors), `vocab` what each position's logits cost (0:
-    only the folded positions' are computed, and the bound does not apply)."""
+    only the folded positions' are computed, and the bound does not apply), `limit` the
+    longest final chunk that folds (`chunk_limit`)."""
+    most = min(step, limit)
     rows = [i for i, (n, rest, ok) in enumerate(zip(chunks, left, allowed, strict=True))
-            if ok and len(rest) == 1 and len(rest[0]) == 1 and n + 1 <= step]
+            if ok and len(rest) == 1 and len(rest[0]) == 1 and n + 1 <= most]
     if not rows:
         return []
     longest = max(max(chunks), max(chunks[i] + 1 for i in rows))

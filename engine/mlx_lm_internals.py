@@ -629,7 +629,8 @@ def observe_steps(observer: StepObserver) -> None:
 # `start_folded` in the same step, and arrays the next evaluation takes along (the shim).
 _fold_gen: BatchGenerator | None = None
 _may_fold: Callable[[int], bool] = lambda uid: False  # noqa: E731
-_fold_vocab = 0
+_fold_vocab: dict[int, int] = {}  # id(model) -> its vocabulary (configured, then seen)
+_fold_limit = 0
 _folded: dict[int, tuple[int, mx.array]] = {}
 _eval_with: list[mx.array] = []
 
@@ -641,18 +642,18 @@ def enable_fold() -> None:
 
 
 @contextmanager
-def folding(gen: Any, may_fold: Callable[[int], bool]) -> Iterator[None]:
+def folding(gen: Any, may_fold: Callable[[int], bool], limit: int) -> Iterator[None]:
     """Around one `next()` of `gen` (and its speculation's): its prompt pass may fold the
-    rows that `may_fold(uid)` allows (`last_token_fold.py`); the runner calls `start_folded`
-    right after. A generator of another shape (a sharded group's leader, whose followers
-    replay its calls) never folds."""
-    global _fold_gen, _may_fold, _fold_vocab
+    rows that `may_fold(uid)` allows whose final chunk is at most `limit` tokens
+    (`last_token_fold.py`); the runner calls `start_folded` right after. A generator of
+    another shape (a sharded group's leader, whose followers replay its calls) never folds."""
+    global _fold_gen, _may_fold, _fold_limit
     if type(gen) is not BatchGenerator:
         yield
         return
-    if not _fold_vocab:
-        _fold_vocab = last_token_fold.vocab_size(gen.model)
-    _fold_gen, _may_fold = gen, may_fold
+    if id(gen.model) not in _fold_vocab:
+        _fold_vocab[id(gen.model)] = last_token_fold.vocab_size(gen.model)
+    _fold_gen, _may_fold, _fold_limit = gen, may_fold, limit
     try:
         yield
     finally:
@@ -673,7 +674,9 @@ def _folding_prompt(prompt: Callable[[Any, list[list[int]]], Any]
         rows = last_token_fold.fold_rows(
             [len(t) for t in tokens], [seq[0] for seq in processing],
             [_may_fold(uid) and not self.logits_processors[i] for i, uid in enumerate(self.uids)],
-            self.prefill_step_size, 0 if _heads_of(self.model).sliced else _fold_vocab)
+            self.prefill_step_size,
+            0 if _heads_of(self.model).sliced else _fold_vocab.get(id(self.model), 1 << 18),
+            _fold_limit)
         if not rows:
             return prompt(self, tokens)
         lasts = []
@@ -707,7 +710,6 @@ class _LastLogits:
         self._logits: mx.array | None = None
 
     def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
-        global _fold_vocab
         if self._logits is not None:
             raise RuntimeError("a folded prompt chunk ran as more than one pass")
         rows, positions = mx.array(self._rows), mx.array(self._positions)
@@ -719,7 +721,7 @@ class _LastLogits:
         else:
             out = self.model(inputs, *args, **kwargs)
             self._logits = out[rows, positions]
-        _fold_vocab = int(out.shape[-1])
+        _fold_vocab[id(self.model)] = int(out.shape[-1])
         _eval_with.append(self._logits)
         return out
 

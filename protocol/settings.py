@@ -255,11 +255,11 @@ class TuningSettings(msgspec.Struct, frozen=True, kw_only=True):
         "a prompt's last token is fed in the step of its last chunk and the row's first "
         "token goes out in that step, not two steps later as mlx-lm's generator returns "
         "it"))] = True
-    fold_last_token: Annotated[bool, Meta(description=(
-        "a prompt's last token is fed in its final chunk's forward pass and the row's first "
-        "token sampled from it, not from a one-token pass of its own as in mlx-lm's "
-        "generator (where safe and the chunk's logits are small: engine/last_token_fold.py)"
-        ))] = True
+    fold_last_token: Annotated[int, Meta(ge=-1, description=(
+        "a prompt's last token is fed in its final chunk's forward pass, and the row's first "
+        "token sampled from it, where that chunk is at most this many tokens (-1: on a GPU 64, "
+        "on the CPU the model's layer count; 0: never, a pass of its own as in mlx-lm's "
+        "generator; engine/last_token_fold.py)"))] = -1
     admit_threads: Annotated[int, Meta(ge=0, description=(
         "threads of an engine's small admission lane (0: up to four, a core left to the MLX "
         "thread)"))] = 0

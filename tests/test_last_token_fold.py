@@ -16,7 +16,13 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlxd.engine import mlx_lm_internals as door
 from mlxd.engine.batch.messages import AddRequest, StepTokens
 from mlxd.engine.batch.runner import Runner
-from mlxd.engine.last_token_fold import MAX_LOGITS, fold_rows, row_may_fold
+from mlxd.engine.last_token_fold import (
+    GPU_CHUNK,
+    MAX_LOGITS,
+    chunk_limit,
+    fold_rows,
+    row_may_fold,
+)
 from mlxd.engine.load.loader import load_model
 from mlxd.protocol.settings import TuningSettings
 from support.runner_drive import run_one, run_together
@@ -52,17 +58,22 @@ def test_rows_are_folded_only_where_their_last_chunk_and_the_logits_stay_small()
     # row 0 ends this pass, row 1 has two segments left, row 2 is not allowed, row 3's chunk
     # fills the step (the token added would need a second pass)
     assert fold_rows([10, 10, 10, 64], [one, [[1, 2], [3]], one, one],
-                     [True, True, False, True], step=64, vocab=1000) == [0]
-    assert fold_rows([63], [one], [True], step=64, vocab=1000) == [0]
+                     [True, True, False, True], step=64, vocab=1000, limit=64) == [0]
+    assert fold_rows([63], [one], [True], step=64, vocab=1000, limit=64) == [0]
+    assert fold_rows([63], [one], [True], step=64, vocab=1000, limit=32) == []  # too long
+    # the default limit: a GPU's short chunks; the CPU's, as many tokens as the model's layers
+    assert chunk_limit(True, 16) == GPU_CHUNK and chunk_limit(False, 30) == 30
+    assert chunk_limit(False, 0) == 1
     assert fold_rows([5], [[[1, 2]]], [True], step=64, vocab=1000) == []  # more to feed
     # the whole batch's logits are bounded: a burst of long chunks keeps mlx-lm's path
     rows, longest = 8, 512
     vocab = MAX_LOGITS // (rows * (longest + 1)) + 1
-    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, vocab) == []
-    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, vocab - 1) \
+    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, vocab, 2048) == []
+    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, vocab - 1, 2048) \
         == list(range(rows))
     # only the folded positions' logits computed (a sliced head): no bound
-    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, 0) == list(range(rows))
+    assert fold_rows([longest] * rows, [one] * rows, [True] * rows, 2048, 0, 2048) \
+        == list(range(rows))
 
 
 def _mlx_lm(m, prompts: list[list[int]], budgets: list[int], step: int,
@@ -87,8 +98,10 @@ def _mlx_lm(m, prompts: list[list[int]], budgets: list[int], step: int,
 
 
 def _runner(m, fold: bool, outq: queue.Queue, step: int = 64, cache_bytes: int = 0) -> Runner:
+    """`fold`: every final chunk that fits the step folds (the tiny model's two layers would
+    let the CPU's default fold chunks of two tokens at most); else none."""
     return Runner(m, [], batch_size=8, prefill_step=step, outbox=outq, cache_bytes=cache_bytes,
-                  tuning=TuningSettings(fold_last_token=fold))
+                  tuning=TuningSettings(fold_last_token=4096 if fold else 0))
 
 
 @pytest.mark.parametrize("fold", [True, False])
@@ -275,3 +288,21 @@ def test_a_burst_whose_whole_logits_pass_the_bound_folds_only_with_a_sliced_head
     # folded: every row's whole prompt in one pass; else all but the last token, then it alone
     assert passes[before] == ((n, length) if sliced else (n, length - 1))
     assert passes[before + 1] == (n, 1)
+
+
+def test_the_cpus_default_folds_a_chunk_no_longer_than_the_models_layers(tmp_path, monkeypatch):
+    """On the CPU a fold pays the last layer over the whole chunk: by default, a final chunk
+    of up to as many tokens as the model has layers folds, a longer one keeps its pass."""
+    from support.random_model import write_random_model
+    path = write_random_model(tmp_path / "m", layers=8)
+    m, _, _ = load_model(str(path), tmp_path / "c")
+    passes = _count_passes(m, monkeypatch)
+    outq: queue.Queue = queue.Queue()
+    r = Runner(m, [], batch_size=4, prefill_step=64, outbox=outq)  # the defaults
+    fed = {}
+    for n in (8, 9):  # a prompt of n tokens: one chunk of n (folded) or n - 1, then 1
+        before = len(passes)
+        run_one(r, outq, AddRequest(f"p{n}", [(5 * i + n) % 400 + 5 for i in range(n)], 2,
+                                    greedy_sampler, []))
+        fed[n] = [t for _, t in passes[before:before + 2]]
+    assert fed == {8: [8, 1], 9: [8, 1]}

@@ -155,9 +155,9 @@ def test_a_steps_chunk_is_one_forward_pass_whatever_the_generator_was_made_with(
     passes.clear()
     run_one(runner, outq, add("alone", 1024))
     prefill = [n for n in passes if n > 1]
-    # one pass of the whole prompt (its last token folded in: `last_token_fold.py`; mlx-lm's
-    # generator feeds 1,023 then the last token alone), then one token at a time
-    assert prefill == [1024], passes
+    # one pass of all but the last token, then the first token (a chunk this long is not
+    # folded: `last_token_fold.chunk_limit`)
+    assert prefill == [1023], passes
 
 
 def test_prompts_over_a_long_context_prefill_one_at_a_time_with_prefill_alone_from(

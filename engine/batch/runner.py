@@ -54,7 +54,7 @@ from mlxd.engine.kv.codec import CacheCodec
 from mlxd.engine.kv.keep_policy import continues
 from mlxd.engine.kv.prefix_cache import Entry, PrefixCache
 from mlxd.engine.kv.snapshot_points import PERSIST_MIN
-from mlxd.engine.last_token_fold import row_may_fold
+from mlxd.engine.last_token_fold import chunk_limit, row_may_fold
 from mlxd.engine.load import cuda_attention
 from mlxd.engine.mlx_lm_internals import (
     decoding_rows,
@@ -117,7 +117,9 @@ class Runner(PrefixAdmission):
         self._unpadded_masks = tuning.batch_masks == "unpadded"
         self._prefill_alone_from = tuning.prefill_alone_from
         self._early_first = tuning.early_first_token
-        self._fold = tuning.fold_last_token
+        layers = getattr(model, "layers", None)
+        self._fold = tuning.fold_last_token if tuning.fold_last_token >= 0 else chunk_limit(
+            mx.default_device() == mx.gpu, len(layers) if layers is not None else 1)
         if self._fold:
             enable_fold()
         self._heap_trim = tuning.heap_trim
@@ -432,7 +434,8 @@ class Runner(PrefixAdmission):
     def _generate(self) -> None:
         faults.hit("engine.step")
         try:
-            fold = folding(self._gen, self._may_fold) if self._fold else nullcontext()
+            fold = folding(self._gen, self._may_fold, self._fold) if self._fold \
+                else nullcontext()
             with self._grammar.step(self._gen), fold:
                 prompt_responses, responses = (self._gen.next() if self.spec is None else
                                                self.spec.next(self._gen, self.rows.plain_uids))
