@@ -17,7 +17,7 @@ from mlxd.engine.batch.messages import AbortRequest, AddRequest, StepTokens
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.load.loader import load_model
 from mlxd.protocol.settings import TuningSettings
-from support.runner_drive import run_together
+from support.runner_drive import LogprobsRecorder, run_together
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +114,8 @@ def test_rows_with_and_without_an_early_first_token_in_one_batch_match_their_lon
     r = Runner(m, [], batch_size=8, prefill_step=16, outbox=outq)
     adds = [AddRequest(f"r{i}", p, n, greedy_sampler, [], logprobs=2 if i == 3 else -1)
             for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
-    logprobs: list[dict] = []
-
-    class Recording(queue.Queue):
-        def put(self, item, block=True, timeout=None):
-            if isinstance(item, StepTokens) and item.logprobs:
-                logprobs.append(item.logprobs)
-            super().put(item, block, timeout)
-
-    r._outbox = outq = Recording()
+    r._outbox = outq = recorder = LogprobsRecorder()
+    logprobs = recorder.logprobs
     tokens, _ = run_together(r, outq, adds)
     assert [tokens[a.request_id] for a in adds] == alone
     # the row asking for log-probabilities has them for every token, its first included

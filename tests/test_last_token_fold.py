@@ -14,7 +14,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxd.engine import mlx_lm_internals as door
-from mlxd.engine.batch.messages import AddRequest, StepTokens
+from mlxd.engine.batch.messages import AddRequest
 from mlxd.engine.batch.runner import Runner
 from mlxd.engine.last_token_fold import (
     GPU_CHUNK,
@@ -25,7 +25,7 @@ from mlxd.engine.last_token_fold import (
 )
 from mlxd.engine.load.loader import load_model
 from mlxd.protocol.settings import TuningSettings
-from support.runner_drive import run_one, run_together
+from support.runner_drive import LogprobsRecorder, run_one, run_together
 
 
 @pytest.fixture(scope="module")
@@ -144,15 +144,8 @@ def test_a_batch_of_folded_and_unfolded_rows_matches_mlx_lm(model, passes):
     adds = [AddRequest(f"r{i}", p, n, greedy_sampler, [processor] if i == 2 else [],
                        logprobs=1 if i == 1 else -1)
             for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
-    logprobs: list[dict] = []
-
-    class Recording(queue.Queue):
-        def put(self, item, block=True, timeout=None):
-            if isinstance(item, StepTokens) and item.logprobs:
-                logprobs.append(item.logprobs)
-            super().put(item, block, timeout)
-
-    r._outbox = outq = Recording()
+    r._outbox = outq = recorder = LogprobsRecorder()
+    logprobs = recorder.logprobs
     before = len(passes)
     tokens, _ = run_together(r, outq, adds)
     assert [tokens[a.request_id] for a in adds] == reference

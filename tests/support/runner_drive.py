@@ -63,3 +63,17 @@ def run_together(runner: Runner, outq: queue.Queue, adds: list[AddRequest],
                         if finishes is not None:
                             finishes[rid] = fin
     return tokens, started
+
+
+class LogprobsRecorder(queue.Queue):
+    """A runner's outbox that keeps every step's log-probabilities (`StepTokens.logprobs`) as
+    they are put, in `logprobs`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprobs: list[dict] = []
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, StepTokens) and item.logprobs:
+            self.logprobs.append(item.logprobs)
+        super().put(item, block, timeout)
