@@ -635,10 +635,12 @@ _folded: dict[int, tuple[int, mx.array]] = {}
 _eval_with: list[mx.array] = []
 
 
-def enable_fold() -> None:
-    """Prompt passes may fold their rows' last tokens in, where `folding` allows."""
+def enable_fold(model: Any) -> None:
+    """Prompt passes of `model` may fold their rows' last tokens in, where `folding` allows;
+    its output head is probed now, before any pass of the generator's (`_Heads`)."""
     _install_shim()
     _install_step_wrap()
+    _heads_of(model)
 
 
 @contextmanager
@@ -654,6 +656,7 @@ def folding(gen: Any, may_fold: Callable[[int], bool], limit: int) -> Iterator[N
     if id(gen.model) not in _fold_vocab:
         _fold_vocab[id(gen.model)] = last_token_fold.vocab_size(gen.model)
     _fold_gen, _may_fold, _fold_limit = gen, may_fold, limit
+    _folded.clear()  # (what a step that failed after its pass left: never a later step's)
     try:
         yield
     finally:
@@ -675,7 +678,7 @@ def _folding_prompt(prompt: Callable[[Any, list[list[int]]], Any]
             [len(t) for t in tokens], [seq[0] for seq in processing],
             [_may_fold(uid) and not self.logits_processors[i] for i, uid in enumerate(self.uids)],
             self.prefill_step_size,
-            0 if _heads_of(self.model).sliced else _fold_vocab.get(id(self.model), 1 << 18),
+            0 if _sliced(self.model) else _fold_vocab.get(id(self.model), 1 << 18),
             _fold_limit)
         if not rows:
             return prompt(self, tokens)
@@ -713,8 +716,8 @@ class _LastLogits:
         if self._logits is not None:
             raise RuntimeError("a folded prompt chunk ran as more than one pass")
         rows, positions = mx.array(self._rows), mx.array(self._positions)
-        heads = _heads_of(self.model)
-        if heads.sliced:
+        heads = _heads_by_model.get(id(self.model))
+        if heads is not None and heads.sliced:
             with heads.at(rows, positions):
                 out = self.model(inputs, *args, **kwargs)
             self._logits = out[:, 0, :]
@@ -803,6 +806,11 @@ class _Heads:
 
 
 _heads_by_model: dict[int, _Heads] = {}
+
+
+def _sliced(model: Any) -> bool:
+    heads = _heads_by_model.get(id(model))
+    return heads is not None and heads.sliced
 
 
 def _heads_of(model: Any) -> _Heads:

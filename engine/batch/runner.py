@@ -120,8 +120,6 @@ class Runner(PrefixAdmission):
         layers = getattr(model, "layers", None)
         self._fold = tuning.fold_last_token if tuning.fold_last_token >= 0 else chunk_limit(
             mx.default_device() == mx.gpu, len(layers) if layers is not None else 1)
-        if self._fold:
-            enable_fold()
         self._heap_trim = tuning.heap_trim
         self.clock = clock
         self._steps = step_log() if clock is not NO_CLOCK else None  # the stage clock's
@@ -156,6 +154,10 @@ class Runner(PrefixAdmission):
         self._moved = (0, 0)  # (stage clock) when ended prompts were last moved to generation
         cuda_attention.install(model)
         self._gen = self._new_generator()
+        if type(self._gen) is not BatchGenerator:
+            self._fold = 0  # a sharded group's leader: its followers replay its calls, not this
+        if self._fold:
+            enable_fold(model)
         self._update_cap()
 
     def _new_generator(self) -> BatchGenerator:
