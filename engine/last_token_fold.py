@@ -29,8 +29,8 @@ Only where that is safe and cheap (`fold_rows`, pure):
 - not a row with logits processors (grammars, penalties: their first call keeps mlx-lm's
   path);
 - the logits of the folded rows' last positions alone, where the model's output head (its
-  `lm_head`, or the embedding tied to it) can be applied to those positions only (a probe at
-  first use checks it against the whole output); otherwise the model computes every
+  `lm_head`, or the embedding tied to it) can be applied to those positions only (a probe
+  as the fold is enabled checks it against the whole output); otherwise the model computes every
   position's logits, and then only while they stay small (`MAX_LOGITS` elements: a short
   next turn is folded, a burst of long prompts keeps its one-token pass).
 A generator of another shape (a sharded group's leader, whose followers replay its calls) is

@@ -741,8 +741,8 @@ class _Heads:
     the output to the input), applied for one pass to chosen (row, position) pairs only: the
     hidden states those rows hold at those positions, (rows, 1, hidden), so the pass's output is
     (rows, 1, vocabulary) and no other position's logits are computed. `sliced` only where a
-    probe at first use showed the sliced output equal to the whole one's positions (a model
-    whose head is elsewhere, or which reshapes after it, keeps the whole output)."""
+    probe as the fold is enabled showed the sliced output equal to the whole one's positions
+    (a model whose head is elsewhere, or which reshapes after it, keeps the whole output)."""
 
     def __init__(self, model: Any) -> None:
         named = model.named_modules() if isinstance(model, nn.Module) else []
