@@ -742,16 +742,18 @@ class _Heads:
     hidden states those rows hold at those positions, (rows, 1, hidden), so the pass's output is
     (rows, 1, vocabulary) and no other position's logits are computed. `sliced` only where a
     probe as the fold is enabled showed the sliced output equal to the whole one's positions
-    (a model whose head is elsewhere, or which reshapes after it, keeps the whole output)."""
+    (a model whose head is elsewhere, or which reshapes after it, keeps the whole output), and
+    not where a head is a layer of another class: a LoRA adapter's (`kinds/text/lora.py`) adds
+    each batch row's own delta, which needs every row."""
 
     def __init__(self, model: Any) -> None:
         named = model.named_modules() if isinstance(model, nn.Module) else []
-        self._heads = [(self._owner(model, name), name.rsplit(".", 1)[-1])
-                       for name, m in named if name.rsplit(".", 1)[-1] == "lm_head"
-                       and isinstance(m, nn.Module)]
+        heads = [(name, m) for name, m in named if name.rsplit(".", 1)[-1] == "lm_head"]
+        self._heads = [(self._owner(model, name), "lm_head") for name, _ in heads]
         self._tied = [m for _, m in named if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
         self._at: tuple[mx.array, mx.array] | None = None
-        self.sliced = bool(self._heads or self._tied) and self._probe(model)
+        plain = all(type(m) in (nn.Linear, nn.QuantizedLinear) for _, m in heads)
+        self.sliced = plain and bool(self._heads or self._tied) and self._probe(model)
 
     @staticmethod
     def _owner(model: Any, name: str) -> Any:

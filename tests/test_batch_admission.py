@@ -287,4 +287,3 @@ def test_a_daemon_with_little_memory_serves_what_fits_and_queues_the_rest(tiny_m
         assert 'mlxd_engine_waiting_requests{model="tiny-llama"} 0.0' in metrics
     finally:
         stop_and_check(d)
-

@@ -258,6 +258,9 @@ def test_a_folded_pass_computes_the_logits_of_its_folded_positions_only(tmp_path
     assert mx.allclose(sliced[:, 0, :], whole[rows, positions], atol=1e-5).item()
     again = m(x, cache=make_prompt_cache(m))  # restored: the whole output again
     assert again.shape == whole.shape and mx.allclose(again, whole).item()
+    if not tied:  # a head of another class (a LoRA adapter's: per-row deltas) is not sliced
+        m.lm_head.__class__ = type("PerRowLinear", (type(m.lm_head),), {})
+        assert not door._Heads(m).sliced
 
 
 @pytest.mark.parametrize("sliced", [True, False])

@@ -209,4 +209,3 @@ def decode(raw: bytes, where: str) -> ImageInput:
                           code="invalid_image", param=where) from e
     pixels = rgb.tobytes()
     return ImageInput(w, h, pixels, image_key(w, h, pixels))
-
