@@ -31,6 +31,7 @@ from mlxd.protocol.lifeline import Lifeline
 from mlxd.protocol.listen_address import ListenError
 from mlxd.protocol.logs import setup_logging
 from mlxd.protocol.models import model_id
+from mlxd.protocol.signals import ignore_from_now
 from mlxd.proxy.server import run_proxy
 
 log = logging.getLogger("mlxd.daemon")
@@ -137,6 +138,7 @@ async def _serve(cfg: ServeConfig) -> int:
         stopping.cancel()
         await stop_engines()
         actx.destroy(linger=0)
+        ignore_from_now(loop, (signal.SIGINT, signal.SIGTERM))
     return 0
 
 

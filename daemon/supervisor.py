@@ -60,6 +60,7 @@ from mlxd.protocol.messages import (
     ToChild,
 )
 from mlxd.protocol.models import model_id
+from mlxd.protocol.signals import ignore_from_now
 
 log = logging.getLogger("mlxd.supervisor")
 
@@ -197,6 +198,7 @@ class Supervisor:
             t.cancel()
         self._ctl.close()
         self._ctx.term()
+        ignore_from_now(loop, (signal.SIGINT, signal.SIGTERM))
         if self.exit_code != exit_codes.OK:  # the reason is the daemon's last line
             proxy = self.children.get("proxy")
             reason = proxy.reason if proxy is not None and proxy.reason else \

@@ -17,6 +17,7 @@ from mlxd.protocol.addresses import Endpoints
 from mlxd.protocol.lifeline import follow_parent
 from mlxd.protocol.logs import child_process_setup
 from mlxd.protocol.settings import ProxyLaunch
+from mlxd.protocol.signals import ignore_from_now
 from mlxd.proxy.server import run_proxy
 
 
@@ -37,6 +38,7 @@ def main() -> int:
                                    api_key=os.environ.get("MLXD_API_KEY") or None,
                                    supervised=True)
         finally:
+            ignore_from_now(loop, [signal.SIGTERM])  # the supervisor's, after a group's
             ctx.destroy(linger=0)
 
     return asyncio.run(run())
