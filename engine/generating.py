@@ -106,8 +106,9 @@ class GeneratingEngine:
                 CausalLMEmbedder(model, tokenizer, loaded.context_length,
                                  vocab_size(config), stream),
                 outbox, launch.engine_id, launch.epoch,
-                wake=lambda: runner.inbox.put(Call(engine._run_embeddings)),
-                token_s=warmed.token_s)
+                wake=lambda: runner.inbox.put(Call(Runner.wake_between)),
+                token_s=warmed.token_s, target_s=step_target(launch.hang_timeout))
+            runner.between = engine._embed_pass
         return engine
 
     # ------------------------------------------------------------------ admission lanes
@@ -153,6 +154,8 @@ class GeneratingEngine:
     # ------------------------------------------------------------------ the I/O thread's calls
 
     def abort(self, request_ids: list[str]) -> None:
+        if self.embedding is not None:
+            self.embedding.abort(request_ids)
         for rid in request_ids:
             self.runner.inbox.put(AbortRequest(rid))
 
@@ -208,13 +211,12 @@ class GeneratingEngine:
         if not stop.is_set():  # a stop during the load: nothing to run
             self.runner.run()
 
-    def _run_embeddings(self, runner: Runner) -> None:
-        """Between generation steps; each forward pass counts as a step (progress, for the
-        hang watchdog)."""
+    def _embed_pass(self) -> bool:
+        """One embedding pass, after a generation step (the runner's `between`); it counts as
+        a step (progress, for the hang watchdog). True while more are queued."""
         def stepped() -> None:
-            runner.counters.steps += 1
-        if self.embedding is not None:
-            self.embedding.run_pending(stepped)
+            self.runner.counters.steps += 1
+        return self.embedding is not None and self.embedding.run_pass(stepped)
 
     def close(self) -> None:
         if self.embedding is not None:

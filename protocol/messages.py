@@ -203,8 +203,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     embed_requests: int = 0  # Embed requests answered with vectors
     embed_inputs: int = 0  # inputs embedded
     embed_tokens: int = 0  # their tokens
-    embed_steps: int = 0  # forward passes that embedded them (up to 64 inputs each)
+    embed_steps: int = 0  # forward passes that embedded them (up to 64 inputs, or a chunk)
     embed_peak_batch: int = 0  # most inputs embedded in one forward pass
+    embed_abandoned: int = 0  # requests dropped unfinished: their clients went away
     bursts: int = 0  # requests reaching an idle engine together, prefilled as one batch
     # Speculative decoding (a row decoding alone, or several rows in one verify pass): steps
     # that verified drafts in one forward pass, tokens drafted and accepted, tokens those steps

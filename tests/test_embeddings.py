@@ -11,6 +11,7 @@ import os
 import signal
 
 import httpx
+import httpx2
 import mlx.core as mx
 import numpy as np
 import ollama
@@ -236,15 +237,16 @@ def test_a_request_whose_engine_dies_is_sent_again_once(bert, reference, deaths)
 
 
 def test_a_pass_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
-    """One forward pass is bounded by inputs and tokens, not by time: on slow hardware (here a
-    wider BERT on this CPU, 8 inputs of ~460 tokens: seconds) it outlasts `--hang-timeout`.
-    The engine states the pass's pace (its tokens at the warm-up's rate, stretched for their
-    length) and the watchdog waits for it: no restart, the vectors of an in-process run."""
+    """An encoder's input attends both ways and cannot be cut: on slow hardware (here a wider
+    BERT on this CPU, an input of ~460 tokens: 1.6 s) its pass outlasts `--hang-timeout`.
+    Passes are bounded by time where they can be (each input here gets a pass of its own), and
+    the engine states the pass's pace (its tokens at the rate seen, stretched for their
+    length): the watchdog waits for it: no restart, the vectors of an in-process run."""
     from mlx_embeddings import load
     from tokenizers import Tokenizer
-    wide = write_random_bert(tmp_path / "wide-bert", hidden=128, layers=2, intermediate=512,
+    wide = write_random_bert(tmp_path / "wide-bert", hidden=256, layers=4, intermediate=1024,
                              max_length=512)
-    texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 50 for i in range(8)]
+    texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 50 for i in range(3)]
     lengths = [len(e.ids) for e in Tokenizer.from_file(str(wide / "tokenizer.json"))
                .encode_batch(texts)]
     assert 400 < min(lengths) and max(lengths) <= 512, lengths
@@ -254,11 +256,12 @@ def test_a_pass_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
             r = h.post("/v1/embeddings", json={"model": "wide-bert", "input": texts,
                                                "encoding_format": "float"}, timeout=300)
         assert r.status_code == 200, r.text
-        d.wait_until(lambda s: s["engines"][0]["cache"]["longest_step_s"] > 0,
-                     what="the engine's status after the pass")
+        d.wait_until(lambda s: s["engines"][0]["cache"]["embed_requests"] == 1,
+                     what="the engine's status after the passes")
         engine = d.stats()["engines"][0]
         assert engine["restarts"] == 0 and engine["epoch"] == 0, engine
         assert engine["cache"]["longest_step_s"] > 1.0, engine["cache"]  # it did outlast it
+        assert engine["cache"]["embed_steps"] == len(texts), engine["cache"]  # one pass each
         model, tokenizer = load(str(wide))
         inputs = tokenizer(texts, return_tensors="mlx", padding=True)
         want = np.array(model(inputs["input_ids"],
@@ -282,5 +285,78 @@ def test_a_hung_pass_between_generation_steps_is_caught(tiny_model):
         np.testing.assert_allclose([e["embedding"] for e in r.json()["data"]],
                                    _pooled_hidden_states(tiny_model, TEXTS[:2]), atol=1e-4)
         assert "no progress for" in d.log() and d.stats()["engines"][0]["epoch"] == 1
+    finally:
+        stop_and_check(d)
+
+
+def test_a_long_input_goes_in_chunks_between_decode_steps_and_an_abandoned_one_stops(
+        tiny_model):
+    """A causal LM embeds between its generation steps. Each pass lasting 300 ms here (a
+    fault's delay: slow hardware), the time bound (a quarter of `--hang-timeout`) cuts a long
+    input into chunks through a KV cache, one pass a turn of the engine's loop: a running
+    stream (its steps 20 ms) gets a token between two passes, and the vector is that of one
+    whole pass. A
+    request whose client leaves is dropped before the next pass: no pass of it runs after."""
+    import threading
+    import time
+    d = start_daemon(tiny_model, "--hang-timeout", "1", isolate=True,
+                     env={"MLXD_FAULTS": "engine.embed=delay:300,engine.step=delay:20"})
+    long_text = "the quick brown fox jumps over the lazy dog " * 20
+
+    def cache() -> dict:
+        return d.stats()["engines"][0]["cache"]
+    try:
+        with d.http() as h:  # a short input's pass: the rate the next passes are sized by
+            assert h.post("/v1/embeddings", json={"model": "tiny-llama",
+                                                  "input": "hello"}).status_code == 200
+            assert h.post("/v1/embeddings", json={
+                "model": "tiny-llama", "input": "hello",
+                "encoding_format": "float"}).status_code == 200
+        arrivals: list[float] = []
+
+        def stream() -> None:
+            with d.http() as c, c.stream("POST", "/v1/completions", json={
+                    "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0,
+                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+        runner = threading.Thread(target=stream)
+        runner.start()
+        d.wait_until(lambda s: s["engines"][0]["active_requests"] == 1, what="the stream")
+        steps_before = cache()["embed_steps"]
+        t0 = time.monotonic()
+        with d.http() as h:
+            r = h.post("/v1/embeddings", json={"model": "tiny-llama", "input": long_text,
+                                               "encoding_format": "float"})
+        t1 = time.monotonic()
+        runner.join()
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"],
+                                   _pooled_hidden_states(tiny_model, [long_text])[0], atol=1e-4)
+        d.wait_until(lambda s: s["engines"][0]["cache"]["embed_requests"] == 3,
+                     what="the engine's status after the long input")
+        passes = cache()["embed_steps"] - steps_before
+        during = sum(t0 < t < t1 for t in arrivals)
+        assert passes >= 5, passes  # ~180 tokens, at 300 ms a pass chunks of ~16 tokens
+        assert during >= passes - 2, (during, passes)  # a token between passes
+
+        with pytest.raises(httpx2.TimeoutException), d.http(timeout=0.6) as h:  # it gives up
+            h.post("/v1/embeddings", json={"model": "tiny-llama", "input": long_text})
+        seen: dict = {}
+
+        def dropped(s: dict) -> bool:
+            seen.update(s["engines"][0]["cache"])
+            return seen["embed_abandoned"] == 1
+        d.wait_until(dropped, what="the abandoned request dropped")
+        steps_at_drop, answered = seen["embed_steps"], seen["embed_requests"]
+        assert steps_at_drop - steps_before - passes < passes, seen  # stopped part-way
+        with d.http() as h:
+            assert h.post("/v1/embeddings", json={"model": "tiny-llama",
+                                                  "input": "hello"}).status_code == 200
+        d.wait_until(lambda s: s["engines"][0]["cache"]["embed_requests"] == answered + 1,
+                     what="the short request's status")
+        assert cache()["embed_steps"] == steps_at_drop + 1  # its own pass, none of the other's
+        assert d.stats()["engines"][0]["epoch"] == 0
     finally:
         stop_and_check(d)

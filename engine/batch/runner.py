@@ -152,6 +152,10 @@ class Runner(PrefixAdmission):
         self._stepped = False  # a step ran since MLX's buffers were last given back
         self._next_done = 0.0  # when the last step's generator call returned
         self._moved = (0, 0)  # (stage clock) when ended prompts were last moved to generation
+        # Work of the engine's own between generation steps (its embedding passes): one piece a
+        # turn of the loop, after the step, while `_between_due`; True from it while more is left.
+        self.between: Callable[[], bool] | None = None
+        self._between_due = False
         cuda_attention.install(model)
         self._gen = self._new_generator()
         if type(self._gen) is not BatchGenerator:
@@ -184,7 +188,7 @@ class Runner(PrefixAdmission):
 
     def _loop(self) -> None:
         try:
-            while self._handle_commands(block=not self.rows):
+            while self._handle_commands(block=not self.rows and not self._between_due):
                 self.turn_tail()
         finally:
             self._gen.close()
@@ -194,8 +198,15 @@ class Runner(PrefixAdmission):
         requests admitted if rows finished."""
         if self.rows:
             self.step()
+        if self._between_due and self.between is not None:
+            self._between_due = self.between()
+            self._stepped = True
         if self.gate.held and self.gate.room_changed:  # rows ended: room for more?
             self._admit(self._through_gate([]))
+
+    def wake_between(self) -> None:
+        """`between` has work (run through `Call`, on the MLX thread)."""
+        self._between_due = True
 
     def _release_idle_memory(self) -> None:
         """Nothing to run for `IDLE_S`: the buffers MLX keeps for reuse (a long prefill's

@@ -3,11 +3,13 @@
 An encoder model (BERT-family and similar, loaded through mlx-embeddings) gets an engine of
 its own kind that only embeds; a causal LM embeds beside generating, as the mean of its last
 hidden states. Either way vectors are L2-normalized float32. `tokenize` runs on the embedding
-lane, `forward` on the MLX thread; `plan_steps` (pure) says which inputs share a forward pass.
+lane, `forward` (or a long causal input's `begin`, `feed`, `pooled`) on the MLX thread;
+`passes.py` (pure) says which inputs share a forward pass.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -27,9 +29,7 @@ ENCODER_TYPES = frozenset({"bert", "xlm_roberta", "modernbert", "llama_bidirec"}
 # (Qwen3-Embedding, EmbeddingGemma: decoder stacks trained to embed).
 SENTENCE_TRANSFORMERS_FILES = ("config_sentence_transformers.json", "modules.json")
 
-MAX_STEP_INPUTS = 64  # inputs embedded in one forward pass at most
 DEFAULT_WIDTH = 1024  # a hidden size to assume where a config names none (the hang pace's)
-MAX_STEP_TOKENS = 32768  # padded tokens (inputs x the longest of them) in one forward pass
 NO_EMBEDDINGS = ("embedding models need the packages mlx-embeddings and mlx-vlm: install "
                  "mlxd's embeddings extra (pip install -e '.[embeddings]' in mlxd's checkout)")
 
@@ -44,26 +44,6 @@ def model_use(model_dir: Path) -> ModelUse:
         return "embed"
     model_type = str(config.get("model_type", "")).replace("-", "_").lower()
     return "embed" if model_type in ENCODER_TYPES else "generate"
-
-
-def plan_steps(lengths: list[int], max_inputs: int = MAX_STEP_INPUTS,
-               max_tokens: int = MAX_STEP_TOKENS) -> list[list[int]]:
-    """Indices of `lengths` grouped into forward passes: similar lengths together (less
-    padding), at most `max_inputs` per pass and `max_tokens` padded tokens (one input longer
-    than that still gets a pass of its own)."""
-    steps: list[list[int]] = []
-    step: list[int] = []
-    longest = 0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        longest_if = max(longest, lengths[i])
-        if step and (len(step) >= max_inputs or (len(step) + 1) * longest_if > max_tokens):
-            steps.append(step)
-            step, longest_if = [], lengths[i]
-        step.append(i)
-        longest = longest_if
-    if step:
-        steps.append(step)
-    return steps
 
 
 def normalized(vectors: np.ndarray) -> np.ndarray:
@@ -163,6 +143,9 @@ class CausalLMEmbedder:
                  stream: Any) -> None:
         inner = getattr(model, "model", None)
         self.hidden = inner if callable(inner) else None  # the transformer without its head
+        self._model = model  # its caches, for a long input embedded a chunk a pass
+        # a long input goes through in chunks where the transformer takes a KV cache
+        self.chunks = self.hidden is not None and _takes_cache(self.hidden)
         self.tokenizer, self.stream = tokenizer, stream
         self.max_tokens = context_length
         self.vocab = vocab
@@ -185,6 +168,48 @@ class CausalLMEmbedder:
             vectors = np.array(_mean(h, mx.array(mask)).astype(mx.float32))
         self.dimensions = vectors.shape[-1]
         return normalized(vectors)
+
+    def begin(self) -> _Running:
+        """A long input's embedding, to be fed a chunk a pass (`chunks` is true)."""
+        from mlx_lm.models.cache import make_prompt_cache
+        return _Running(make_prompt_cache(self._model))
+
+    def feed(self, running: _Running, ids: list[int]) -> None:
+        """The input's next tokens: their hidden states attend to those before them in the
+        cache, as in one pass over the whole input."""
+        import mlx.core as mx
+        assert self.hidden is not None
+        with mx.stream(self.stream):
+            h = self.hidden(mx.array([ids]), cache=running.cache)
+            part = h[0].astype(mx.float32).sum(axis=0)
+            running.total = part if running.total is None else running.total + part
+            mx.eval(running.total, [c.state for c in running.cache])
+        running.count += len(ids)
+
+    def pooled(self, running: _Running) -> np.ndarray:
+        """The fed input's vector: the mean of its hidden states, normalized."""
+        import mlx.core as mx
+        with mx.stream(self.stream):
+            vector = np.array((running.total / running.count).astype(mx.float32))
+        self.dimensions = vector.shape[-1]
+        return normalized(vector[None])[0]
+
+
+class _Running:
+    """A long input part-way through: its KV caches, and the sum of its hidden states so far
+    (float32, on the device)."""
+
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
+        self.total: Any = None
+        self.count = 0
+
+
+def _takes_cache(transformer: Any) -> bool:
+    try:
+        return "cache" in inspect.signature(transformer.__call__).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _padded(batch: list[list[int]], pad_id: int, pad_left: bool

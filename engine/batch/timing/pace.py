@@ -57,6 +57,13 @@ class PassPace(StepPace):
         grown = attention_growth(longest, self.seen, self.width)
         return max(self.last_s, padded_tokens * self.token_s * grown)
 
+    def token_s_at(self, longest: int) -> float | None:
+        """Seconds a padded token should cost in a pass whose inputs reach `longest` tokens
+        (None: no pass or warm-up timed yet)."""
+        if not self.token_s:
+            return None
+        return self.token_s * attention_growth(longest, self.seen, self.width)
+
     def ended_pass(self, seconds: float, padded_tokens: int, longest: int) -> None:
         self.ended(seconds, padded_tokens)
         if padded_tokens > 0 and seconds > 0:

@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.admit.prepare import Admitted, Answered, refused
+from mlxd.engine.batch.timing.chunking import step_target
 from mlxd.engine.embeddings.batching import Embedding
 from mlxd.engine.embeddings.models import load_encoder
 from mlxd.engine.kinds.base import Host
@@ -36,7 +37,8 @@ class EncoderEngine:
         launch = host.launch
         stream = mx.new_stream(mx.default_device())
         embedder = load_encoder(model_dir, launch.settings.dtype, stream)
-        embedding = Embedding(embedder, host.channels.outq, launch.engine_id, launch.epoch)
+        embedding = Embedding(embedder, host.channels.outq, launch.engine_id, launch.epoch,
+                              target_s=step_target(launch.hang_timeout))
         if launch.settings.warm_up:  # the kernels built, and the first pass's pace measured
             embedding.warm_up()
         return cls(host, model_dir, embedding)
@@ -53,7 +55,7 @@ class EncoderEngine:
         raise AssertionError("an embedding engine admits no generation")
 
     def abort(self, request_ids: list[str]) -> None:
-        pass  # an embedding request runs to its end (one or two forward passes)
+        self.embedding.abort(request_ids)
 
     def embed(self, msg: Embed) -> None:
         self.embedding.submit(msg)
