@@ -241,7 +241,8 @@ def test_a_pass_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
     BERT on this CPU, an input of ~460 tokens: 1.6 s) its pass outlasts `--hang-timeout`.
     Passes are bounded by time where they can be (each input here gets a pass of its own), and
     the engine states the pass's pace (its tokens at the rate seen, stretched for their
-    length): the watchdog waits for it: no restart, the vectors of an in-process run."""
+    length): the watchdog waits for it: no restart, the vectors of an in-process run. A request
+    whose client leaves gets no further pass."""
     from mlx_embeddings import load
     from tokenizers import Tokenizer
     wide = write_random_bert(tmp_path / "wide-bert", hidden=256, layers=4, intermediate=1024,
@@ -267,6 +268,20 @@ def test_a_pass_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
         want = np.array(model(inputs["input_ids"],
                               attention_mask=inputs["attention_mask"]).text_embeds)
         np.testing.assert_allclose([e["embedding"] for e in r.json()["data"]], want, atol=1e-4)
+        # a client that gives up during the first of three passes: the other two never run
+        with pytest.raises(httpx2.TimeoutException), d.http(timeout=0.5) as h:
+            h.post("/v1/embeddings", json={"model": "wide-bert", "input": texts})
+        seen: dict = {}
+
+        def dropped(s: dict) -> bool:
+            seen.update(s["engines"][0]["cache"])
+            return seen["embed_abandoned"] == 1
+        d.wait_until(dropped, what="the abandoned request dropped")
+        assert seen["embed_steps"] < 2 * len(texts), seen
+        with d.http(timeout=60) as h:  # the engine serves on
+            r = h.post("/v1/embeddings", json={"model": "wide-bert", "input": "short",
+                                               "encoding_format": "float"})
+        assert r.status_code == 200, r.text
     finally:
         stop_and_check(d)
 
