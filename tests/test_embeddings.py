@@ -269,14 +269,7 @@ def test_a_pass_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
                               attention_mask=inputs["attention_mask"]).text_embeds)
         np.testing.assert_allclose([e["embedding"] for e in r.json()["data"]], want, atol=1e-4)
         # a client that gives up during the first of three passes: the other two never run
-        with pytest.raises(httpx2.TimeoutException), d.http(timeout=0.5) as h:
-            h.post("/v1/embeddings", json={"model": "wide-bert", "input": texts})
-        seen: dict = {}
-
-        def dropped(s: dict) -> bool:
-            seen.update(s["engines"][0]["cache"])
-            return seen["embed_abandoned"] == 1
-        d.wait_until(dropped, what="the abandoned request dropped")
+        seen = given_up(d, {"model": "wide-bert", "input": texts}, 0.5)
         assert seen["embed_steps"] < 2 * len(texts), seen
         with d.http(timeout=60) as h:  # the engine serves on
             r = h.post("/v1/embeddings", json={"model": "wide-bert", "input": "short",
@@ -356,14 +349,7 @@ def test_a_long_input_goes_in_chunks_between_decode_steps_and_an_abandoned_one_s
         assert passes >= 5, passes  # ~180 tokens, at 300 ms a pass chunks of ~16 tokens
         assert during >= passes - 2, (during, passes)  # a token between passes
 
-        with pytest.raises(httpx2.TimeoutException), d.http(timeout=0.6) as h:  # it gives up
-            h.post("/v1/embeddings", json={"model": "tiny-llama", "input": long_text})
-        seen: dict = {}
-
-        def dropped(s: dict) -> bool:
-            seen.update(s["engines"][0]["cache"])
-            return seen["embed_abandoned"] == 1
-        d.wait_until(dropped, what="the abandoned request dropped")
+        seen = given_up(d, {"model": "tiny-llama", "input": long_text}, 0.6)
         steps_at_drop, answered = seen["embed_steps"], seen["embed_requests"]
         assert steps_at_drop - steps_before - passes < passes, seen  # stopped part-way
         with d.http() as h:
@@ -375,3 +361,17 @@ def test_a_long_input_goes_in_chunks_between_decode_steps_and_an_abandoned_one_s
         assert d.stats()["engines"][0]["epoch"] == 0
     finally:
         stop_and_check(d)
+
+
+def given_up(d, body: dict, timeout: float) -> dict:
+    """A client gives up on `body` after `timeout`; the engine's figures once it has dropped
+    the request (a snapshot: the passes run for it are all counted there)."""
+    with pytest.raises(httpx2.TimeoutException), d.http(timeout=timeout) as h:
+        h.post("/v1/embeddings", json=body)
+    seen: dict = {}
+
+    def dropped(s: dict) -> bool:
+        seen.update(s["engines"][0]["cache"])
+        return seen["embed_abandoned"] == 1
+    d.wait_until(dropped, what="the abandoned request dropped")
+    return seen
