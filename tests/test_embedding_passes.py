@@ -1,8 +1,8 @@
 """Embedding passes bounded by time (`engine/embeddings/passes.py`) and requests dropped when
-their clients go away (`batching.Embedding.abort`), on the MLX-thread side with a real
-random-weight causal LM, no daemon: a long input is embedded a chunk a pass through a KV cache
-and gives the vector of one whole pass; an abandoned request's remaining inputs are never
-embedded, a long one stopping within a chunk."""
+their clients go away (`batching.Embedding.abort`), on the MLX-thread side with real
+random-weight causal LMs (sliding-window and hybrid ones too), no daemon: a long input is
+embedded a chunk a pass through a KV cache and gives the vector of one whole pass; an
+abandoned request's remaining inputs are never embedded, a long one stopping within a chunk."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mlxd.engine.embeddings.batching import Embedding
 from mlxd.engine.embeddings.models import CausalLMEmbedder
 from mlxd.engine.embeddings.passes import MAX_STEP_TOKENS, chunk_tokens, pass_tokens, plan_steps
 from mlxd.protocol.messages import Delta, Embed, Embeddings
+from support.random_model import write_random_model
 
 
 def test_a_pass_holds_what_fits_in_the_step_target():
@@ -58,6 +59,24 @@ def test_a_long_input_in_chunks_gives_the_vector_of_one_pass(causal):
     for at in range(0, len(ids), 37):
         causal.feed(running, ids[at:at + 37])
     np.testing.assert_allclose(causal.pooled(running), whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2"])
+def test_sliding_window_and_hybrid_models_in_chunks_give_the_vector_of_one_pass(tmp_path,
+                                                                               family):
+    """Their caches (a 16-token window that rotates, recurrent state) fed 37 tokens at a time
+    over 200: the same vector as one pass without a cache."""
+    path = write_random_model(tmp_path / family, family=family)
+    model, tokenizer = mlx_lm.load(str(path))[:2]
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    embedder = CausalLMEmbedder(model, tokenizer, 512, vocab,
+                                mx.default_stream(mx.default_device()))
+    ids = token_ids(embedder, 200, 3)
+    assert embedder.chunks
+    running = embedder.begin()
+    for at in range(0, len(ids), 37):
+        embedder.feed(running, ids[at:at + 37])
+    np.testing.assert_allclose(embedder.pooled(running), embedder.forward([ids])[0], atol=1e-5)
 
 
 class Engine:
